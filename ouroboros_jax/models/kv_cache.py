@@ -1,0 +1,76 @@
+"""A fixed-size, padded KV cache with per-row lengths.
+
+Glossary: L layers, B batch rows, S cache slots, T new tokens of one forward, A tokens committed
+by one `commit`, K kv heads, D head dim.
+
+Slot `s` of row `b` holds the token at absolute position `s`; slots `>= lengths[b]` are garbage and
+invisible to attention. Rolling back is therefore just lowering a length, and a forward never
+writes the cache: it returns the new tokens' K/V (`NewKV`), and `commit` decides which of them
+become part of the prefix (all of them in vanilla decoding, only the accepted tree path in
+speculative verification).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, D]
+    v: jax.Array  # [L, B, S, K, D]
+    lengths: jax.Array  # int32[B]: committed tokens per row
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+
+@struct.dataclass
+class NewKV:
+    """K/V of the T tokens of one forward, not yet part of any cache."""
+
+    k: jax.Array  # [L, B, T, K, D]
+    v: jax.Array  # [L, B, T, K, D]
+
+
+def init_cache(config, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache: k, v zeros [L, B, S, K, D], lengths zeros [B]."""
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def commit(cache: KVCache, new: NewKV, indices: jax.Array, counts: jax.Array) -> KVCache:
+    """Appends a chosen subset of the new tokens to each row.
+
+    indices: int32[B, A], which of the T new tokens to append, in order; counts: int32[B], how
+    many of the A to keep (the rest are ignored). Row b receives new[indices[b, a]] at slot
+    lengths[b] + a for a < counts[b]; lengths grow by counts. Writes that would fall past the
+    last slot are dropped rather than clamped, so an overflow can never overwrite the prefix.
+    """
+    B, A = indices.shape
+    S = cache.num_slots
+    a = jnp.arange(A, dtype=jnp.int32)[None, :]
+    slot = jnp.where(a < counts[:, None], cache.lengths[:, None] + a, S)  # S = out of range
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
+    # take_along_axis over the token axis of [L, B, T, K, D]
+    gather = lambda x: jnp.take_along_axis(x, indices[None, :, :, None, None], axis=2)
+    k_sel, v_sel = gather(new.k), gather(new.v)
+    k = cache.k.at[:, rows, slot].set(k_sel.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows, slot].set(v_sel.astype(cache.v.dtype), mode="drop")
+    return KVCache(k=k, v=v, lengths=cache.lengths + counts.astype(jnp.int32))
+
+
+def commit_prefix(cache: KVCache, new: NewKV, counts: jax.Array) -> KVCache:
+    """Appends the first counts[b] new tokens of each row (vanilla decoding, prefill)."""
+    B, T = new.k.shape[1], new.k.shape[2]
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    return commit(cache, new, idx, counts)
+
+
+def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:
+    """Forgets everything at and past `lengths` (int32[B]); no data moves."""
+    return cache.replace(lengths=jnp.minimum(cache.lengths, lengths.astype(jnp.int32)))

@@ -1,0 +1,208 @@
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
+pure function over a params pytree.
+
+Glossary (used in every einsum and shape comment of the project):
+    B batch rows          T new tokens of this forward     S cache slots
+    L layers              H query heads                    K kv heads
+    G query heads per kv head (H = K * G)                  D head dim
+    E embed (hidden)      F ffn (intermediate)             V vocab
+
+`forward(params, config, tokens[B,T], positions[B,T], mask[B,T,T], cache) -> (logits, NewKV)`.
+Positions and the mask among the new tokens are inputs, so one function serves prefill, single
+token decoding, Jacobi windows and verification trees alike. Every committed cache slot
+`s < cache.lengths[b]` is visible to every new token of row b (the committed prefix is everyone's
+ancestor); the forward never writes the cache (see kv_cache.commit).
+
+Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
+    embed [V,E]; layers: attn_norm [L,E], wq [L,E,H,D], wk [L,E,K,D], wv [L,E,K,D], wo [L,H,D,E],
+    (qwen2: bq [L,H,D], bk [L,K,D], bv [L,K,D]), mlp_norm [L,E], w_gate [L,E,F], w_up [L,E,F],
+    w_down [L,F,E]; final_norm [E]; lm_head [E,V] unless embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .kv_cache import KVCache, NewKV
+
+Params = dict
+
+
+# ------------------------------------------------------------------------------------ init
+def param_shapes(config: ModelConfig) -> dict:
+    """Shape of every parameter leaf, the one description init/abstract/sharding derive from."""
+    E, F, L, H, K, D, V = (config.hidden_size, config.intermediate_size, config.num_layers,
+                           config.num_heads, config.num_kv_heads, config.head_dim,
+                           config.vocab_size)
+    layers = {
+        "attn_norm": (L, E), "wq": (L, E, H, D), "wk": (L, E, K, D), "wv": (L, E, K, D),
+        "wo": (L, H, D, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
+        "w_down": (L, F, E),
+    }
+    if config.qkv_bias:
+        layers.update(bq=(L, H, D), bk=(L, K, D), bv=(L, K, D))
+    shapes = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32,
+                std: float = 0.02) -> Params:
+    """Random params (normal(0, std) matrices, unit norms, zero biases)."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        elif path.endswith("['bq']") or path.endswith("['bk']") or path.endswith("['bv']"):
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------------------------------ pieces
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """[..., E] -> [..., E]; statistics in fp32, as transformers computes them."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling applied."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    sc = config.rope_scaling
+    if sc is None:
+        return inv.astype(np.float32)
+    if sc[0] == "linear":
+        return (inv / sc[1]).astype(np.float32)
+    _, factor, lo, hi, orig = sc
+    low_wavelen, high_wavelen = orig / lo, orig / hi
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [B,T,N,D], positions int[B,T] -> [B,T,N,D]; angles in fp32 (bf16 positions drift)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, window):
+    """Grouped-query attention of T new tokens over the committed cache and each other.
+
+    q [B,T,H,D]; k_new, v_new [B,T,K,D]; positions int[B,T]; mask bool[B,T,T] among new tokens;
+    cache_k, cache_v [B,S,K,D] or None; cache_len int[B]; window: sliding window or None.
+    Returns [B,T,H,D]. Scores and softmax in fp32.
+    """
+    B, T, H, D = q.shape
+    K = k_new.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    scale = 1.0 / math.sqrt(D)
+    f32 = jnp.float32
+    s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=f32) * scale
+    vis_new = mask
+    if window is not None:
+        vis_new = vis_new & (positions[:, :, None] - positions[:, None, :] < window)
+    neg = jnp.finfo(f32).min
+    s_new = jnp.where(vis_new[:, None, None], s_new, neg)
+    if cache_k is None:
+        p = jax.nn.softmax(s_new, axis=-1)
+        out = jnp.einsum("bkgtu,bukd->btkgd", p.astype(v_new.dtype), v_new)
+        return out.reshape(B, T, H, D)
+    S = cache_k.shape[1]
+    slot = jnp.arange(S)[None, None, :]
+    vis_cache = slot < cache_len[:, None, None]  # [B,1,S]
+    if window is not None:
+        vis_cache = vis_cache & (positions[:, :, None] - slot < window)
+    vis_cache = jnp.broadcast_to(vis_cache, (B, T, S))
+    s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, cache_k.astype(q.dtype),
+                         preferred_element_type=f32) * scale
+    s_cache = jnp.where(vis_cache[:, None, None], s_cache, neg)
+    p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
+    p_cache, p_new = p[..., :S].astype(v_new.dtype), p[..., S:].astype(v_new.dtype)
+    out = (jnp.einsum("bkgts,bskd->btkgd", p_cache, cache_v.astype(v_new.dtype))
+           + jnp.einsum("bkgtu,bukd->btkgd", p_new, v_new))
+    return out.reshape(B, T, H, D)
+
+
+def _layer(config: ModelConfig, inv_freq, x, lp, positions, mask, cache_k, cache_v, cache_len):
+    """One decoder layer. x [B,T,E] -> (x [B,T,E], k [B,T,K,D], v [B,T,K,D])."""
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, lp["wq"])
+    k = jnp.einsum("bte,ekd->btkd", h, lp["wk"])
+    v = jnp.einsum("bte,ekd->btkd", h, lp["wv"])
+    if config.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    a = attention(q, k, v, positions, mask, cache_k, cache_v, cache_len, config.sliding_window)
+    x = x + jnp.einsum("bthd,hde->bte", a, lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    g = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
+    u = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(g) * u, lp["w_down"])
+    return x, k, v
+
+
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            mask: jax.Array, cache: Optional[KVCache] = None,
+            select: Optional[jax.Array] = None) -> tuple[jax.Array, NewKV]:
+    """Logits of T new tokens given the committed cache.
+
+    tokens int32[B,T]; positions int32[B,T] (absolute, = cache slot the token would occupy);
+    mask bool[B,T,T], mask[b,i,j]: new token i attends to new token j (include i == j);
+    cache: KVCache or None (no prefix). select: optional int32[B,Q] picking which of the T
+    hidden states go through the LM head (prefill needs only the last one).
+    Returns (logits float32[B,T,V] or [B,Q,V], NewKV with k, v [L,B,T,K,D]).
+    """
+    inv_freq = rope_inv_freq(config)
+    dtype = params["embed"].dtype
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+
+    def step(x, xs):
+        if cache is None:
+            lp = xs
+            ck = cv = None
+            clen = None
+        else:
+            lp, ck, cv = xs
+            clen = cache.lengths
+        x, k, v = _layer(config, inv_freq, x, lp, positions, mask, ck, cv, clen)
+        return x, (k, v)
+
+    xs = params["layers"] if cache is None else (params["layers"], cache.k, cache.v)
+    x, (ks, vs) = jax.lax.scan(step, x, xs)
+    if select is not None:
+        x = jnp.take_along_axis(x, select[..., None], axis=1)
+    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    return logits, NewKV(k=ks, v=vs)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+    """bool[B,T,T] lower-triangular mask for a plain causal chain."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))

@@ -1,0 +1,30 @@
+"""Phrase pool: fixed-shape, device-resident n-gram store (ALGORITHM.md section 3).
+
+Knows nothing of models; see `phrase_pool` for the layout and semantics.
+"""
+
+from ouroboros_jax.pool.phrase_pool import (
+    DEFAULT_MAX_ROWS,
+    EVICTION_POLICIES,
+    PhrasePool,
+    clear_pool,
+    init_pool,
+    insert,
+    insert_many,
+    lookup,
+    pool_bytes,
+    pool_occupancy,
+)
+
+__all__ = [
+    "DEFAULT_MAX_ROWS",
+    "EVICTION_POLICIES",
+    "PhrasePool",
+    "clear_pool",
+    "init_pool",
+    "insert",
+    "insert_many",
+    "lookup",
+    "pool_bytes",
+    "pool_occupancy",
+]

@@ -1,0 +1,205 @@
+"""Phrase pool: a fixed-shape, device-resident n-gram table (ALGORITHM.md section 3).
+
+A phrase is a key token plus the M = N-1 tokens that followed it (an n-gram). The reference
+keeps a Python dict token -> list of <= G phrases with LRU order and no bound on keys; here it
+is four arrays updated inside the jitted decode loop, with memory fixed at construction:
+
+  keys     int32[R, G]     key token held by each slot, -1 when empty
+  phrases  int32[R, G, M]  continuation tokens of each slot
+  stamps   int32[R, G]     recency clock value at last insert/refresh; 0 = empty slot
+  clock    int32[]         number of writes so far (the next write gets clock + 1)
+
+Key k lives in row k % R. With R = V each row is exactly one key's G slots (the reference's
+dict, made dense). With R < V several keys share a row and compete for its G slots (the oldest
+slot is evicted whoever owns it); a lookup filters the row by key equality, so collisions cost
+capacity, never correctness. That is how a 152k vocabulary stays bounded: R defaults to
+min(V, 65536). For V = 152064 (Qwen), G = 20, M = 6:
+  R = 65536 rows x 20 slots x (4 key + 24 phrase + 4 stamp bytes) + 4 clock = 41,943,044 bytes
+  (40 MiB; each row is shared by at most 3 keys). A dense [V, G, M] table would take
+  97,320,964 bytes and grow with every larger vocabulary.
+
+Eviction is a static property of the pool (`policy`):
+  "lru"  (default, as the reference): re-inserting an existing (key, phrase) makes it newest;
+         when a row is full its least recently inserted/refreshed slot is replaced.
+  "fifo": re-inserting an existing phrase changes nothing; the oldest *first* insert goes.
+
+Stamps are unique among filled slots (each write takes a fresh clock value), so "newest first"
+and "oldest" are always well defined. The int32 clock wraps after 2**31 - 1 writes (~50 million
+decode steps at 40 inserts per step); `clear_pool` resets it.
+
+Dimension letters: R pool rows, G slots (phrases per key) per row, M phrase length, P inserts
+in one batch, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_MAX_ROWS = 65536
+EVICTION_POLICIES = ("lru", "fifo")
+
+
+@dataclasses.dataclass(frozen=True)
+class PhrasePool:
+    """Pytree of the pool's arrays (see module docstring); sizes and policy are static."""
+
+    keys: jax.Array  # int32[R, G]
+    phrases: jax.Array  # int32[R, G, M]
+    stamps: jax.Array  # int32[R, G]
+    clock: jax.Array  # int32[]
+    vocab_size: int = dataclasses.field(metadata=dict(static=True))
+    policy: str = dataclasses.field(default="lru", metadata=dict(static=True))
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def guesses(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def phrase_len(self) -> int:
+        return self.phrases.shape[2]
+
+
+jax.tree_util.register_dataclass(PhrasePool)
+
+
+def init_pool(
+    vocab_size: int,
+    guesses: int,
+    phrase_len: int,
+    rows: int | None = None,
+    policy: str = "lru",
+) -> PhrasePool:
+    """Empty pool: R = rows or min(vocab_size, 65536) rows of G = guesses slots of M tokens."""
+    if vocab_size < 1 or guesses < 1 or phrase_len < 1:
+        raise ValueError(
+            f"vocab_size, guesses, phrase_len must be >= 1, got {vocab_size}, {guesses}, {phrase_len}"
+        )
+    if rows is None:
+        rows = min(vocab_size, DEFAULT_MAX_ROWS)
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"policy must be one of {EVICTION_POLICIES}, got {policy!r}")
+    return PhrasePool(
+        keys=jnp.full((rows, guesses), -1, dtype=jnp.int32),
+        phrases=jnp.zeros((rows, guesses, phrase_len), dtype=jnp.int32),
+        stamps=jnp.zeros((rows, guesses), dtype=jnp.int32),
+        clock=jnp.zeros((), dtype=jnp.int32),
+        vocab_size=vocab_size,
+        policy=policy,
+    )
+
+
+def clear_pool(pool: PhrasePool) -> PhrasePool:
+    """Same shapes and policy, every slot empty, clock back to 0 (history off / reset)."""
+    return init_pool(pool.vocab_size, pool.guesses, pool.phrase_len, pool.rows, pool.policy)
+
+
+def pool_bytes(pool: PhrasePool) -> int:
+    """Device bytes held by the pool's arrays (works on abstract eval_shape pools too)."""
+    return int(
+        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize
+            for x in jax.tree_util.tree_leaves(pool))
+    )
+
+
+def pool_occupancy(pool: PhrasePool) -> jax.Array:
+    """int32[] number of filled slots (at most R * G)."""
+    return jnp.sum(pool.stamps > 0, dtype=jnp.int32)
+
+
+def insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
+    """Insert one phrase; jittable, fixed shapes.
+
+    Args:
+      key: int32[] key token. A negative key is treated as padding (no-op), so callers can
+        mark absent n-grams with -1.
+      phrase: int32[M] continuation tokens.
+      valid: bool[]; False makes the call a no-op (pool, clock included, unchanged).
+
+    Slot choice in row key % R: the slot already holding (key, phrase) if any (LRU: refreshed
+    to newest; FIFO: left alone), else the first empty slot, else the row's oldest slot.
+    """
+    key = jnp.asarray(key, dtype=jnp.int32)
+    phrase = jnp.asarray(phrase, dtype=jnp.int32)
+    if key.shape != () or phrase.shape != (pool.phrase_len,):
+        raise ValueError(
+            f"insert wants key int32[] and phrase int32[{pool.phrase_len}], "
+            f"got shapes {key.shape} and {phrase.shape}"
+        )
+    valid = jnp.asarray(valid, dtype=bool) & (key >= 0)
+    row = key % pool.rows
+    row_keys, row_phrases, row_stamps = pool.keys[row], pool.phrases[row], pool.stamps[row]
+
+    same = (row_stamps > 0) & (row_keys == key) & jnp.all(row_phrases == phrase, axis=-1)
+    has_same = jnp.any(same)
+    # Empty slots have stamp 0 < every filled stamp, so argmin finds the first empty slot
+    # when there is one and the oldest slot otherwise.
+    slot = jnp.where(has_same, jnp.argmax(same), jnp.argmin(row_stamps))
+    write = valid & ~(has_same & (pool.policy == "fifo"))
+
+    clock = pool.clock + write.astype(jnp.int32)
+    # Writing the old values back when not writing keeps one code path with fixed shapes.
+    return dataclasses.replace(
+        pool,
+        keys=pool.keys.at[row, slot].set(jnp.where(write, key, row_keys[slot])),
+        phrases=pool.phrases.at[row, slot].set(jnp.where(write, phrase, row_phrases[slot])),
+        stamps=pool.stamps.at[row, slot].set(jnp.where(write, clock, row_stamps[slot])),
+        clock=clock,
+    )
+
+
+def insert_many(pool: PhrasePool, keys, phrases, valid=None) -> PhrasePool:
+    """Insert P phrases in order: keys int32[P], phrases int32[P, M], valid bool[P] (default all).
+
+    Sequential (lax.scan over `insert`) rather than one scatter, so duplicates and row
+    collisions inside one batch behave exactly like successive inserts.
+    """
+    keys = jnp.asarray(keys, dtype=jnp.int32)
+    phrases = jnp.asarray(phrases, dtype=jnp.int32)
+    if valid is None:
+        valid = jnp.ones(keys.shape, dtype=bool)
+    valid = jnp.asarray(valid, dtype=bool)
+    if keys.ndim != 1 or phrases.shape != (*keys.shape, pool.phrase_len) or valid.shape != keys.shape:
+        raise ValueError(
+            f"insert_many wants keys [P], phrases [P, {pool.phrase_len}], valid [P]; got "
+            f"{keys.shape}, {phrases.shape}, {valid.shape}"
+        )
+
+    def step(p, x):
+        return insert(p, *x), None
+
+    pool, _ = jax.lax.scan(step, pool, (keys, phrases, valid))
+    return pool
+
+
+def lookup(pool: PhrasePool, key, k: int):
+    """Up to k phrases stored under key, newest first.
+
+    Args:
+      key: int32[...] key token(s); any leading shape (or vmap). Negative keys find nothing.
+      k: static int, 1 <= k <= G.
+
+    Returns:
+      phrases int32[..., k, M] (rows with found=False are 0) and found bool[..., k]; found is
+      a prefix mask (all True entries come first).
+    """
+    if not 1 <= k <= pool.guesses:
+        raise ValueError(f"k must be in [1, G={pool.guesses}], got {k}")
+    key = jnp.asarray(key, dtype=jnp.int32)
+    row = key % pool.rows
+    row_stamps = pool.stamps[row]  # [..., G]
+    match = (row_stamps > 0) & (pool.keys[row] == key[..., None]) & (key[..., None] >= 0)
+    # Stamps are unique among filled slots, so ordering by stamp is newest first, no ties.
+    top, slot = jax.lax.top_k(jnp.where(match, row_stamps, -1), k)  # [..., k]
+    found = top > 0
+    phrases = jnp.take_along_axis(pool.phrases[row], slot[..., None], axis=-2)  # [..., k, M]
+    return jnp.where(found[..., None], phrases, 0), found
