@@ -270,7 +270,9 @@ class ChainBranchLayout:
 def chain_with_branches(chain_len: int, branches: int, branch_len: int) -> ChainBranchLayout:
     """Static chain-plus-branches tree -> ChainBranchLayout (see the class for fields)."""
     if chain_len < 1:
-        raise ValueError(f"chain_len must be >= 1 (branches hang off its last node), got {chain_len}")
+        raise ValueError(
+            f"chain_len must be >= 1 (branches hang off its last node), got {chain_len}"
+        )
     if branches < 0 or branch_len < 0:
         raise ValueError(f"branches and branch_len must be >= 0, got {branches}, {branch_len}")
     c, k, m = chain_len, branches, branch_len

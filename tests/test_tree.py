@@ -69,7 +69,8 @@ def test_mask_and_depths_match_reference(parents):
 @SETTINGS
 @given(forests(), st.data())
 def test_valid_masks_columns_but_keeps_self(parents, data):
-    valid = np.array(data.draw(st.lists(st.booleans(), min_size=len(parents), max_size=len(parents))))
+    t = len(parents)
+    valid = np.array(data.draw(st.lists(st.booleans(), min_size=t, max_size=t)))
     got = np.asarray(tree_mask(parents, valid))
     np.testing.assert_array_equal(got, ref_mask(parents.tolist(), valid.tolist()))
     assert got.diagonal().all()  # every softmax row has at least itself
@@ -89,7 +90,8 @@ def test_jit_traced_batched_equals_numpy(p0, p1, p2):
 
 def test_chain_is_causal():
     for n in (1, 2, 7):
-        np.testing.assert_array_equal(np.asarray(tree_mask(chain_parents(n))), np.tri(n, dtype=bool))
+        mask = np.asarray(tree_mask(chain_parents(n)))
+        np.testing.assert_array_equal(mask, np.tri(n, dtype=bool))
         np.testing.assert_array_equal(np.asarray(tree_depths(chain_parents(n))), np.arange(n))
     assert chain_parents(0).shape == (0,)
 

@@ -80,7 +80,8 @@ def init_pool(
     """Empty pool: R = rows or min(vocab_size, 65536) rows of G = guesses slots of M tokens."""
     if vocab_size < 1 or guesses < 1 or phrase_len < 1:
         raise ValueError(
-            f"vocab_size, guesses, phrase_len must be >= 1, got {vocab_size}, {guesses}, {phrase_len}"
+            "vocab_size, guesses, phrase_len must be >= 1, got "
+            f"{vocab_size}, {guesses}, {phrase_len}"
         )
     if rows is None:
         rows = min(vocab_size, DEFAULT_MAX_ROWS)
@@ -168,7 +169,8 @@ def insert_many(pool: PhrasePool, keys, phrases, valid=None) -> PhrasePool:
     if valid is None:
         valid = jnp.ones(keys.shape, dtype=bool)
     valid = jnp.asarray(valid, dtype=bool)
-    if keys.ndim != 1 or phrases.shape != (*keys.shape, pool.phrase_len) or valid.shape != keys.shape:
+    p = keys.shape
+    if keys.ndim != 1 or phrases.shape != (*p, pool.phrase_len) or valid.shape != p:
         raise ValueError(
             f"insert_many wants keys [P], phrases [P, {pool.phrase_len}], valid [P]; got "
             f"{keys.shape}, {phrases.shape}, {valid.shape}"
