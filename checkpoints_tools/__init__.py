@@ -1,0 +1,1 @@
+"""Command-line converters between Hugging Face directories and Orbax checkpoints."""

@@ -1,0 +1,21 @@
+"""Full-size configurations of the paper's model pairs, for planning (eval_shape only)."""
+
+from .config import ModelConfig
+
+PRESETS = {
+    "llama-2-70b": ModelConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                               num_layers=80, num_heads=64, num_kv_heads=8, rms_norm_eps=1e-5,
+                               max_position_embeddings=4096),
+    "llama-2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                              num_layers=32, num_heads=32, num_kv_heads=32, rms_norm_eps=1e-5,
+                              max_position_embeddings=4096),
+    "yi-34b": ModelConfig(vocab_size=64000, hidden_size=7168, intermediate_size=20480,
+                          num_layers=60, num_heads=56, num_kv_heads=8, rope_theta=5e6,
+                          rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "yi-6b": ModelConfig(vocab_size=64000, hidden_size=4096, intermediate_size=11008,
+                         num_layers=32, num_heads=32, num_kv_heads=4, rope_theta=5e6,
+                         rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "llama-3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=5e5,
+                              rms_norm_eps=1e-5, max_position_embeddings=8192),
+}

@@ -1,0 +1,166 @@
+"""Sharding over `jax.sharding` meshes: one table of logical axes per leaf, one table of rules.
+
+Mesh axes are named "data" (batch rows) and "model" (tensor parallel over heads and FFN).
+Each parameter and cache leaf names its dimensions logically (`LOGICAL_AXES`); `RULES` maps a
+logical name to a mesh axis. A dimension that the mesh axis does not divide is replicated
+instead (e.g. the single KV head of an MQA model on 8 devices), so every config runs on every
+mesh; `plan_report` shows which dimensions ended up split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .models.config import ModelConfig
+from .models.llama import param_shapes
+from .models.loading import Model
+
+# logical names per dimension of each leaf ("layers" is the stacked scan axis)
+LOGICAL_AXES = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "q_heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "q_heads", "head_dim", "embed"),
+    "bq": ("layers", "q_heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "w_gate": ("layers", "embed", "ffn"),
+    "w_up": ("layers", "embed", "ffn"),
+    "w_down": ("layers", "ffn", "embed"),
+    # KV cache [L, B, S, K, D]
+    "cache": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
+}
+
+RULES = {
+    "batch": "data",
+    "q_heads": "model",
+    "kv_heads": "model",
+    "ffn": "model",
+    "vocab": "model",
+    "embed": None,
+    "layers": None,
+    "head_dim": None,
+    "cache_slots": None,
+}
+
+
+def _check_mesh(mesh: Mesh):
+    unknown = [a for a in mesh.axis_names if a not in ("data", "model")]
+    if unknown:
+        raise ValueError(f"mesh axes must be named 'data' and/or 'model', got {mesh.axis_names}")
+
+
+def spec_for(logical: tuple, shape: tuple, mesh: Mesh) -> P:
+    """PartitionSpec for a leaf; a mesh axis that does not divide its dimension is dropped, and
+    a mesh axis is used at most once per leaf."""
+    used, out = set(), []
+    for name, size in zip(logical, shape):
+        axis = RULES.get(name)
+        if axis is None or axis not in mesh.axis_names or axis in used \
+                or size % mesh.shape[axis] != 0:
+            out.append(None)
+        else:
+            used.add(axis)
+            out.append(axis)
+    return P(*out)
+
+
+def param_specs(config: ModelConfig, mesh: Mesh) -> dict:
+    shapes = param_shapes(config)
+    specs = {k: spec_for(LOGICAL_AXES[k], v, mesh) for k, v in shapes.items() if k != "layers"}
+    specs["layers"] = {k: spec_for(LOGICAL_AXES[k], v, mesh)
+                       for k, v in shapes["layers"].items()}
+    return specs
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
+    _check_mesh(mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_spec(config: ModelConfig, batch: int, slots: int, mesh: Mesh) -> P:
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return spec_for(LOGICAL_AXES["cache"], shape, mesh)
+
+
+_SHARDED: dict = {}
+
+
+def shard_model(model: Model, mesh: Mesh) -> Model:
+    """The same model with params placed on the mesh (cached per model and mesh)."""
+    _check_mesh(mesh)
+    key = (id(model.params), id(mesh))
+    hit = _SHARDED.get(key)
+    if hit is not None and hit[0] is model.params:
+        return hit[1]
+    params = jax.device_put(model.params, param_shardings(model.config, mesh))
+    out = dataclasses.replace(model, params=params)
+    _SHARDED[key] = (model.params, out)
+    return out
+
+
+def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Splits the leading (batch) axis over "data" when it divides, else replicates."""
+    spec = spec_for(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first data*model devices."""
+    devices = jax.devices() if devices is None else devices
+    if data * model > len(devices):
+        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, "
+                         f"{len(devices)} available")
+    return Mesh(np.array(devices[:data * model]).reshape(data, model), ("data", "model"))
+
+
+def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
+    n = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    for a in spec:
+        if a is not None:
+            n //= axis_sizes[a]
+    return n
+
+
+def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_len: int,
+                dtype="bfloat16") -> dict:
+    """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone.
+
+    Uses `jax.eval_shape` of init (no memory is allocated), so full-size 70B configs can be
+    planned on a laptop.
+    """
+    from .models.llama import init_params
+
+    abstract = jax.eval_shape(lambda k: init_params(config, k, jnp.dtype(dtype)),
+                              jax.random.key(0))
+    axis_sizes = {"data": data, "model": model}
+
+    class _FakeMesh:  # spec_for needs only axis names and sizes
+        axis_names = ("data", "model")
+        shape = axis_sizes
+
+    specs = param_specs(config, _FakeMesh)
+    leaves = jax.tree.leaves(abstract)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    params_total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in leaves)
+    params_dev = sum(_bytes_per_device(a.shape, a.dtype, s, axis_sizes)
+                     for a, s in zip(leaves, spec_leaves))
+    cshape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
+    cspec = spec_for(LOGICAL_AXES["cache"], cshape, _FakeMesh)
+    cache_dev = 2 * _bytes_per_device(cshape, dtype, cspec, axis_sizes)
+    return {"params_total_bytes": params_total, "params_per_device_bytes": params_dev,
+            "kv_cache_per_device_bytes": cache_dev,
+            "total_per_device_bytes": params_dev + cache_dev,
+            "num_params": config.num_params(), "cache_spec": str(cspec)}

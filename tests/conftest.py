@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random models built locally with transformers (no network), loaded
+through the real safetensors loader. Session-scoped so compiled loops are shared across tests.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# 8 fake CPU devices so mesh tests can shard; single-device code runs on device 0 as usual.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import ouroboros_jax as oj  # noqa: E402
+
+TINY_VOCAB = 97
+
+
+def make_hf_model(tmp_dir, model_type="llama", vocab=TINY_VOCAB, hidden=64, layers=2, heads=4,
+                  kv_heads=2, inter=128, seed=0, scale=0.5, **extra):
+    """Saves a random transformers model to tmp_dir and returns the torch model (eval, fp32).
+
+    `scale` adds N(0, scale) noise to every weight so that logits are far from uniform: random
+    HF init (std 0.02) makes near-ties in argmax, which would make greedy comparisons flaky.
+    """
+    import torch
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[model_type]
+    cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=1024,
+              **extra)
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * scale * (1.0 if p.dim() > 1 else 0.2))
+    m.save_pretrained(tmp_dir)
+    return m
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target Model, draft Model, target torch model): a 2-layer target and a 1-layer draft
+    over the same vocabulary, unrelated random weights."""
+    td = tmp_path_factory.mktemp("target")
+    dd = tmp_path_factory.mktemp("draft")
+    torch_target = make_hf_model(td, seed=0)
+    make_hf_model(dd, layers=1, hidden=32, heads=2, kv_heads=1, inter=64, seed=1)
+    return oj.load_model(str(td)), oj.load_model(str(dd)), torch_target
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_pair):
+    return tiny_pair[0]
+
+
+@pytest.fixture(scope="session")
+def random_prompts():
+    """60 prompts of token ids, lengths 1..48, ids in [3, V) (0-2 are pad/bos/eos)."""
+    rs = np.random.RandomState(1234)
+    return [rs.randint(3, TINY_VOCAB, size=rs.randint(1, 49)).tolist() for _ in range(60)]
