@@ -149,3 +149,21 @@ def test_draft_with_other_vocabulary_is_refused(tiny_target, tmp_path):
     other = oj.load_model(str(tmp_path))
     with pytest.raises(ValueError, match="draft vocabulary"):
         oj.generate(tiny_target, [[1, 2]], draft=other, method="vanilla")
+
+
+def test_text_prompts_use_the_tokenizer(tmp_path):
+    from ouroboros_jax.training.tokenizer import save_hf_tokenizer, train_tokenizer
+
+    texts = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+             "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"] * 20
+    tok = train_tokenizer(texts, vocab_size=300)
+    make_hf_model(tmp_path, vocab=tok.get_vocab_size(), layers=1)
+    save_hf_tokenizer(tok, tmp_path)
+    m = oj.load_model(str(tmp_path))
+    assert m.tokenizer is not None
+    prompt = "def add(a, b):\n"
+    by_text = oj.generate(m, [prompt], max_new_tokens=8, eos_token_id=-1)
+    ids = m.tokenizer(prompt)["input_ids"]
+    by_ids = oj.generate(m, [ids], max_new_tokens=8, eos_token_id=-1)
+    assert by_text.tokens == by_ids.tokens
+    assert by_text.texts[0] == m.tokenizer.decode(by_text.tokens[0], skip_special_tokens=True)
