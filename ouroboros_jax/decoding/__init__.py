@@ -41,3 +41,8 @@ METHODS: dict[str, MethodSpec] = {
 
 def register(name: str, spec: MethodSpec) -> None:
     METHODS[name] = spec
+
+
+from .speculative import SPEC as _spec  # noqa: E402
+
+register("speculative", _spec)

@@ -1,0 +1,220 @@
+"""Token-level speculative decoding (Leviathan et al. 2023, Chen et al. 2023), the whole loop on
+device.
+
+One round per row of length n (pending token x at position n-1, both caches holding n-1 or,
+for the draft, possibly n-2 tokens):
+
+  1. the draft proposes d1..dγ, one forward each (the first forward also catches up on the one
+     token the draft has not processed yet, if any: see below);
+  2. the target scores the chain [x, d1..dγ] in one forward (mask and positions from the tree
+     primitive over `chain_parents(γ+1)`);
+  3. acceptance: greedy, the shared accept walk over the chain (exactly vanilla's tokens);
+     sampling, the Leviathan/Chen rule: accept d_i with probability min(1, p_i(d_i)/q_i(d_i)),
+     at the first rejection draw from norm(max(p - q, 0)), and if all γ pass draw a bonus
+     token from the target's last distribution. The output is distributed as vanilla sampling;
+  4. `emit` applies EOS / max_new_tokens cut-offs; the target cache commits the accepted chain
+     prefix; the draft cache is rolled back to the accepted length (no re-forward).
+
+The draft's KV: after γ forwards the draft has processed x, d1..d(γ-1). When every draft token is
+accepted (plus a bonus b), dγ is accepted but unprocessed, so the draft cache holds n'-2 tokens
+of the new length n'; otherwise it holds n'-1. The next round's first draft forward therefore
+takes the two tokens at positions [draft_len, draft_len+1] as a causal chain and reads the
+logits at the pending token (for rows already caught up, the second token is ignored).
+
+Random keys (sampling): `token_key(seed, row, position)` folded with a purpose constant, so the
+draft's draws, the uniform accept tests and the target's residual/bonus draw never share a key.
+
+Glossary: B rows, γ (`gamma`) draft tokens per round, V vocab, S cache slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..models import forward
+from ..models.kv_cache import KVCache, commit_prefix, rollback
+from ..sampling import SamplingParams, process_logits, token_key
+from ..tree import chain_parents, tree_depths, tree_mask
+from . import MethodSpec
+from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .verify import Accepted, accept_walk, commit_path
+
+# Purposes folded into token_key(seed, row, position) for the Leviathan rule.
+DRAFT_KEY, ACCEPT_KEY, TARGET_KEY = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """gamma: tokens the draft proposes per round (ALGORITHM.md: 4-6 for text, 10-12 code)."""
+
+    gamma: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+
+
+@struct.dataclass
+class SpeculativeState:
+    seq: Sequences
+    tcache: KVCache  # target: lengths - 1 tokens
+    dcache: KVCache  # draft: lengths - 1 or lengths - 2 tokens (see the module docstring)
+    stats: dict
+
+
+def round_keys(sp: SamplingParams, positions: jax.Array) -> jax.Array:
+    """positions int[B,T] -> token_key(seed, row, position) [B,T], derived once per round."""
+    B, T = positions.shape
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return jax.vmap(jax.vmap(lambda r, p: token_key(sp.seed, r, p)))(rows, positions)
+
+
+def _fold(keys: jax.Array, purpose: int) -> jax.Array:
+    return jax.vmap(jax.vmap(lambda k: jax.random.fold_in(k, purpose)))(keys)
+
+
+def _draw(logits: jax.Array, keys, sp: SamplingParams, greedy: bool):
+    """Draft's token: logits [B,T,V], keys [B,T] (None when greedy) -> (tokens int32[B,T],
+    logq [B,T,V] or None when greedy). logq is the processed distribution drawn from."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    logq = process_logits(logits, sp)
+    draw = jax.vmap(jax.vmap(jax.random.categorical))
+    return draw(_fold(keys, DRAFT_KEY), logq).astype(jnp.int32), logq
+
+
+def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
+                  keys, seq: Sequences, cache: KVCache):
+    """γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, cache).
+
+    keys [B,≥γ]: the round's token keys for positions n .. n+γ-1 (None when greedy).
+
+    On return the cache holds every token the draft processed: positions < lengths - 1 + γ.
+    """
+    B, S = seq.tokens.shape
+    n = seq.lengths
+    lag = n - 1 - cache.lengths  # 0 or 1 tokens the draft has not processed before the pending
+    pos2 = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+    tok2 = jnp.take_along_axis(seq.tokens, jnp.minimum(pos2, S - 1), 1)
+    mask2 = jnp.broadcast_to(tree_mask(chain_parents(2)), (B, 2, 2))
+    logits, new = forward(params, config, tok2, pos2, mask2, cache, select=lag[:, None])
+    cache = commit_prefix(cache, new, lag + 1)
+    d, logq = _draw(logits, None if greedy else keys[:, :1], sp, greedy)
+
+    def step(carry, xs):
+        tok, cache = carry
+        i, k = xs
+        pos = (n - 1 + i)[:, None]
+        logits, new = forward(params, config, tok, pos, jnp.ones((B, 1, 1), bool), cache)
+        cache = commit_prefix(cache, new, jnp.ones((B,), jnp.int32))
+        d, logq = _draw(logits, None if greedy else k[:, None], sp, greedy)
+        return (d, cache), (d[:, 0], None if logq is None else logq[:, 0])
+
+    xs = (jnp.arange(1, gamma), None if greedy else jnp.swapaxes(keys[:, 1:gamma], 0, 1))
+    (_, cache), (ds, logqs) = jax.lax.scan(step, (d, cache), xs)
+    drafts = jnp.concatenate([d, ds.T], axis=1)
+    if greedy:
+        return drafts, None, cache
+    return drafts, jnp.concatenate([logq, jnp.swapaxes(logqs, 0, 1)], axis=1), cache
+
+
+def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
+                     keys: jax.Array) -> Accepted:
+    """The Leviathan/Chen rule over one chain.
+
+    logp f32[B,γ+1,V]: target's processed log-probs after [x, d1..dγ]; logq f32[B,γ,V]: the
+    draft's, from which d1..dγ (drafts int32[B,γ]) were drawn; keys [B,γ+1]: the token keys
+    of the positions chosen after each node (n .. n+γ). Returns Accepted over the chain:
+    tokens = [d1..da, y], count = a+1, where a = accepted drafts and y the residual (a < γ)
+    or bonus (a = γ) draw.
+    """
+    B, G = drafts.shape
+    logp_d = jnp.take_along_axis(logp[:, :G], drafts[..., None], -1)[..., 0]
+    logq_d = jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0]
+    u = jax.vmap(jax.vmap(jax.random.uniform))(_fold(keys[:, :G], ACCEPT_KEY))
+    accept = jnp.log(u) < logp_d - logq_d  # u < p/q; p >= q always accepts
+    a = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+    # residual max(p - q, 0) at the first rejection; q = 0 after the last draft gives the bonus
+    p_a = jnp.exp(jnp.take_along_axis(logp, a[:, None, None], 1)[:, 0])
+    q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(logq[:, :1])], axis=1)
+    q_a = jnp.take_along_axis(q_pad, a[:, None, None], 1)[:, 0]
+    r = jnp.maximum(p_a - q_a, 0.0)
+    # p == q up to rounding leaves no residual mass; rejection then has probability ~0 anyway
+    r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_a)
+    logr = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)), -jnp.inf)
+    key_a = _fold(jnp.take_along_axis(keys, a[:, None], 1), TARGET_KEY)[:, 0]
+    y = jax.vmap(jax.random.categorical)(key_a, logr).astype(jnp.int32)
+    slot = jnp.arange(G + 1, dtype=jnp.int32)[None]
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    tokens = jnp.where(slot == a[:, None], y[:, None], drafts_pad)
+    path = jnp.broadcast_to(slot, (B, G + 1))
+    return Accepted(path=path, tokens=tokens, count=a + 1)
+
+
+def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, greedy: bool,
+                     accept_rule, sp: SamplingParams, limits: Limits,
+                     state: SpeculativeState) -> SpeculativeState:
+    """One round: γ draft forwards, one target forward over the chain, accept, commit."""
+    seq = state.seq
+    B = seq.tokens.shape[0]
+    parents = chain_parents(gamma + 1)
+    positions = (seq.lengths - 1)[:, None] + tree_depths(parents)[None]  # [B, γ+1]
+    keys = None if greedy else round_keys(sp, positions + 1)
+    drafts, logq, dcache = draft_propose(dparams, dconfig, gamma, greedy, sp, keys, seq,
+                                         state.dcache)
+    chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
+    mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
+    logits, new = forward(tparams, tconfig, chain, positions, mask, state.tcache)
+    if greedy:
+        choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        acc = accept_walk(parents, chain, jnp.ones_like(chain, bool), choices)
+    else:
+        acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
+
+    live = ~seq.done
+    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    tcache = commit_path(state.tcache, new, acc, kept)
+    # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
+    # rejected one, which is never before the new pending token: keep up to n'-1.
+    dcache = rollback(dcache, seq.lengths - 1)
+    stats = count_round(state.stats, live, kept)
+    stats = {**stats, "draft_calls": stats["draft_calls"] + gamma,
+             "draft_tokens": stats["draft_tokens"] + gamma}
+    return SpeculativeState(seq, tcache, dcache, stats)
+
+
+@partial(jax.jit, static_argnames=("tconfig", "dconfig", "gamma", "slots", "greedy",
+                                   "accept_rule"))
+def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
+                    sp: SamplingParams, *, gamma: int, slots: int, greedy: bool,
+                    accept_rule=leviathan_accept):
+    """prompt int32[B,P] right-padded -> (Sequences with S = slots, stats dict).
+
+    slots must leave γ+1 slots past prompt + max_new_tokens. accept_rule (static) is the
+    sampling acceptance function, `leviathan_accept`; tests pass deliberately wrong rules to
+    show the distribution test has the power to reject them.
+    """
+    seq = init_sequences(prompt, prompt_lengths, slots)
+    tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
+    dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
+    state = SpeculativeState(seq, tcache, dcache, init_stats(prompt.shape[0], gamma + 2))
+    step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, greedy,
+                   accept_rule, sp, limits)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
+    return state.seq, state.stats
+
+
+def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
+    seq, stats = run_speculative(target.params, target.config, draft.params, draft.config,
+                                 prompt, plens, limits, sp, gamma=cfg.gamma, slots=slots,
+                                 greedy=greedy)
+    return seq, stats, pool
+
+
+SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
+                  default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1)
