@@ -53,7 +53,7 @@ def load_pair():
         from .training.assets import demo_pair, demo_prompts
 
         target, draft = demo_pair()
-        return target, draft, demo_prompts(), True
+        return target, draft, [p["text"] for p in demo_prompts()], True
     except (ImportError, FileNotFoundError):
         target, draft = _random_pair()
         rs = np.random.RandomState(0)

@@ -48,11 +48,28 @@ def model_config(preset: str, vocab_size: int = 8192, max_positions: int = 2048)
     )
 
 
-def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float = 0.1, clip: float = 1.0):
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1), end_value=lr * 0.1
+def lr_schedule(lr: float, warmup: int, total_steps: int, kind: str = "wsd", decay_frac: float = 0.2,
+                end_frac: float = 0.02):
+    """Linear warmup, then either cosine decay over the rest ("cosine") or a constant LR with a
+    linear decay over the last `decay_frac` of the steps ("wsd", warmup-stable-decay). With "wsd"
+    the run length can be changed on resume while still in the constant phase without any jump,
+    which suits a machine whose throughput is not known in advance."""
+    total_steps = max(total_steps, warmup + 1)
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, total_steps, end_value=lr * end_frac)
+    decay = max(1, int(round(total_steps * decay_frac)))
+    stable = max(0, total_steps - decay - warmup)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
+         optax.linear_schedule(lr, lr * end_frac, decay)],
+        [warmup, warmup + stable],
     )
-    # no weight decay on norm gains (vectors [E] / [L,E])
+
+
+def make_optimizer(lr: float, warmup: int, total_steps: int, weight_decay: float = 0.1, clip: float = 1.0,
+                   schedule: str = "wsd", decay_frac: float = 0.2):
+    schedule = lr_schedule(lr, warmup, total_steps, schedule, decay_frac)
+    # no weight decay on the norm gains
     decay_mask = lambda p: jax.tree_util.tree_map_with_path(lambda path, x: "norm" not in jax.tree_util.keystr(path), p)
     tx = optax.chain(
         optax.clip_by_global_norm(clip),
@@ -79,7 +96,7 @@ def make_steps(cfg: ModelConfig, tx, compute_dtype):
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, cfg, batch, compute_dtype)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     return jax.jit(train_step, donate_argnums=(0, 1)), eval_step
 
@@ -124,7 +141,9 @@ def restore_params(out_dir: str | Path, step: int | None = None):
     out = Path(out_dir)
     run = json.loads((out / "run.json").read_text())
     cfg = ModelConfig(**run["model"])
-    tx, _ = make_optimizer(run["args"]["lr"], run["args"]["warmup"], run["args"]["total_steps"])
+    ra = run["args"]
+    tx, _ = make_optimizer(ra["lr"], ra["warmup"], ra["total_steps"], ra["weight_decay"], ra["clip"],
+                           ra.get("schedule", "wsd"), ra.get("decay_frac", 0.2))
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.float32))
     opt_state = jax.eval_shape(tx.init, params)
     ck = Checkpointer(out / "ckpt")
@@ -146,7 +165,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--total-steps", type=int, default=6000, help="length of the LR schedule")
+    ap.add_argument("--total-steps", type=int, default=3000, help="length of the LR schedule")
+    ap.add_argument("--schedule", choices=["wsd", "cosine"], default="wsd")
+    ap.add_argument("--decay-frac", type=float, default=0.2, help="wsd: share of steps in the final linear decay")
     ap.add_argument("--max-steps", type=int, default=None, help="stop at this step (default: total-steps)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this wall time")
     ap.add_argument("--weight-decay", type=float, default=0.1)
@@ -185,7 +206,7 @@ def train(a) -> dict:
     run_path.write_text(json.dumps(run, indent=1, default=str) + "\n")
 
     compute_dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
-    tx, schedule = make_optimizer(a.lr, a.warmup, a.total_steps, a.weight_decay, a.clip)
+    tx, schedule = make_optimizer(a.lr, a.warmup, a.total_steps, a.weight_decay, a.clip, a.schedule, a.decay_frac)
     params = init_params(cfg, jax.random.key(a.seed), jnp.float32)
     opt_state = tx.init(params)
     ck = Checkpointer(out / "ckpt")
@@ -194,6 +215,9 @@ def train(a) -> dict:
         step = ck.latest()
         params, opt_state, meta = ck.restore(step, params, opt_state)
         print(f"resumed {out} at step {step} ({meta['tokens']:,} tokens, {meta['wall_s'] / 60:.1f} min)", flush=True)
+    with open(out / "commands.txt", "a") as f:  # every invocation, so resumes stay on record
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        f.write(f"{when} from step {step}: python -m ouroboros_jax.training.train {' '.join(sys.argv[1:])}\n")
     train_step, eval_step = make_steps(cfg, tx, compute_dtype)
     tokens_per_step = a.batch * a.seq_len
     print(f"{a.model}: {cfg.num_params():,} params, {tokens_per_step} tokens/step, "
