@@ -43,6 +43,12 @@ def register(name: str, spec: MethodSpec) -> None:
     METHODS[name] = spec
 
 
-from .speculative import SPEC as _spec  # noqa: E402
+from .speculative import SPEC as _spec; register("speculative", _spec)  # noqa: E402,E702
 
-register("speculative", _spec)
+from .lookahead import SPEC as _lookahead_spec  # noqa: E402
+
+register("lookahead", _lookahead_spec)
+
+from .ouroboros import SPEC as _ouroboros_spec  # noqa: E402
+
+register("ouroboros", _ouroboros_spec)

@@ -1,0 +1,152 @@
+"""Lookahead decoding (Fu et al. 2023; ALGORITHM.md sections 0 and 1): the target itself runs
+the Jacobi window and verifies up to G pool n-grams keyed by its pending token, one target
+forward per step, the whole loop on device.
+
+Greedy output equals vanilla's token for token; sampled output equals vanilla sampling's for
+the same seed (keys fold (row, position); the walk only ever emits the target's own choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..models.kv_cache import KVCache
+from ..pool import PhrasePool, clear_pool, init_pool, pool_bytes, pool_occupancy
+from ..sampling import SamplingParams, choose_tokens
+from ..tree import jacobi_tree
+from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
+
+
+def _check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{type(obj).__name__}.{name} must be an integer {rng}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadConfig:
+    """window W, ngram N, guesses G (pool phrases per key, verified per step), pool_rows R
+    (None: min(V, 65536)), history (False: every call starts from an empty pool).
+
+    Defaults W=15, N=5, G=15 are LADE's recommended 7B setting (Fu et al. 2023), also the
+    Ouroboros paper's prose recipe (W 15, N 5). On 2 CPU cores smaller trees may be faster.
+    """
+
+    window: int = 15
+    ngram: int = 5
+    guesses: int = 15
+    pool_rows: Optional[int] = None
+    history: bool = True
+
+    def __post_init__(self):
+        _check_int(self, "window", 1)
+        _check_int(self, "ngram", 3)
+        _check_int(self, "guesses", 1)
+        if self.pool_rows is not None:
+            _check_int(self, "pool_rows", 1)
+        if not isinstance(self.history, bool):
+            raise ValueError(f"LookaheadConfig.history must be a bool, got {self.history!r}")
+
+
+def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_len: int,
+                 rows: Optional[int], history: bool) -> PhrasePool:
+    """The pool a call starts from: the given one (history), emptied (history off), or new."""
+    if pool is None:
+        return init_pool(vocab, guesses, phrase_len, rows)
+    if not isinstance(pool, PhrasePool):
+        raise ValueError(f"pool must be a PhrasePool returned by an earlier call, got "
+                         f"{type(pool).__name__}")
+    if pool.vocab_size != vocab or pool.phrase_len != phrase_len or pool.guesses < guesses:
+        raise ValueError(f"pool: shape (vocab {pool.vocab_size}, {pool.guesses} phrases per key "
+                         f"of {pool.phrase_len} tokens) does not fit this call (vocab {vocab}, "
+                         f">= {guesses} phrases of ngram-1 = {phrase_len} tokens)")
+    return pool if history else clear_pool(pool)
+
+
+@struct.dataclass
+class LookaheadState:
+    seq: Sequences
+    cache: KVCache
+    window: JacobiWindow
+    pool: PhrasePool
+    stats: dict
+
+
+def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
+                   limits: Limits, state: LookaheadState) -> LookaheadState:
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    seq = state.seq
+    live = ~seq.done
+    choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
+    res = jacobi_step(params, config, layout, state.cache, state.window, state.pool, seq.last,
+                      live, choose)
+    seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits)
+    cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
+    stats = count_round(state.stats, live, kept)
+    stats = {**stats,
+             "guess_tokens_accepted": stats["guess_tokens_accepted"]
+             + jnp.sum(jnp.maximum(jnp.minimum(res.acc.count, kept) - 1, 0)),
+             "pool_hits": stats["pool_hits"] + jnp.sum(live & res.guess_found)}
+    return LookaheadState(seq, cache, res.window, res.pool, stats)
+
+
+@partial(jax.jit, static_argnames=("config", "cfg", "slots", "greedy"))
+def run_lookahead(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams,
+                  pool: PhrasePool, *, cfg: LookaheadConfig, slots: int, greedy: bool):
+    """prompt int32[B,P] right-padded -> (Sequences, stats dict, pool)."""
+    B = prompt.shape[0]
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    seq = init_sequences(prompt, prompt_lengths, slots)
+    cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
+    stats = init_stats(B, cfg.ngram + 1)
+    stats["guess_tokens_accepted"] = jnp.zeros((), jnp.int32)
+    stats["pool_hits"] = jnp.zeros((), jnp.int32)
+    state = LookaheadState(seq, cache, init_window(layout, prompt, prompt_lengths), pool, stats)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done),
+                               partial(lookahead_step, params, config, cfg, greedy, sp, limits),
+                               state)
+    stats = dict(state.stats)
+    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
+    stats["pool_hit_rate"] = stats["pool_hits"] / rounds
+    stats["pool_occupancy"] = pool_occupancy(state.pool)
+    return state.seq, stats, state.pool
+
+
+def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, greedy, slots,
+         pool):
+    pool = prepare_pool(pool, target.config.vocab_size, cfg.guesses, cfg.ngram - 1,
+                        cfg.pool_rows, cfg.history)
+    seq, stats, pool = run_lookahead(target.params, target.config, prompt, plens, limits, sp,
+                                     pool, cfg=_static(cfg),
+                                     slots=slots, greedy=greedy)
+    stats = {**stats, "pool_bytes": pool_bytes(pool)}
+    return seq, stats, pool
+
+
+def _static(cfg):
+    """history and pool_rows only shape the starting pool (above): normalized away so that
+    toggling them never recompiles the loop."""
+    return dataclasses.replace(cfg, history=True, pool_rows=None)
+
+
+def _margin(cfg: LookaheadConfig) -> int:
+    # Commits never pass max_new_tokens (emit cuts first); one step touches at most N slots.
+    return cfg.ngram
+
+
+def _spec():
+    from . import MethodSpec
+
+    return MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
+                      default_config=LookaheadConfig, margin=_margin)
+
+
+SPEC = _spec()

@@ -1,0 +1,325 @@
+"""Ouroboros (arXiv 2402.13720; ALGORITHM.md section 2): the draft drafts phrase by phrase with
+lookahead steps, the draft is lengthened by pool phrases as tree branches, one target forward
+verifies everything, verified phrases are recycled into the pool, and the pool is kept across
+calls. One jitted `lax.while_loop` per call; each row accepts its own count.
+
+One round (one target forward), rows b of the batch:
+
+ 1. Draft (mechanism 1). The draft's cache holds a prefix of the sequence; the tokens it has not
+    processed (accepted/corrected by the target last round, at most N of them) ride as a causal
+    prefix of its first forward of the round: a fixed P = N slot, `prefix_count[b]` valid, the
+    rest masked invalid. The draft then runs lookahead steps (`jacobi.jacobi_step`, its window
+    and the pool persist across rounds) until every live row holds gamma new tokens d_1..d_g
+    (overshoot truncated). With phrase_drafting off it drafts one token per forward instead.
+ 2. Lengthen (mechanism 2). Up to K pool phrases keyed by d_g become K branches after the chain
+    `last, d_1 .. d_g` (`tree.chain_with_branches(1+g, K, N-1)`); missing ones are masked.
+ 3. One target forward over the tree; `accept_walk` (exact for greedy; for sampling every
+    candidate is deterministic, keys fold (row, position)); `commit_path` writes the accepted
+    path's K/V. The draft's cache is rolled back (by length) to what the target confirmed.
+ 4. Recycle (mechanism 3), with v_i = the target's token after chain node i:
+    - rejected tail: for each key d_i past the first mismatch, the phrase (v_i .. v_{i+M-1}),
+      stored only when every step of it is backed by the draft (d_{t+1} == v_t for t = i ..
+      i+M-2), i.e. it reaches M = N-1 target tokens inside the chain;
+    - unused branches, when the whole chain was accepted (their prefix valid for the target):
+      branch o's T-corrected version (v at d_g, v at its first M-1 nodes) is inserted under
+      d_g. The pool has no delete, so "replace" = insert as newest; the stale phrase ages out
+      (the lookup of K newest sees the corrected versions first).
+ 5. History (mechanism 4): `pool=` in, `out.pool` back; history=False starts empty.
+
+Stats (ALGORITHM.md section 4; draft counters are per row: `draft_calls` = sum over rows of
+draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
+excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
+
+Glossary: B rows, g gamma, W window, N n-gram, M = N-1, G guesses, K suffixes, P prefix slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ..models import forward
+from ..models.kv_cache import KVCache
+from ..pool import PhrasePool, insert_many, lookup, pool_bytes, pool_occupancy
+from ..sampling import SamplingParams, choose_tokens
+from ..tree import chain_with_branches, jacobi_tree
+from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step, static_tree_mask,
+                     tree_forward)
+from .lookahead import _check_int, prepare_pool
+from .verify import Accepted, accept_walk, commit_path
+
+
+@dataclasses.dataclass(frozen=True)
+class OuroborosConfig:
+    """gamma (draft tokens per round), window W, ngram N (phrases have N-1 tokens), guesses G
+    (pool phrases per key, verified by the draft per step), suffixes K (<= G, branches per
+    round), pool_rows (None: min(V, 65536)), and the four ablation switches.
+
+    Defaults are the paper's code recipe (gamma 10-12 -> 12, W 20, N 7, K 3) with G = W as in
+    the reference. On a 2-core CPU smaller trees (e.g. W 8, N 5, G 8) may run faster.
+    """
+
+    gamma: int = 12
+    window: int = 20
+    ngram: int = 7
+    guesses: int = 20
+    suffixes: int = 3
+    pool_rows: Optional[int] = None
+    phrase_drafting: bool = True
+    lengthening: bool = True
+    recycling: bool = True
+    history: bool = True
+
+    def __post_init__(self):
+        _check_int(self, "gamma", 1)
+        _check_int(self, "window", 1)
+        _check_int(self, "ngram", 3)
+        _check_int(self, "guesses", 1)
+        _check_int(self, "suffixes", 1, self.guesses)
+        if self.pool_rows is not None:
+            _check_int(self, "pool_rows", 1)
+        for name in ("phrase_drafting", "lengthening", "recycling", "history"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+
+
+@struct.dataclass
+class OuroborosState:
+    seq: Sequences
+    tcache: KVCache
+    dcache: KVCache
+    window: JacobiWindow
+    pool: PhrasePool
+    stats: dict
+
+
+def _greedy(logits, positions):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+_ONE = np.array([-1], np.int32)  # a single node off the cache (plain SD drafting)
+_ZERO = np.array([0], np.int32)
+
+
+def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool, last, active,
+                   prefix=None, prefix_count=None):
+    """One draft forward -> (Accepted in tree indices, NewKV, window, pool)."""
+    B = last.shape[0]
+    if cfg.phrase_drafting:
+        layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+        res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
+                          prefix=prefix, prefix_count=prefix_count)
+        return res.acc, res.new, res.window, res.pool
+    logits, new, _ = tree_forward(dparams, dconfig, dcache, last[:, None], _ONE, _ZERO,
+                                  jnp.ones((B, 1), bool), _ZERO, prefix, prefix_count)
+    acc = Accepted(path=jnp.zeros((B, 1), jnp.int32), tokens=_greedy(logits, None),
+                   count=jnp.ones((B,), jnp.int32))
+    return acc, new, window, pool
+
+
+def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
+    """Mechanism 1: -> (d int32[B, gamma], dcache, window, pool, stats)."""
+    seq, dcache = state.seq, state.dcache
+    B, S = seq.tokens.shape
+    g, n = cfg.gamma, cfg.ngram
+    # Catch-up bound: a fully accepted chain + branch leaves at most 1 + (N-1) tokens the draft
+    # has not processed; without branches at most the target's bonus token.
+    P = n if cfg.lengthening else 1
+    buf = g + n - 1
+    dlen = dcache.lengths
+    pc = jnp.clip(seq.lengths - 1 - dlen, 0, P)
+    pidx = jnp.clip(dlen[:, None] + jnp.arange(P, dtype=jnp.int32)[None], 0, S - 1)
+    prefix = jnp.take_along_axis(seq.tokens, pidx, axis=1)
+    rows = jnp.arange(B)[:, None]
+
+    def step(carry, first: bool):
+        dcache, window, pool, dbuf, nd, last, stats = carry
+        active = live & (nd < g)
+        acc, new, window, pool = _draft_forward(
+            dparams, dconfig, cfg, dcache, window, pool, last, active,
+            prefix if first else None, pc if first else None)
+        cnt = jnp.where(active, acc.count, 0)
+        dcache = commit_with_prefix(dcache, new, P if first else 0,
+                                    pc if first else jnp.zeros_like(cnt), acc.path, cnt)
+        q = jnp.arange(acc.tokens.shape[1], dtype=jnp.int32)[None]
+        slot = jnp.where(q < cnt[:, None], nd[:, None] + q, buf)
+        dbuf = dbuf.at[rows, slot].set(acc.tokens, mode="drop")
+        newest = jnp.take_along_axis(acc.tokens, jnp.maximum(acc.count - 1, 0)[:, None], 1)[:, 0]
+        last = jnp.where(active, newest, last)
+        stats = {**stats,
+                 "draft_calls": stats["draft_calls"] + jnp.sum(active, dtype=jnp.int32),
+                 "draft_tokens": stats["draft_tokens"] + jnp.sum(jnp.minimum(cnt, g - nd)),
+                 "draft_forwards": stats["draft_forwards"] + 1}
+        return dcache, window, pool, dbuf, nd + cnt, last, stats
+
+    carry = (dcache, state.window, state.pool, jnp.zeros((B, buf), jnp.int32),
+             jnp.zeros((B,), jnp.int32), seq.last, state.stats)
+    carry = step(carry, True)
+    carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < g)),
+                               lambda c: step(c, False), carry)
+    dcache, window, pool, dbuf, _, _, stats = carry
+    return dbuf[:, :g], dcache, window, pool, stats
+
+
+def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, matched, live):
+    """Mechanism 3 (see module docstring). tokens/choices int32[B,T] of the target tree,
+    found bool[B,K] branch validity, matched int32[B] chain draft tokens accepted."""
+    g, m = cfg.gamma, cfg.ngram - 1
+    B = tokens.shape[0]
+    keys, phrases, valid = [], [], []
+    ok = tokens[:, 1:1 + g] == choices[:, :g]  # ok[:, t]: d_{t+1} == v_t
+    n_keys = g - m + 1  # keys d_1 .. d_{g-m+1}: their M-token phrase stays inside the chain
+    if n_keys > 0:
+        i = np.arange(1, n_keys + 1)
+        keys.append(tokens[:, i])
+        phrases.append(choices[:, i[:, None] + np.arange(m)[None]])  # [B, n_keys, M]
+        backed = jnp.all(ok[:, i[:, None] + np.arange(m - 1)[None]], axis=2) if m > 1 else \
+            jnp.ones((B, n_keys), bool)
+        valid.append(backed & (jnp.asarray(i)[None] > matched[:, None]) & live[:, None])
+    if cfg.lengthening:
+        k = cfg.suffixes
+        lay = chain_with_branches(1 + g, k, m)
+        bi = lay.branch_index
+        corrected = jnp.concatenate(
+            [jnp.broadcast_to(choices[:, g][:, None, None], (B, k, 1)),
+             choices[:, bi[:, :m - 1].reshape(-1)].reshape(B, k, m - 1)], axis=2)
+        entered = acc.count - 1 > g
+        used = jnp.where(entered, (acc.path[:, min(g + 1, acc.path.shape[1] - 1)] - (1 + g)) // m,
+                         -1)
+        unused = jnp.arange(k)[None] != used[:, None]
+        keys.append(jnp.broadcast_to(tokens[:, g][:, None], (B, k)))
+        phrases.append(corrected)
+        valid.append(found & unused & (matched == g)[:, None] & live[:, None])
+    if not keys:
+        return pool
+    keys = jnp.concatenate(keys, 1).reshape(-1)
+    phrases = jnp.concatenate(phrases, 1).reshape(-1, m)
+    valid = jnp.concatenate(valid, 1).reshape(-1)
+    return insert_many(pool, keys, phrases, valid)
+
+
+def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, greedy: bool,
+                    sp: SamplingParams, limits: Limits, state: OuroborosState) -> OuroborosState:
+    seq = state.seq
+    B = seq.tokens.shape[0]
+    g, m = cfg.gamma, cfg.ngram - 1
+    live = ~seq.done
+    L = seq.lengths
+
+    d, dcache, window, pool, stats = _draft_phase(dparams, dconfig, cfg, state, live)
+
+    # -- lengthen: chain (last, d_1..d_g) + K branches keyed by d_g
+    k = cfg.suffixes if cfg.lengthening else 0
+    lay = chain_with_branches(1 + g, k, m)
+    chain = jnp.concatenate([seq.last[:, None], d], axis=1)
+    if k:
+        branches, found = lookup(pool, d[:, g - 1], k)  # [B,K,M], [B,K]
+        tokens = jnp.concatenate([chain, branches.reshape(B, -1)], axis=1)
+        valid = jnp.concatenate([jnp.ones((B, 1 + g), bool), jnp.repeat(found, m, axis=1)], 1)
+    else:
+        found = jnp.zeros((B, 0), bool)
+        tokens, valid = chain, jnp.ones((B, 1 + g), bool)
+
+    # -- one target forward, accept, commit
+    pos = state.tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
+    logits, new = forward(tparams, tconfig, tokens, pos, static_tree_mask(lay.parents, valid),
+                          state.tcache)
+    choices = choose_tokens(logits, pos + 1, sp, greedy)
+    acc = accept_walk(lay.parents, tokens, valid, choices)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    tcache = commit_path(state.tcache, new, acc, kept)
+
+    # -- the draft keeps only what the target confirmed (rollback = a length)
+    matched = jnp.minimum(acc.count - 1, g)  # chain draft tokens accepted
+    dcache = dcache.replace(lengths=jnp.minimum(dcache.lengths,
+                                                jnp.minimum(L + matched, seq.lengths - 1)))
+
+    if cfg.recycling:
+        pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live)
+
+    # -- stats
+    stats = count_round(stats, live, kept)
+    q = jnp.arange(acc.path.shape[1] - 1)[None]
+    from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > g)
+    lv = live.astype(jnp.int32)
+    stats = {**stats,
+             "suffix_tokens_accepted": stats["suffix_tokens_accepted"]
+             + jnp.sum(from_branch, dtype=jnp.int32),
+             "pool_hits": stats["pool_hits"] + jnp.sum(lv * jnp.any(found, axis=1)),
+             "draft_matches": stats["draft_matches"]
+             + jnp.sum(lv[:, None] * (tokens[:, 1:1 + g] == choices[:, :g])),
+             "draft_accepted": stats["draft_accepted"] + jnp.sum(lv * matched)}
+    return OuroborosState(seq, tcache, dcache, window, pool, stats)
+
+
+@partial(jax.jit, static_argnames=("tconfig", "dconfig", "cfg", "slots", "greedy"))
+def run_ouroboros(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
+                  sp: SamplingParams, pool: PhrasePool, *, cfg: OuroborosConfig, slots: int,
+                  greedy: bool):
+    """prompt int32[B,P] right-padded -> (Sequences, stats dict, pool)."""
+    B = prompt.shape[0]
+    g, m = cfg.gamma, cfg.ngram - 1
+    k = cfg.suffixes if cfg.lengthening else 0
+    seq = init_sequences(prompt, prompt_lengths, slots)
+    tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
+    dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
+    window = init_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), prompt,
+                         prompt_lengths)
+    stats = init_stats(B, 2 + g + (m if k else 0))
+    z = jnp.zeros((), jnp.int32)
+    stats.update(draft_forwards=z, suffix_tokens_accepted=z, pool_hits=z, draft_matches=z,
+                 draft_accepted=z)
+    state = OuroborosState(seq, tcache, dcache, window, pool, stats)
+    state = jax.lax.while_loop(
+        lambda s: ~jnp.all(s.seq.done),
+        partial(ouroboros_round, tparams, tconfig, dparams, dconfig, cfg, greedy, sp, limits),
+        state)
+    stats = dict(state.stats)
+    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
+    stats["pool_hit_rate"] = stats["pool_hits"] / rounds
+    # paper Table 1: draft tokens agreeing with the target's own choice vs accepted, per round
+    stats["match_vs_accept"] = jnp.stack([stats["draft_matches"] / rounds,
+                                          stats["draft_accepted"] / rounds])
+    stats["pool_occupancy"] = pool_occupancy(state.pool)
+    return state.seq, stats, state.pool
+
+
+def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, greedy, slots,
+         pool):
+    pool = prepare_pool(pool, target.config.vocab_size, cfg.guesses, cfg.ngram - 1,
+                        cfg.pool_rows, cfg.history)
+    seq, stats, pool = run_ouroboros(target.params, target.config, draft.params, draft.config,
+                                     prompt, plens, limits, sp, pool,
+                                     cfg=_static(cfg), slots=slots,
+                                     greedy=greedy)
+    stats = {**stats, "pool_bytes": pool_bytes(pool)}
+    return seq, stats, pool
+
+
+def _static(cfg):
+    """history and pool_rows only shape the starting pool (above): normalized away so that
+    toggling them never recompiles the loop."""
+    return dataclasses.replace(cfg, history=True, pool_rows=None)
+
+
+def _margin(cfg: OuroborosConfig) -> int:
+    # The draft's cache runs ahead of the sequence by up to gamma + N - 1 slots in a round.
+    return cfg.gamma + cfg.ngram + 1
+
+
+def _spec():
+    from . import MethodSpec
+
+    return MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
+                      default_config=OuroborosConfig, margin=_margin)
+
+
+SPEC = _spec()

@@ -1,0 +1,284 @@
+"""Ouroboros: greedy equals vanilla token for token in every regime (drafts that agree fully,
+partly or not at all; batch 1 and 4; EOS and max_new_tokens inside draft and branch; empty,
+full and carried pools; each mechanism off alone), sampling equals vanilla sampling for the same
+seed and follows the exact distribution with branches taken, and the stats add up."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+import ouroboros_jax as oj
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.pool import PhrasePool, init_pool, insert_many, pool_occupancy
+
+from conftest import TINY_VOCAB, make_hf_model
+
+CFG = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
+G1 = CFG.gamma + 1
+REPEAT = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [20, 21] * 7, [30, 31, 32, 33, 34] * 3, [40] * 12,
+          [3, 4, 50, 3, 4, 51, 3, 4]]
+
+
+def ngram_pool(vocab, seqs, n, guesses):
+    """A pool holding every n-gram of seqs (key = first token, phrase = the n-1 after it)."""
+    keys, phrases = [], []
+    for s in seqs:
+        for i in range(len(s) - n + 1):
+            keys.append(s[i])
+            phrases.append(s[i + 1:i + n])
+    pool = init_pool(vocab, guesses, n - 1)
+    return insert_many(pool, jnp.asarray(keys, jnp.int32), jnp.asarray(phrases, jnp.int32))
+
+
+def ouro(target, draft, prompts, cfg=CFG, **kw):
+    return oj.generate(target, prompts, draft=draft, method="ouroboros", config=cfg, **kw)
+
+
+def check_stats(s, n_rows):
+    """new tokens = sum of tokens accepted per round; the counters agree with each other."""
+    hist = s["acceptance_histogram"]
+    assert s["new_tokens"] == sum(k * c for k, c in enumerate(hist))
+    assert s["new_tokens"] == sum(s["new_tokens_per_row"])
+    assert hist[0] == 0  # a live row always gets at least the target's own token
+    assert s["draft_calls"] >= sum(hist)  # every live row drafts at least once per round
+    assert s["target_calls"] * n_rows >= sum(hist)
+    assert s["suffix_tokens_accepted"] <= s["new_tokens"]
+    assert 0.0 <= s["pool_hit_rate"] <= 1.0
+    assert s["pool_bytes"] > 0 and s["pool_occupancy"] >= 0
+
+
+@pytest.fixture(scope="module")
+def prompts100():
+    rs = np.random.RandomState(4321)
+    return [rs.randint(3, TINY_VOCAB, size=rs.randint(1, 41)).tolist() for _ in range(94)] + REPEAT
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_target):
+    """The target with 3% noise on every weight: agrees with it often but not always."""
+    leaves, tdef = jax.tree.flatten(tiny_target.params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [x + 0.03 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+             for x, k in zip(leaves, keys)]
+    return dataclasses.replace(tiny_target, params=jax.tree.unflatten(tdef, noisy))
+
+
+def test_config_validation():
+    assert OuroborosConfig() == OuroborosConfig(gamma=12, window=20, ngram=7, guesses=20,
+                                                suffixes=3)
+    for field, bad in [("gamma", 0), ("window", 0), ("ngram", 2), ("guesses", 0),
+                       ("suffixes", 0), ("pool_rows", 0), ("lengthening", 1), ("history", None)]:
+        with pytest.raises(ValueError, match=rf"OuroborosConfig\.{field}"):
+            OuroborosConfig(**{field: bad})
+    with pytest.raises(ValueError, match="suffixes"):
+        OuroborosConfig(guesses=2, suffixes=3)
+
+
+@pytest.mark.parametrize("which", ["unrelated", "self"])
+def test_greedy_equals_vanilla_100_prompts(tiny_pair, prompts100, which):
+    target, unrelated, _ = tiny_pair
+    draft = unrelated if which == "unrelated" else target
+    kw = dict(max_new_tokens=20, eos_token_id=-1)
+    ref = oj.generate(target, prompts100, **kw).tokens
+    out = ouro(target, draft, prompts100, **kw)
+    assert out.tokens == ref
+    s = out.stats
+    check_stats(s, len(prompts100))
+    if which == "self":
+        # everything drafted is accepted: every round but a row's last emits >= gamma + 1
+        assert sum(s["acceptance_histogram"][:G1]) <= len(prompts100)
+        assert s["eta"] > G1 - 0.5
+        assert s["c"] > 1.0  # phrase drafting: the draft's own lookahead hits repeats
+        assert s["suffix_tokens_accepted"] > 0
+    else:
+        assert s["eta"] < 1.5
+
+
+def test_batch4_and_batch1_different_lengths(tiny_target, noisy_draft, random_prompts):
+    short = [p for p in random_prompts if len(p) <= 16]
+    prompts = [[7], REPEAT[0], short[0], REPEAT[4], short[1], [3, 4], REPEAT[1], short[2],
+               short[3], REPEAT[3], [96], short[4]]
+    kw = dict(max_new_tokens=24, eos_token_id=-1)
+    ref = oj.generate(tiny_target, prompts, **kw).tokens
+    for i in range(0, len(prompts), 4):
+        out = ouro(tiny_target, noisy_draft, prompts[i:i + 4], **kw)
+        assert out.tokens == ref[i:i + 4]
+        check_stats(out.stats, 4)
+    for p, r in zip(prompts[:8], ref):
+        assert ouro(tiny_target, noisy_draft, [p], **kw).tokens[0] == r, p
+
+
+@pytest.fixture(scope="module")
+def repeat_full(tiny_target):
+    return oj.generate(tiny_target, REPEAT, max_new_tokens=32, eos_token_id=-1).tokens
+
+
+def test_eos_and_max_new_tokens_inside_draft_and_branch(tiny_target, repeat_full):
+    # draft == target and a pool of vanilla's own n-grams: every round accepts the whole chain
+    # and a whole branch (gamma + N tokens), so cut-offs land in both draft and branch parts
+    full = repeat_full
+    pool = ngram_pool(TINY_VOCAB, [p + o for p, o in zip(REPEAT, full)], CFG.ngram, CFG.guesses)
+    per_round = CFG.gamma + CFG.ngram
+    for k in range(1, 2 * per_round + 1):
+        out = ouro(tiny_target, tiny_target, REPEAT, pool=pool, max_new_tokens=k,
+                   eos_token_id=-1)
+        assert out.tokens == [o[:k] for o in full], k
+    assert out.stats["suffix_tokens_accepted"] > 0
+    assert out.stats["acceptance_histogram"][per_round] > 0  # full chain + full branch + bonus
+    n_cut = 0
+    for pos in range(1, per_round + 3):
+        eos = full[pos % len(REPEAT)][pos]
+        ref = oj.generate(tiny_target, REPEAT, max_new_tokens=32, eos_token_id=eos).tokens
+        got = ouro(tiny_target, tiny_target, REPEAT, pool=pool, max_new_tokens=32,
+                   eos_token_id=eos)
+        assert got.tokens == ref, pos
+        check_stats(got.stats, len(REPEAT))
+        # the draft's cache stays in step (catch-up prefix up to N tokens after a full branch):
+        # draft == target accepts its whole chain in every round but a row's last
+        assert sum(got.stats["acceptance_histogram"][:G1]) <= len(REPEAT)
+        n_cut += sum(len(r) < 32 for r in ref)
+    assert n_cut >= per_round
+
+
+def test_full_pool_and_carried_pool(tiny_target, noisy_draft, random_prompts, repeat_full):
+    kw = dict(max_new_tokens=32, eos_token_id=-1)
+    # full: every slot of every key holds a random phrase
+    rs = np.random.RandomState(0)
+    g, m = CFG.guesses, CFG.ngram - 1
+    keys = np.repeat(np.arange(TINY_VOCAB), g)
+    full = insert_many(init_pool(TINY_VOCAB, g, m), jnp.asarray(keys, jnp.int32),
+                       jnp.asarray(rs.randint(3, TINY_VOCAB, (len(keys), m)), jnp.int32))
+    assert int(pool_occupancy(full)) == TINY_VOCAB * g
+    for draft in (noisy_draft, tiny_target):
+        out = ouro(tiny_target, draft, REPEAT, pool=full, **kw)
+        assert out.tokens == repeat_full
+        assert out.stats["pool_occupancy"] == TINY_VOCAB * g
+        assert out.stats["pool_hit_rate"] == 1.0
+    # carried over from unrelated prompts (history), then the same with history off
+    other = ouro(tiny_target, noisy_draft, random_prompts[50:56], **kw)
+    assert isinstance(other.pool, PhrasePool) and other.stats["pool_occupancy"] > 0
+    carried = ouro(tiny_target, noisy_draft, REPEAT, pool=other.pool, **kw)
+    assert carried.tokens == repeat_full
+    fresh = ouro(tiny_target, noisy_draft, REPEAT, **kw)
+    off = ouro(tiny_target, noisy_draft, REPEAT, dataclasses.replace(CFG, history=False),
+               pool=other.pool, **kw)
+    assert fresh.tokens == off.tokens == repeat_full
+    assert off.stats["pool_occupancy"] == fresh.stats["pool_occupancy"]
+    assert carried.stats["pool_occupancy"] > fresh.stats["pool_occupancy"]
+    with pytest.raises(ValueError, match="pool"):
+        ouro(tiny_target, noisy_draft, REPEAT, pool=init_pool(TINY_VOCAB, 4, 5), **kw)
+
+
+@pytest.mark.parametrize("switch", ["phrase_drafting", "lengthening", "recycling"])
+def test_each_mechanism_off_alone(tiny_target, noisy_draft, random_prompts, repeat_full,
+                                  switch):
+    cfg = dataclasses.replace(CFG, **{switch: False})
+    prompts = REPEAT + random_prompts[:2]
+    kw = dict(max_new_tokens=32, eos_token_id=-1)
+    ref = repeat_full + oj.generate(tiny_target, random_prompts[:2], **kw).tokens
+    for draft in (noisy_draft, tiny_target):
+        out = ouro(tiny_target, draft, prompts, cfg, **kw)
+        assert out.tokens == ref, draft is tiny_target
+        s = out.stats
+        check_stats(s, len(prompts))
+        if switch == "phrase_drafting":
+            assert s["c"] == 1.0
+        if switch == "lengthening":
+            assert s["suffix_tokens_accepted"] == 0 and s["pool_hit_rate"] == 0.0
+            if draft is tiny_target:
+                assert sum(s["acceptance_histogram"][:G1]) <= len(prompts)
+                assert not any(s["acceptance_histogram"][G1 + 1:])  # no branch, no more
+        elif switch == "recycling" and draft is tiny_target:
+            assert s["suffix_tokens_accepted"] > 0  # the draft's n-grams alone feed branches
+
+
+def test_sampling_identical_to_vanilla_same_seed(tiny_target, noisy_draft):
+    kw = dict(max_new_tokens=32, eos_token_id=-1, temperature=0.7, top_k=30, top_p=0.95,
+              seed=5)
+    ref = oj.generate(tiny_target, REPEAT, **kw).tokens
+    pool = ngram_pool(TINY_VOCAB, [p + o for p, o in zip(REPEAT, ref)], CFG.ngram, CFG.guesses)
+    for draft, pl in ((noisy_draft, None), (tiny_target, pool)):
+        out = ouro(tiny_target, draft, REPEAT, pool=pl, **kw)
+        assert out.tokens == ref
+    assert out.stats["suffix_tokens_accepted"] > 0 and out.stats["eta"] > 2
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v8ou")
+    tm = make_hf_model(d, vocab=8, hidden=32, heads=2, kv_heads=1, inter=64, seed=3, scale=0.15)
+    return oj.load_model(str(d)), tm
+
+
+def _three_token_probs(tm, prompt, temperature):
+    """Exact P(t1, t2, t3) under temperature sampling, from transformers: [8, 8, 8]."""
+    with torch.no_grad():
+        def nxt(seqs):
+            return torch.softmax(tm(torch.tensor(seqs)).logits[:, -1] / temperature, -1)
+        p1 = nxt([prompt])[0]
+        p2 = nxt([prompt + [a] for a in range(8)])  # [8, 8]
+        p3 = nxt([prompt + [a, b] for a in range(8) for b in range(8)]).reshape(8, 8, 8)
+    return (p1[:, None, None] * p2[:, :, None] * p3).numpy().astype(np.float64)
+
+
+def _chi2_p(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    return sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def test_first_three_tokens_distribution_with_branches(small_vocab):
+    """gamma = 1: token 1 from the root, token 2 at d_1, token 3 at a branch head, so a branch
+    taken decides whether the third token comes from this round."""
+    model, tm = small_vocab
+    prompt, temperature, n = [1, 5, 3, 6], 0.7, 4000
+    want = _three_token_probs(tm, prompt, temperature)
+    cfg = OuroborosConfig(gamma=1, window=3, ngram=3, guesses=4, suffixes=3)
+    d1 = int(np.argmax(want.sum((1, 2))))  # the (greedy) draft's first token
+    top = np.argsort(want[d1].ravel())[::-1][:3]  # likeliest (t2, t3) after d1
+    pool = insert_many(init_pool(8, 4, 2), jnp.full((3,), d1, jnp.int32),
+                       jnp.asarray([[t // 8, t % 8] for t in top], jnp.int32))
+    out = ouro(model, model, [prompt] * n, cfg, pool=pool, max_new_tokens=3,
+               temperature=temperature, seed=31, eos_token_id=-1)
+    assert out.stats["suffix_tokens_accepted"] > n // 10  # branches really were taken
+    counts = np.zeros(512)
+    for t in out.tokens:
+        counts[t[0] * 64 + t[1] * 8 + t[2]] += 1
+    assert _chi2_p(counts, want.ravel()) > 1e-3
+    wrong = _three_token_probs(tm, prompt, 1.0)
+    assert _chi2_p(counts, wrong.ravel()) < 1e-6
+
+
+def test_no_recompile_and_prompt_near_cache_limit(tiny_target, noisy_draft):
+    from ouroboros_jax.decoding.ouroboros import run_ouroboros
+
+    kw = dict(max_new_tokens=10, eos_token_id=-1)
+    ouro(tiny_target, noisy_draft, [[5, 6, 7]], **kw)
+    size = run_ouroboros._cache_size()
+    a = ouro(tiny_target, noisy_draft, [[9, 8, 7, 6, 5, 4, 3, 9, 8]], max_new_tokens=20,
+             eos_token_id=5)
+    ouro(tiny_target, noisy_draft, [[3] * 16], dataclasses.replace(CFG, history=False),
+         pool=a.pool, max_new_tokens=30, eos_token_id=-1)
+    assert run_ouroboros._cache_size() == size
+    rs = np.random.RandomState(9)
+    long_prompt = rs.randint(3, TINY_VOCAB, size=1000).tolist()  # 1000 + 24 = the 1024 limit
+    ref = oj.generate(tiny_target, [long_prompt], max_new_tokens=24, eos_token_id=-1).tokens
+    assert ouro(tiny_target, tiny_target, [long_prompt], max_new_tokens=24,
+                eos_token_id=-1).tokens == ref
+
+
+def test_mesh_gives_same_tokens(tiny_target, noisy_draft, random_prompts):
+    from ouroboros_jax.sharding import make_mesh
+
+    prompts = random_prompts[:4] + REPEAT[:4]
+    kw = dict(max_new_tokens=16, eos_token_id=-1)
+    ref = ouro(tiny_target, noisy_draft, prompts, **kw).tokens
+    got = ouro(tiny_target, noisy_draft, prompts, mesh=make_mesh(2, 4), **kw).tokens
+    assert got == ref
