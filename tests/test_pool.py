@@ -217,3 +217,30 @@ def test_argument_checks():
         lookup(pool, 1, G + 1)
     with pytest.raises(ValueError, match="phrase"):
         insert(pool, 1, jnp.zeros(M + 1, jnp.int32))
+
+
+def test_save_and_load_round_trip(tmp_path):
+    from ouroboros_jax.pool import load_pool, save_pool
+
+    pool = init_pool(vocab_size=11, guesses=3, phrase_len=2, rows=5)
+    pool = insert_many(pool, jnp.array([1, 6, 1, 4], jnp.int32),
+                       jnp.array([[2, 3], [4, 5], [7, 8], [9, 9]], jnp.int32),
+                       jnp.array([True, True, True, False]))
+    save_pool(tmp_path / "p.npz", pool)
+    back = load_pool(tmp_path / "p.npz", vocab_size=11, phrase_len=2)
+    for name in ("keys", "phrases", "stamps", "clock"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)),
+                                      np.asarray(getattr(pool, name)))
+    assert back.vocab_size == 11 and back.policy == pool.policy
+    got, found = lookup(back, jnp.int32(1), 2)
+    assert np.asarray(found).tolist() == [True, True]
+    assert np.asarray(got).tolist() == [[7, 8], [2, 3]]
+    with pytest.raises(ValueError, match="vocab_size 11, not 12"):
+        load_pool(tmp_path / "p.npz", vocab_size=12)
+    with pytest.raises(ValueError, match="phrases have 2 tokens, not 3"):
+        load_pool(tmp_path / "p.npz", phrase_len=3)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable pool file"):
+        load_pool(tmp_path / "bad.npz")
+    with pytest.raises(FileNotFoundError):
+        load_pool(tmp_path / "missing.npz")

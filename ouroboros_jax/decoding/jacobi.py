@@ -67,18 +67,6 @@ def init_window(layout: JacobiLayout, prompt: jax.Array, prompt_lengths: jax.Arr
     return JacobiWindow(grid=grid.astype(jnp.int32), steps=jnp.zeros((B,), jnp.int32))
 
 
-def static_tree_mask(parents: np.ndarray, valid: jax.Array) -> jax.Array:
-    """`tree_mask(parents, valid)` for static numpy parents, with the ancestor closure folded
-    into a compile-time constant. (Under jit, tree_mask's closure over a numpy parents array is
-    staged as log2(T) [T,T] matmuls run every step: ~2.6 ms per call at T = 240 on CPU, more
-    than the tiny draft's forward.) Same semantics: invalid nodes are nobody's ancestor."""
-    parents = np.asarray(parents)
-    with jax.ensure_compile_time_eval():
-        reach = np.asarray(tree_mask(parents))
-    eye = np.eye(len(parents), dtype=bool)
-    return jnp.asarray(reach) & (valid[..., None, :] | eye)
-
-
 def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.ndarray,
                  depths: np.ndarray, valid: jax.Array, select: np.ndarray,
                  prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None
@@ -108,7 +96,7 @@ def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.
         all_valid = jnp.concatenate([a < pc, valid], axis=1)
         pos = jnp.concatenate([base + a, base + pc + jnp.asarray(depths)[None]], axis=1)
         sel = np.asarray(select) + P
-    mask = static_tree_mask(all_parents, all_valid)
+    mask = tree_mask(all_parents, all_valid)
     sel_b = jnp.broadcast_to(jnp.asarray(sel, jnp.int32)[None], (B, len(sel)))
     logits, new = forward(params, config, all_tokens, pos, mask, cache, select=sel_b)
     return logits, new, jnp.take_along_axis(pos, sel_b, axis=1)

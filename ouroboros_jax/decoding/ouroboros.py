@@ -48,9 +48,9 @@ from ..models import forward
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, pool_occupancy
 from ..sampling import SamplingParams, choose_tokens
-from ..tree import chain_with_branches, jacobi_tree
+from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
-from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step, static_tree_mask,
+from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
 from .lookahead import _check_int, prepare_pool
 from .verify import Accepted, accept_walk, commit_path
@@ -230,7 +230,7 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
 
     # -- one target forward, accept, commit
     pos = state.tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
-    logits, new = forward(tparams, tconfig, tokens, pos, static_tree_mask(lay.parents, valid),
+    logits, new = forward(tparams, tconfig, tokens, pos, tree_mask(lay.parents, valid),
                           state.tcache)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)

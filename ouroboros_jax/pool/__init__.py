@@ -15,6 +15,7 @@ from ouroboros_jax.pool.phrase_pool import (
     pool_bytes,
     pool_occupancy,
 )
+from ouroboros_jax.pool.persist import load_pool, save_pool
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -24,7 +25,9 @@ __all__ = [
     "init_pool",
     "insert",
     "insert_many",
+    "load_pool",
     "lookup",
     "pool_bytes",
     "pool_occupancy",
+    "save_pool",
 ]
