@@ -1,12 +1,18 @@
 """ouroboros-jax: Ouroboros speculative decoding for JAX (see README.md).
 
     import ouroboros_jax as oj
-    target = oj.load_model("path/to/hf_dir")
-    out = oj.generate(target, ["def fib(n):"], max_new_tokens=64)
+    target, draft = oj.demo_pair()
+    out = oj.generate(target, ["def fib(n):"], draft=draft, method="ouroboros")
 """
 
+from .decoding.lookahead import LookaheadConfig
+from .decoding.ouroboros import OuroborosConfig
+from .decoding.speculative import SpeculativeConfig
 from .generate import GenerationOutput, generate
 from .models import Model, ModelConfig, load_model, save_hf_checkpoint
+from .pool import PhrasePool, init_pool, load_pool, save_pool
+from .training.assets import demo_pair, demo_prompts
 
-__all__ = ["GenerationOutput", "Model", "ModelConfig", "generate", "load_model",
-           "save_hf_checkpoint"]
+__all__ = ["GenerationOutput", "LookaheadConfig", "Model", "ModelConfig", "OuroborosConfig",
+           "PhrasePool", "SpeculativeConfig", "demo_pair", "demo_prompts", "generate",
+           "init_pool", "load_model", "load_pool", "save_hf_checkpoint", "save_pool"]

@@ -72,3 +72,24 @@ def random_prompts():
     """60 prompts of token ids, lengths 1..48, ids in [3, V) (0-2 are pad/bos/eos)."""
     rs = np.random.RandomState(1234)
     return [rs.randint(3, TINY_VOCAB, size=rs.randint(1, 49)).tolist() for _ in range(60)]
+
+
+# Prompts made of repeated patterns: random tiny models rarely repeat themselves, so tests where
+# pool phrases must hit use these (and pools pre-filled with their n-grams).
+REPEAT = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [20, 21] * 7, [30, 31, 32, 33, 34] * 3, [40] * 12,
+          [3, 4, 50, 3, 4, 51, 3, 4]]
+
+
+def ngram_pool(vocab, seqs, n, guesses):
+    """A pool holding every n-gram of seqs (key = first token, phrase = the n-1 after it)."""
+    import jax.numpy as jnp
+
+    from ouroboros_jax.pool import init_pool, insert_many
+
+    keys, phrases = [], []
+    for s in seqs:
+        for i in range(len(s) - n + 1):
+            keys.append(s[i])
+            phrases.append(s[i + 1:i + n])
+    pool = init_pool(vocab, guesses, n - 1)
+    return insert_many(pool, jnp.asarray(keys, jnp.int32), jnp.asarray(phrases, jnp.int32))

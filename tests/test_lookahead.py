@@ -12,22 +12,9 @@ import ouroboros_jax as oj
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.pool import PhrasePool, init_pool, insert_many
 
-from conftest import make_hf_model
+from conftest import REPEAT, make_hf_model, ngram_pool
 
 CFG = LookaheadConfig(window=4, ngram=4, guesses=4)
-REPEAT = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [20, 21] * 7, [30, 31, 32, 33, 34] * 3, [40] * 12,
-          [3, 4, 50, 3, 4, 51, 3, 4]]
-
-
-def ngram_pool(vocab, seqs, n, guesses):
-    """A pool holding every n-gram of seqs (key = first token, phrase = the n-1 after it)."""
-    keys, phrases = [], []
-    for s in seqs:
-        for i in range(len(s) - n + 1):
-            keys.append(s[i])
-            phrases.append(s[i + 1:i + n])
-    pool = init_pool(vocab, guesses, n - 1)
-    return insert_many(pool, jnp.asarray(keys, jnp.int32), jnp.asarray(phrases, jnp.int32))
 
 
 def test_config_validation():

@@ -52,7 +52,7 @@ from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
-from .lookahead import _check_int, prepare_pool
+from .lookahead import _check_int, _static, prepare_pool
 from .verify import Accepted, accept_walk, commit_path
 
 
@@ -302,12 +302,6 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, gree
                                      greedy=greedy)
     stats = {**stats, "pool_bytes": pool_bytes(pool)}
     return seq, stats, pool
-
-
-def _static(cfg):
-    """history and pool_rows only shape the starting pool (above): normalized away so that
-    toggling them never recompiles the loop."""
-    return dataclasses.replace(cfg, history=True, pool_rows=None)
 
 
 def _margin(cfg: OuroborosConfig) -> int:

@@ -14,7 +14,6 @@ import json
 import os
 from typing import Any, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

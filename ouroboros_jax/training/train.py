@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import signal
 import sys
 import time
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from ouroboros_jax.models.config import ModelConfig
