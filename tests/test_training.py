@@ -13,7 +13,6 @@ from ouroboros_jax.training import corpus, data, report
 from ouroboros_jax.training.train import Checkpointer, make_optimizer, make_steps, model_config
 from ouroboros_jax.models.llama import init_params
 
-ASSETS = Path(__file__).resolve().parents[1] / "ouroboros_jax" / "assets" / "demo"
 
 
 def test_manifest_deterministic(tmp_path):
@@ -122,16 +121,13 @@ def test_speculative_reference_loop_accepts_everything_for_identical_models():
         assert row[:2] == [8, 8] and sum(a + 1 for a in row) >= 20
 
 
-@pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="demo pair not shipped yet")
-def test_shipped_manifest_matches_provenance():
-    prov = json.loads((ASSETS / "provenance.json").read_text())
-    m = corpus.load_manifest(ASSETS / "manifest.json")
-    assert prov["manifest_files_hash"] == m["files_hash"]
-
-
-@pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="demo pair not shipped yet")
-@pytest.mark.parametrize("member", ["target", "draft"])
-def test_shipped_pair_loads_in_jax_and_transformers(member):
+def test_bf16_export_loads_in_transformers_with_matching_logits(tmp_path):
+    """The export path the demo pair ships through: bf16 HF directory, loaded by transformers
+    and by load_model in fp32, logits agreeing to 1e-4. (Tests of the shipped files themselves
+    belong here once the pair passes its gates and ships.)"""
+    from ouroboros_jax.models.loading import save_hf_checkpoint
     from ouroboros_jax.training.export import check_transformers
 
-    assert check_transformers(ASSETS / member, rtol=1e-4) <= 1e-4
+    cfg, _, params, _ = _tiny_setup()
+    save_hf_checkpoint(str(tmp_path), cfg, params, dtype="bfloat16")
+    assert check_transformers(tmp_path, rtol=1e-4) <= 1e-4
