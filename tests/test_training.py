@@ -2,7 +2,6 @@
 resume, report measures, and (once shipped) the demo pair against its provenance."""
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
