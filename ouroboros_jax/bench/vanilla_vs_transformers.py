@@ -1,7 +1,7 @@
 """Vanilla decoding: ouroboros-jax vs transformers' own greedy `generate`, same weights, CPU.
 
     python -m ouroboros_jax.bench.vanilla_vs_transformers [--model DIR] [--prompts 5]
-        [--max-new-tokens 128] [--dtype float32]
+        [--max-new-tokens 128] [--torch-threads 1]
 
 Without --model a ~25M-parameter random Llama (the demo target's shape) is built locally.
 Reports first-call compile time separately; tokens/s exclude it. Batch 1, greedy, both
@@ -38,6 +38,9 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (on a small shared CPU one thread is usually "
+                         "fastest: two threads collapse under any competing load)")
     a = ap.parse_args(argv)
 
     import torch
@@ -45,6 +48,7 @@ def main(argv=None):
 
     import ouroboros_jax as oj
 
+    torch.set_num_threads(a.torch_threads)
     path = a.model
     if path is None:
         path = tempfile.mkdtemp()
