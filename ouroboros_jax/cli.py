@@ -60,6 +60,18 @@ def _cmd_demo(a):
     run_demo(num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, method=a.method)
 
 
+def _cmd_bench(a):
+    from .bench.suite import bench_main
+
+    bench_main(a)
+
+
+def _cmd_tune(a):
+    from .bench.tune import tune_main
+
+    tune_main(a)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="ouroboros-jax",
                                  description="Ouroboros speculative decoding for JAX")
@@ -93,6 +105,18 @@ def main(argv=None):
     m.add_argument("--cache-len", type=int, default=4096)
     m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     m.set_defaults(fn=_cmd_memory)
+
+    from .bench.suite import add_bench_args
+    from .bench.tune import add_tune_args
+
+    b = sub.add_parser("bench", help="benchmark methods and transformers peers: JSON, "
+                                     "markdown, plots")
+    add_bench_args(b)
+    b.set_defaults(fn=_cmd_bench)
+
+    t = sub.add_parser("tune", help="the paper's Algorithm 1: pick gamma, then W/N, then K")
+    add_tune_args(t)
+    t.set_defaults(fn=_cmd_tune)
 
     a = ap.parse_args(argv)
     try:

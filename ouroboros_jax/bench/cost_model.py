@@ -1,0 +1,233 @@
+"""Cost model: predict a method's time (and speedup) from counted forwards and a latency table.
+
+    time(method) ~= target_calls * t_T(n_T) + draft_forwards * t_S(n_S)
+                    (+ rounds * (t_S(n_S1) - t_S(n_S)) when a round's first draft forward is
+                     longer, n_S1: Ouroboros feeds the tokens the draft has not seen as a prefix)
+                    + prefill: per call, p_T(P) (+ p_S(P) with a draft), P = prompt bucket
+    predicted speedup = (vanilla prefill + vanilla_target_calls * t_T(1)) / time(method)
+
+n_T, n_S are the input lengths (tree sizes) of one target / draft forward of the method
+(`forward_sizes`); t_T(n), t_S(n) come from a `LatencyTable`: measured on this machine by
+timing jitted forwards of each model (`measure_latency`), or loaded from JSON written on another
+machine (e.g. a GPU) to predict what the same counts would give there. Prefill forwards (one
+per call and model) are counted when the table has prefill timings. This is the paper's eq. 5/6
+with the counts measured instead of modelled. Not modelled: per-round work outside the forwards
+(acceptance walk, pool updates, cache commits), a large share for tiny models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class LatencyTable:
+    """Seconds per forward by input length: target {n: s}, draft {n: s}."""
+
+    target: dict
+    draft: dict
+    context: int = 0  # committed cache length the forwards were timed after
+    note: str = ""
+    target_prefill: dict = dataclasses.field(default_factory=dict)  # {prompt bucket P: s}
+    draft_prefill: dict = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def _lookup(table: dict, n: int) -> float:
+        if not table:
+            raise ValueError("latency table is empty")
+        xs = sorted(int(k) for k in table)
+        ys = [float(table[k] if k in table else table[str(k)]) for k in xs]
+        if n in xs:
+            return ys[xs.index(n)]
+        if len(xs) == 1:
+            return ys[0]
+        # Linear in n between (and beyond, from the nearest two) measured sizes.
+        return float(np.interp(n, xs, ys)) if xs[0] <= n <= xs[-1] else float(
+            np.polyval(np.polyfit(xs[:2] if n < xs[0] else xs[-2:],
+                                  ys[:2] if n < xs[0] else ys[-2:], 1), n))
+
+    def t_target(self, n: int) -> float:
+        return self._lookup(self.target, n)
+
+    def t_draft(self, n: int) -> float:
+        return self._lookup(self.draft, n)
+
+    def prefill_seconds(self, prompt_tokens, with_draft: bool) -> float:
+        """Prefill time of calls with these prompt lengths (0 when the table has none)."""
+        if not self.target_prefill:
+            return 0.0
+        t = 0.0
+        for n in prompt_tokens:
+            P = prompt_bucket(n)
+            t += self._lookup(self.target_prefill, P)
+            if with_draft and self.draft_prefill:
+                t += self._lookup(self.draft_prefill, P)
+        return t
+
+    def to_json(self) -> dict:
+        j = lambda d: {str(k): v for k, v in d.items()}  # noqa: E731
+        return {"target": j(self.target), "draft": j(self.draft), "context": self.context,
+                "note": self.note, "target_prefill": j(self.target_prefill),
+                "draft_prefill": j(self.draft_prefill)}
+
+    @classmethod
+    def from_json(cls, obj) -> "LatencyTable":
+        if isinstance(obj, str):
+            with open(obj) as f:
+                obj = json.load(f)
+        if "cost_model" in obj:  # a whole results.json from a bench run elsewhere
+            obj = obj["cost_model"]["latency"]
+        if "target" not in obj:
+            raise ValueError("latency table: expected {\"target\": {n: seconds}, \"draft\": "
+                             "{n: seconds}} or a bench results.json with a cost_model")
+        d = lambda x: {int(k): float(v) for k, v in (x or {}).items()}  # noqa: E731
+        return cls(target=d(obj["target"]), draft=d(obj.get("draft")),
+                   context=int(obj.get("context", 0)), note=obj.get("note", ""),
+                   target_prefill=d(obj.get("target_prefill")),
+                   draft_prefill=d(obj.get("draft_prefill")))
+
+
+def prompt_bucket(n: int) -> int:
+    from ..generate import bucket
+
+    return bucket(int(n))
+
+
+def forward_sizes(method: str, config) -> tuple[int, int, int]:
+    """(tokens per target forward, per draft forward, per first draft forward of a round).
+
+    Counts fixed-shape inputs as compiled: masked slots cost as much as real ones."""
+    if method == "vanilla":
+        return 1, 0, 0
+    if method == "speculative":
+        return config.gamma + 1, 1, 1
+    if method == "lookahead":
+        return (config.window + config.guesses) * (config.ngram - 1), 0, 0
+    if method == "ouroboros":
+        m = config.ngram - 1
+        k = config.suffixes if config.lengthening else 0
+        n_t = 1 + config.gamma + k * m
+        n_s = (config.window + config.guesses) * m if config.phrase_drafting else 1
+        # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches)
+        return n_t, n_s, n_s + (config.ngram if config.lengthening else 1)
+    raise ValueError(f"no forward sizes known for method {method!r}")
+
+
+def predict_seconds(target_calls: int, draft_forwards: int, n_target: int, n_draft: int,
+                    table: LatencyTable, n_draft_first: Optional[int] = None,
+                    prefill: float = 0.0) -> float:
+    """prefill + target_calls * t_T(n_T) + draft_forwards * t_S(n_S); with n_draft_first,
+    one draft forward per round (per target call) costs t_S(n_draft_first) instead."""
+    t = prefill + target_calls * table.t_target(n_target)
+    if draft_forwards:
+        t += draft_forwards * table.t_draft(n_draft)
+        if n_draft_first is not None and n_draft_first != n_draft:
+            t += min(target_calls, draft_forwards) * (table.t_draft(n_draft_first)
+                                                      - table.t_draft(n_draft))
+    return t
+
+
+def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards: int,
+                    n_target: int, n_draft: int, table: LatencyTable,
+                    n_draft_first: Optional[int] = None, vanilla_prefill: float = 0.0,
+                    prefill: float = 0.0) -> float:
+    """(vanilla_prefill + vanilla_target_calls * t_T(1)) / predict_seconds(...)."""
+    base = vanilla_prefill + vanilla_target_calls * table.t_target(1)
+    return base / predict_seconds(target_calls, draft_forwards, n_target, n_draft, table,
+                                  n_draft_first, prefill)
+
+
+def _forward_timer(model, n: int, context: int, inner: int = 8):
+    """A compiled callable running `inner` forwards of n tokens (after `context` cached tokens)
+    in one loop, as in decoding (no dispatch per forward) -> seconds per forward."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..models import forward, init_cache
+
+    cfg = model.config
+    slots = max(64, 1 << (context + n).bit_length())
+    cache = init_cache(cfg, 1, slots, model.dtype)
+    cache = dataclasses.replace(cache, lengths=jnp.full((1,), context, jnp.int32))
+    tokens = jnp.ones((1, n), jnp.int32)
+    pos = context + jnp.arange(n, dtype=jnp.int32)[None]
+    mask = jnp.tril(jnp.ones((n, n), bool))[None]
+
+    def body(acc, p, t, q, m, c):
+        # the input depends on the carry, so the forward cannot be hoisted out of the loop
+        t = t + (acc > 1e30).astype(jnp.int32)
+        logits = forward(p, cfg, t, q, m, c)[0]  # logits of every node, as verification needs
+        return acc + logits[0, -1, 0]
+
+    f = jax.jit(lambda p, t, q, m, c: jax.lax.fori_loop(
+        0, inner, lambda i, acc: body(acc, p, t, q, m, c), jnp.zeros((), jnp.float32)))
+    f(model.params, tokens, pos, mask, cache).block_until_ready()  # compile
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        f(model.params, tokens, pos, mask, cache).block_until_ready()
+        return (time.perf_counter() - t0) / inner
+
+    return timed
+
+
+def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128,
+                    reps: int = 20, prefill_sizes=()) -> LatencyTable:
+    """Seconds per forward of each model at each input size after `context` cached tokens:
+    median over `reps` rounds, every round timing every (model, size) once in turn, so that
+    load from other processes spreads over all sizes alike. Compile excluded."""
+    timers = {("target", int(n)): _forward_timer(target, int(n), context)
+              for n in sorted(set(target_sizes))}
+    if draft is not None:
+        timers.update({("draft", int(n)): _forward_timer(draft, int(n), context)
+                       for n in sorted(set(draft_sizes)) if n > 0})
+    for P in sorted(set(prefill_sizes)):  # a causal forward of the whole prompt bucket
+        timers[("target_prefill", int(P))] = _forward_timer(target, int(P), 0, inner=2)
+        if draft is not None:
+            timers[("draft_prefill", int(P))] = _forward_timer(draft, int(P), 0, inner=2)
+    samples: dict = {k: [] for k in timers}
+    for _ in range(reps):
+        for k, timed in timers.items():
+            samples[k].append(timed())
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    by = lambda kind: {n: v for (m, n), v in med.items() if m == kind}  # noqa: E731
+    return LatencyTable(target=by("target"), draft=by("draft"),
+                        target_prefill=by("target_prefill"), draft_prefill=by("draft_prefill"),
+                        context=context,
+                        note=f"measured here, median of {reps} interleaved rounds, batch 1")
+
+
+def cost_rows(results: dict, table: LatencyTable, configs: dict) -> list[dict]:
+    """Predicted vs measured speedup for every method of a bench result (see runner)."""
+    van = results["methods"].get("vanilla")
+    if van is None:
+        return []
+    rows = []
+    for label, r in results["methods"].items():
+        method = r.get("method")
+        if r.get("kind") != "oj" or method not in ("vanilla", "speculative", "lookahead",
+                                                   "ouroboros"):
+            continue
+        n_t, n_s, n_s1 = forward_sizes(method, configs.get(label))
+        pre = table.prefill_seconds([c["prompt_tokens"] for c in r["per_call"]], n_s > 0)
+        van_pre = table.prefill_seconds([c["prompt_tokens"] for c in van["per_call"]], False)
+        pred = predict_speedup(van["target_calls"], r["target_calls"], r["draft_forwards"],
+                               n_t, n_s, table, n_s1, van_pre, pre)
+        rows.append({"method": label, "n_target": n_t, "n_draft": n_s, "n_draft_first": n_s1,
+                     "prefill_seconds": pre, "predicted_seconds": predict_seconds(
+                         r["target_calls"], r["draft_forwards"], n_t, n_s, table, n_s1, pre),
+                     "measured_seconds": r["seconds"],
+                     "target_calls": r["target_calls"], "draft_forwards": r["draft_forwards"],
+                     "predicted_speedup": pred, "measured_speedup": r.get("speedup"),
+                     "ratio_measured_to_predicted":
+                         (r["speedup"] / pred) if r.get("speedup") and pred else None})
+    return rows
+
+
+def load_or_none(path: Optional[str]) -> Optional[LatencyTable]:
+    return LatencyTable.from_json(path) if path else None

