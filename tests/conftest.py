@@ -68,6 +68,15 @@ def tiny_target(tiny_pair):
 
 
 @pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory):
+    """(Model, torch model) over an 8-token vocabulary: small enough that the exact joint
+    distribution of the first few sampled tokens can be enumerated for chi-square tests."""
+    d = tmp_path_factory.mktemp("v8")
+    tm = make_hf_model(d, vocab=8, hidden=32, heads=2, kv_heads=1, inter=64, seed=3, scale=0.15)
+    return oj.load_model(str(d)), tm
+
+
+@pytest.fixture(scope="session")
 def random_prompts():
     """60 prompts of token ids, lengths 1..48, ids in [3, V) (0-2 are pad/bos/eos)."""
     rs = np.random.RandomState(1234)

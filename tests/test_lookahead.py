@@ -12,7 +12,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.pool import PhrasePool, init_pool, insert_many
 
-from conftest import REPEAT, make_hf_model, ngram_pool
+from conftest import REPEAT, ngram_pool
 
 CFG = LookaheadConfig(window=4, ngram=4, guesses=4)
 
@@ -101,13 +101,6 @@ def test_sampling_identical_to_vanilla_same_seed(tiny_target, random_prompts):
         out = oj.generate(tiny_target, prompts, method="lookahead", config=CFG, pool=pl, **kw)
         assert out.tokens == ref
     assert out.stats["eta"] > 1.5  # with the pool, sampled guesses really were accepted
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v8la")
-    tm = make_hf_model(d, vocab=8, hidden=32, heads=2, kv_heads=1, inter=64, seed=3, scale=0.15)
-    return oj.load_model(str(d)), tm
 
 
 def _two_token_probs(tm, prompt, temperature):

@@ -16,7 +16,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.pool import PhrasePool, init_pool, insert_many, pool_occupancy
 
-from conftest import REPEAT, TINY_VOCAB, make_hf_model, ngram_pool
+from conftest import REPEAT, TINY_VOCAB, ngram_pool
 
 CFG = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
 G1 = CFG.gamma + 1
@@ -193,13 +193,6 @@ def test_sampling_identical_to_vanilla_same_seed(tiny_target, noisy_draft):
         out = ouro(tiny_target, draft, REPEAT, pool=pl, **kw)
         assert out.tokens == ref
     assert out.stats["suffix_tokens_accepted"] > 0 and out.stats["eta"] > 2
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v8ou")
-    tm = make_hf_model(d, vocab=8, hidden=32, heads=2, kv_heads=1, inter=64, seed=3, scale=0.15)
-    return oj.load_model(str(d)), tm
 
 
 def _three_token_probs(tm, prompt, temperature):

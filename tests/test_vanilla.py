@@ -67,13 +67,6 @@ def test_sampling_reproducible_per_seed(tiny_target, random_prompts):
     assert solo == a[0]
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v8")
-    tm = make_hf_model(d, vocab=8, hidden=32, heads=2, kv_heads=1, inter=64, seed=3, scale=0.15)
-    return oj.load_model(str(d)), tm
-
-
 def _reference_probs(torch_model, prompt, temperature, top_k, top_p):
     """transformers' own warpers: an implementation independent of ours."""
     from transformers import (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
