@@ -149,3 +149,10 @@ def test_orbax_round_trip_and_tools(tmp_path, hf_dir):
     orbax_to_hf.main([str(tmp_path / "ob2"), str(tmp_path / "hf2")])
     np.testing.assert_allclose(_logits(oj.load_model(str(tmp_path / "hf2"))), _logits(m),
                                rtol=1e-6)
+
+
+def test_orbax_refuses_params_that_do_not_match_the_config(tmp_path, hf_dir):
+    save_orbax(str(tmp_path / "ob"), oj.load_model(hf_dir))
+    _edit_config(str(tmp_path / "ob"), intermediate_size=96)
+    with pytest.raises(ValueError, match="parameters do not match"):
+        load_orbax(str(tmp_path / "ob"))

@@ -11,7 +11,7 @@ import json
 import os
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from .config import ModelConfig
 from .loading import Model, load_tokenizer
@@ -22,10 +22,12 @@ def save_orbax(out_dir: str, model: Model) -> None:
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    cfg = model.config.to_hf_dict()
+    cfg["torch_dtype"] = str(model.params["embed"].dtype)  # what the restore target expects
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(model.config.to_hf_dict(), f, indent=2)
-    ckpt = ocp.PyTreeCheckpointer()
-    ckpt.save(os.path.join(out_dir, "params"), model.params, force=True)
+        json.dump(cfg, f, indent=2)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(out_dir, "params"), model.params, force=True)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(out_dir)
 
@@ -38,18 +40,23 @@ def load_orbax(path: str, dtype=None) -> Model:
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{cfg_path} not found (not an ouroboros-jax orbax checkpoint)")
     with open(cfg_path) as f:
-        config = ModelConfig.from_hf_dict(json.load(f), source=cfg_path)
+        raw = json.load(f)
+    config = ModelConfig.from_hf_dict(raw, source=cfg_path)
     pdir = os.path.join(path, "params")
     if not os.path.isdir(pdir):
         raise FileNotFoundError(f"{pdir} not found (orbax params missing)")
-    params = ocp.PyTreeCheckpointer().restore(pdir)
-    params = jax.tree.map(lambda x: jax.numpy.asarray(x, dtype) if dtype else
-                          jax.numpy.asarray(x), params)
-    from .llama import param_shapes
+    from .llama import init_params
 
-    want = param_shapes(config)
-    got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
-    want_t = jax.tree.map(tuple, want, is_leaf=lambda x: isinstance(x, tuple))
-    if got != want_t:
-        raise ValueError(f"{pdir}: parameter shapes {got} do not match config {want_t}")
+    stored = jnp.dtype(raw.get("torch_dtype") or "float32")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        jax.eval_shape(lambda k: init_params(config, k, stored), jax.random.key(0)))
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(pdir, abstract)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{pdir}: parameters do not match {cfg_path} ({e})") from None
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
     return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=path)
