@@ -18,7 +18,21 @@ def _cmd_generate(a):
 
         data, model = _parse_mesh(a.mesh)
         mesh = make_mesh(data, model)
-    out = generate(target, a.prompt, draft=draft, method=a.method,
+    config = None
+    if a.config:
+        from .decoding import METHODS
+
+        if a.method not in METHODS:
+            raise ValueError(f"method must be one of {sorted(METHODS)}, got {a.method!r}")
+        try:
+            fields = json.loads(a.config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config is not valid JSON: {e}") from None
+        try:
+            config = METHODS[a.method].config_type(**fields)
+        except TypeError as e:
+            raise ValueError(f"--config for method {a.method!r}: {e}") from None
+    out = generate(target, a.prompt, draft=draft, method=a.method, config=config,
                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                    top_k=a.top_k, seed=a.seed, mesh=mesh)
     for i, toks in enumerate(out.tokens):
@@ -82,6 +96,7 @@ def main(argv=None):
     g.add_argument("--draft", help="draft model directory (same tokenizer)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     g.add_argument("--method", default="vanilla")
+    g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\'')
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

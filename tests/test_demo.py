@@ -18,3 +18,16 @@ def test_memory_command_prints_per_device_bytes(capsys):
     # a device holds an eighth of them (norms are replicated but negligible).
     per_device_gib = 68_976_648_192 * 2 / 8 / 2**30
     assert "llama-2-70b" in out and "69.0B" in out and f"{per_device_gib:.2f}GiB" in out
+
+
+def test_generate_command_with_method_config(tiny_pair, capsys):
+    target, draft, _ = tiny_pair
+    # the tiny models have no tokenizer, so text prompts are refused with the reason
+    import pytest
+
+    with pytest.raises(SystemExit, match="has no tokenizer"):
+        main(["generate", "--target", target.path, "--draft", draft.path, "--prompt", "hi",
+              "--method", "speculative", "--config", '{"gamma": 3}'])
+    with pytest.raises(SystemExit, match="unexpected keyword argument 'gama'"):
+        main(["generate", "--target", target.path, "--draft", draft.path, "--prompt", "hi",
+              "--method", "speculative", "--config", '{"gama": 3}'])
