@@ -142,16 +142,17 @@ def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards
                                   n_draft_first, prefill)
 
 
-def _forward_timer(model, n: int, context: int, inner: int = 8):
-    """A compiled callable running `inner` forwards of n tokens (after `context` cached tokens)
-    in one loop, as in decoding (no dispatch per forward) -> seconds per forward."""
+def _forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
+    """A compiled callable running `inner` forwards of n tokens (after `context` cached tokens,
+    in a cache of `slots` slots: attention reads every slot, used or not) in one loop, as in
+    decoding (no dispatch per forward) -> seconds per forward."""
     import jax
     import jax.numpy as jnp
 
     from ..models import forward, init_cache
 
     cfg = model.config
-    slots = max(64, 1 << (context + n).bit_length())
+    slots = max(slots or 0, 64, 1 << (context + n).bit_length())
     cache = init_cache(cfg, 1, slots, model.dtype)
     cache = dataclasses.replace(cache, lengths=jnp.full((1,), context, jnp.int32))
     tokens = jnp.ones((1, n), jnp.int32)
@@ -177,14 +178,15 @@ def _forward_timer(model, n: int, context: int, inner: int = 8):
 
 
 def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128,
-                    reps: int = 20, prefill_sizes=()) -> LatencyTable:
-    """Seconds per forward of each model at each input size after `context` cached tokens:
+                    reps: int = 20, prefill_sizes=(), slots: Optional[int] = None) -> LatencyTable:
+    """Seconds per forward of each model at each input size after `context` cached tokens
+    (in a cache of `slots` slots, as the measured runs had; by default the next power of two):
     median over `reps` rounds, every round timing every (model, size) once in turn, so that
     load from other processes spreads over all sizes alike. Compile excluded."""
-    timers = {("target", int(n)): _forward_timer(target, int(n), context)
+    timers = {("target", int(n)): _forward_timer(target, int(n), context, slots=slots)
               for n in sorted(set(target_sizes))}
     if draft is not None:
-        timers.update({("draft", int(n)): _forward_timer(draft, int(n), context)
+        timers.update({("draft", int(n)): _forward_timer(draft, int(n), context, slots=slots)
                        for n in sorted(set(draft_sizes)) if n > 0})
     for P in sorted(set(prefill_sizes)):  # a causal forward of the whole prompt bucket
         timers[("target_prefill", int(P))] = _forward_timer(target, int(P), 0, inner=2)
@@ -199,7 +201,8 @@ def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128
     return LatencyTable(target=by("target"), draft=by("draft"),
                         target_prefill=by("target_prefill"), draft_prefill=by("draft_prefill"),
                         context=context,
-                        note=f"measured here, median of {reps} interleaved rounds, batch 1")
+                        note=f"measured here, median of {reps} interleaved rounds, batch 1"
+                             + (f", {slots} cache slots" if slots else ""))
 
 
 def cost_rows(results: dict, table: LatencyTable, configs: dict) -> list[dict]:

@@ -217,8 +217,15 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
 
             buckets = {prompt_bucket(c["prompt_tokens"])
                        for c in results["methods"]["vanilla"]["per_call"]}
+            # and in a cache as large as the runs' (attention reads every slot): generate's
+            # slot bucket for the median prompt
+            from ..generate import bucket
+
+            plen = sorted(c["prompt_tokens"] for c in results["methods"]["vanilla"]["per_call"])
+            slots = bucket(prompt_bucket(plen[len(plen) // 2])
+                           + max(p.max_new_tokens for p in prompts) + 1, minimum=64)
             table = measure_latency(target, draft, ts, ds, context=context,
-                                    reps=7 if quick else 20, prefill_sizes=buckets)
+                                    reps=7 if quick else 20, prefill_sizes=buckets, slots=slots)
         results["cost_model"] = {"latency": table.to_json(),
                                  "rows": cost_rows(results, table, configs),
                                  "formula": "vanilla_target_calls*t_T(1) / (target_calls*"
