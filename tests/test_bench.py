@@ -111,6 +111,16 @@ def test_quick_bench_json_has_every_field(bench_run):
                                                  "ouroboros"}
     assert all(r["predicted_speedup"] > 0 and r["prefill_seconds"] > 0 for r in cm["rows"])
     assert cm["latency"]["target_prefill"] and cm["latency"]["draft_prefill"]
+    # weights-bound pricing of the same counts: vanilla is 1x by construction, and a method's
+    # prediction is vanilla's calls over (target calls + draft forwards * draft/target params)
+    wb = {r["method"]: r for r in cm["weights_bound"]["rows"]}
+    st = res["settings"]
+    ratio = st["draft"]["params"] / st["target"]["params"]
+    van = m["vanilla"]["target_calls"]
+    for label, r in wb.items():
+        expect = van / (m[label]["target_calls"] + m[label]["draft_forwards"] * ratio)
+        assert r["predicted_speedup"] == pytest.approx(expect)
+    assert wb["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
     sw = res["sweeps"]
     assert [p["value"] for p in sw["pool"]["points"]] == [4, "default"]
     assert [p["value"] for p in sw["history"]["points"]] == [
@@ -173,6 +183,14 @@ def test_cost_model_hand_computed():
     table.draft[24] = 0.003
     assert cost_model.predict_seconds(25, 60, 11, 24, table, n_draft_first=28) == \
         pytest.approx(25 * 0.020 + 25 * 0.004 + 35 * 0.003)
+
+
+def test_weights_bound_table_hand_computed():
+    wb = cost_model.weights_bound_table(20_000_000, 5_000_000)
+    # 100 vanilla forwards vs 25 target calls (tree of 11) and 60 draft forwards (of 28):
+    # sizes do not matter, 100 / (25 + 60 * 0.25) = 2.5
+    assert cost_model.predict_speedup(100, 25, 60, 11, 28, wb, n_draft_first=30) == \
+        pytest.approx(2.5)
 
 
 def test_spec_bench_reader(tmp_path):

@@ -92,6 +92,17 @@ class LatencyTable:
                    draft_prefill=d(obj.get("draft_prefill")))
 
 
+def weights_bound_table(target_params: int, draft_params: Optional[int]) -> LatencyTable:
+    """A forward costs its model's parameter count (in units of the target's), whatever its
+    input size: the regime of batch-1 decoding on an accelerator, where reading the weights
+    dominates and a tree of tens of tokens costs about what one token costs (the paper's eq. 5
+    assumption). Prefill is left out. Used to show what the counted forwards of a CPU run
+    would give there; a prediction, never a measurement."""
+    return LatencyTable(target={1: 1.0},
+                        draft={1: float(draft_params) / target_params} if draft_params else {},
+                        note="weights-bound: t_T(n) = 1, t_S(n) = draft/target parameters")
+
+
 def prompt_bucket(n: int) -> int:
     from ..generate import bucket
 

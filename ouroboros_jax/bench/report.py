@@ -69,16 +69,27 @@ def markdown(results: dict) -> str:
                          + (f"; draft {fmt(lat['draft_prefill'])}"
                             if lat.get("draft_prefill") else "") + ".")
         lines.append("")
+        wb = {r["method"]: r["predicted_speedup"]
+              for r in (cm.get("weights_bound") or {}).get("rows", [])}
         lines.append("| method | n_T | n_S | target calls | draft forwards | predicted s | "
-                     "measured s | predicted speedup | measured speedup |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+                     "measured s | predicted speedup | measured speedup | weights-bound "
+                     "prediction |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in cm["rows"]:
             lines.append(f"| {r['method']} | {r['n_target']} | {r['n_draft']} | "
                          f"{r['target_calls']} | {r['draft_forwards']} | "
                          f"{_f(r.get('predicted_seconds'), '{:.3f}')} | "
                          f"{_f(r.get('measured_seconds'), '{:.3f}')} | "
                          f"{_f(r['predicted_speedup'], '{:.3g}×')} | "
-                         f"{_f(r['measured_speedup'], '{:.3g}×')} |")
+                         f"{_f(r['measured_speedup'], '{:.3g}×')} | "
+                         f"{_f(wb.get(r['method']), '{:.3g}×')} |")
+        if wb:
+            lines.append("")
+            lines.append("Weights-bound prediction: the same counted forwards priced as on an "
+                         "accelerator at batch 1, where a forward costs its model's parameter "
+                         "bytes whatever its input size (draft/target = "
+                         f"{cm['weights_bound']['latency']['draft'].get('1', 0):.3f}); "
+                         "prefill and per-round work left out. A prediction, not a measurement.")
     for name, sw in (results.get("sweeps") or {}).items():
         lines.append("")
         lines.append(f"Sweep `{name}`:")

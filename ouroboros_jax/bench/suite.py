@@ -191,7 +191,8 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
     results = run_bench(target, draft, prompts, methods, repeats=repeats, ignore_eos=ignore_eos,
                         progress=progress, log=log, settle=settle)
     if cost_model or latency_json:
-        from .cost_model import LatencyTable, cost_rows, forward_sizes, measure_latency
+        from .cost_model import (LatencyTable, cost_rows, forward_sizes, measure_latency,
+                                 weights_bound_table)
 
         configs = {r.label: r.config for r in methods}
         configs["vanilla"] = None
@@ -226,8 +227,12 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                            + max(p.max_new_tokens for p in prompts) + 1, minimum=64)
             table = measure_latency(target, draft, ts, ds, context=context,
                                     reps=7 if quick else 20, prefill_sizes=buckets, slots=slots)
+        st = results["settings"]
+        wb = weights_bound_table(st["target"]["params"], (st.get("draft") or {}).get("params"))
         results["cost_model"] = {"latency": table.to_json(),
                                  "rows": cost_rows(results, table, configs),
+                                 "weights_bound": {"latency": wb.to_json(),
+                                                   "rows": cost_rows(results, wb, configs)},
                                  "formula": "vanilla_target_calls*t_T(1) / (target_calls*"
                                             "t_T(n_T) + draft_forwards*t_S(n_S)); prefill "
                                             "excluded"}
