@@ -7,7 +7,11 @@ def test_demo_runs_and_reports_exactness(capsys):
     main(["demo", "--num-prompts", "1", "--max-new-tokens", "12"])
     out = capsys.readouterr().out
     assert "identical to vanilla: yes" in out
-    assert "vanilla" in out and "tokens/s" in out
+    assert "tokens/s" in out
+    rows = [line.split() for line in out.splitlines()
+            if line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"])]
+    assert [r[0] for r in rows] == ["vanilla", "speculative", "lookahead", "ouroboros"]
+    assert all(r[-1] == "yes" for r in rows)  # each method's tokens equal vanilla's
 
 
 def test_memory_command_prints_per_device_bytes(capsys):
