@@ -251,3 +251,32 @@ def test_tuner_follows_algorithm_1(monkeypatch):
     assert seen[:3] == [(4, 20, 5, 1), (8, 20, 5, 1), (12, 20, 5, 1)]
     assert res["config"] == OuroborosConfig(gamma=8, window=20, ngram=6, guesses=20, suffixes=3)
     assert eval(res["recipe"], {"OuroborosConfig": OuroborosConfig}) == res["config"]
+
+
+def test_tuner_tunes_the_baselines_knobs(monkeypatch):
+    """--method speculative tunes gamma alone, --method lookahead W (G = W) then N; the recipe
+    evaluates to the chosen config of that method."""
+    from ouroboros_jax.bench import tune
+    from ouroboros_jax.decoding.lookahead import LookaheadConfig
+    from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+    def fake_run_method(run, target, draft, prompts, repeats=1, eos=-1):
+        c = run.config
+        s = 1 + (getattr(c, "gamma", 0) - 6) ** 2 + (getattr(c, "window", 0) - 4) ** 2 \
+            + (getattr(c, "ngram", 0) - 3) ** 2
+        return {"seconds": s, "tokens_per_second": 100 / s, "eta": 1.0}, []
+
+    monkeypatch.setattr(tune, "run_method", fake_run_method)
+    grid = {"gamma": [2, 4, 6, 8], "window": [2, 4, 6], "ngram": [3, 4, 5], "suffixes": [1]}
+    start = {"gamma": 4, "window": 6, "ngram": 5, "suffixes": 1}
+    spec = tune.tune(None, None, [], grid=grid, start=start, method="speculative",
+                     log=lambda m: None)
+    assert spec["config"] == SpeculativeConfig(gamma=6)
+    assert [t["knob"] for t in spec["trials"]] == ["gamma"] * 4
+    assert eval(spec["recipe"], {"SpeculativeConfig": SpeculativeConfig}) == spec["config"]
+    la = tune.tune(None, None, [], grid=grid, start=start, method="lookahead",
+                   log=lambda m: None)
+    assert la["config"] == LookaheadConfig(window=4, ngram=3, guesses=4)
+    assert eval(la["recipe"], {"LookaheadConfig": LookaheadConfig}) == la["config"]
+    with pytest.raises(ValueError, match="method"):
+        tune.tune(None, None, [], method="vanilla")

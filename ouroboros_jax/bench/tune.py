@@ -5,6 +5,10 @@ same for every setting, so least time = most tokens/s), the others held at the v
 far (or at middle values before they are chosen): first gamma, then W (with G = W), then N
 (phrase length beta = N - 1), then K. Compilation is excluded (each candidate gets a warm-up
 call). Prints a recipe usable as `OuroborosConfig(...)`.
+
+`--method speculative` (gamma) and `--method lookahead` (W with G = W, then N) tune the
+baselines the same way, so that a comparison can give every method its best setting on the
+machine at hand.
 """
 
 from __future__ import annotations
@@ -17,58 +21,74 @@ import sys
 from .runner import MethodRun, run_method
 from .workloads import Prompt
 
+KNOBS = {"ouroboros": ("gamma", "window", "ngram", "suffixes"),
+         "speculative": ("gamma",), "lookahead": ("window", "ngram")}
 GRID = {"gamma": [4, 8, 12], "window": [8, 15, 20], "ngram": [5, 6, 7, 8], "suffixes": [1, 3, 5]}
 QUICK_GRID = {"gamma": [2, 4], "window": [4], "ngram": [4], "suffixes": [1, 2]}
 START = {"gamma": 8, "window": 15, "ngram": 6, "suffixes": 3}
 QUICK_START = {"gamma": 4, "window": 4, "ngram": 4, "suffixes": 2}
 
 
-def _cfg(cur: dict):
+def _cfg(cur: dict, method: str = "ouroboros"):
+    from ..decoding.lookahead import LookaheadConfig
     from ..decoding.ouroboros import OuroborosConfig
+    from ..decoding.speculative import SpeculativeConfig
 
+    if method == "speculative":
+        return SpeculativeConfig(gamma=cur["gamma"])
+    if method == "lookahead":
+        return LookaheadConfig(window=cur["window"], ngram=cur["ngram"], guesses=cur["window"])
     k = min(cur["suffixes"], cur["window"])
     return OuroborosConfig(gamma=cur["gamma"], window=cur["window"], ngram=cur["ngram"],
                            guesses=cur["window"], suffixes=k)
 
 
+def recipe_of(cfg) -> str:
+    """`Config(field=value, ...)` over the tuned fields, evaluable back into cfg."""
+    fields = [f for f in ("gamma", "window", "ngram", "guesses", "suffixes")
+              if hasattr(cfg, f)]
+    return f"{type(cfg).__name__}(" + ", ".join(f"{f}={getattr(cfg, f)}" for f in fields) + ")"
+
+
 def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: int = 1,
-         eos: int = -1, log=None) -> dict:
-    """Algorithm 1 -> {"config": OuroborosConfig, "recipe": str, "trials": [...]}."""
+         eos: int = -1, log=None, method: str = "ouroboros") -> dict:
+    """Algorithm 1 -> {"config": the method's config, "recipe": str, "trials": [...]}."""
+    if method not in KNOBS:
+        raise ValueError(f"method: tune knows {', '.join(KNOBS)}, not {method!r}")
     grid = grid or GRID
     cur = dict(start or START)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     trials = []
     cache: dict = {}
-    for knob in ("gamma", "window", "ngram", "suffixes"):
+    for knob in KNOBS[method]:
         best = None
         for v in grid[knob]:
             cand = {**cur, knob: v}
-            cfg = _cfg(cand)
+            cfg = _cfg(cand, method)
             key = dataclasses.astuple(cfg)
             if key not in cache:
-                s, _ = run_method(MethodRun("tune", "ouroboros", cfg), target, draft, prompts,
+                s, _ = run_method(MethodRun("tune", method, cfg), target, draft, prompts,
                                   repeats=repeats, eos=eos)
                 cache[key] = s
                 trials.append({"knob": knob, **{f: getattr(cfg, f) for f in
                                                 ("gamma", "window", "ngram", "guesses",
-                                                 "suffixes")},
+                                                 "suffixes") if hasattr(cfg, f)},
                                "seconds": s["seconds"], "tokens_per_second":
                                    s["tokens_per_second"], "eta": s["eta"]})
-                log(f"[tune] {knob}={v}: {s['tokens_per_second']:.1f} tokens/s, "
-                    f"eta {s['eta']:.2f} (gamma {cfg.gamma}, W {cfg.window}, N {cfg.ngram}, "
-                    f"K {cfg.suffixes})")
+                log(f"[tune] {method} {knob}={v}: {s['tokens_per_second']:.1f} tokens/s, "
+                    f"eta {s['eta']:.2f} ({recipe_of(cfg)})")
             s = cache[key]
             if best is None or s["seconds"] < best[1]:
                 best = (v, s["seconds"])
         cur[knob] = best[0]
-    cfg = _cfg(cur)
-    recipe = (f"OuroborosConfig(gamma={cfg.gamma}, window={cfg.window}, ngram={cfg.ngram}, "
-              f"guesses={cfg.guesses}, suffixes={cfg.suffixes})")
-    return {"config": cfg, "recipe": recipe, "trials": trials}
+    cfg = _cfg(cur, method)
+    return {"config": cfg, "recipe": recipe_of(cfg), "trials": trials}
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny random pair, tiny grid")
+    p.add_argument("--method", default="ouroboros", choices=sorted(KNOBS),
+                   help="which method's knobs to tune (default ouroboros)")
     p.add_argument("--target", help="target model directory (default: demo pair)")
     p.add_argument("--draft", help="draft model directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -94,8 +114,8 @@ def tune_main(a) -> dict:
     if a.prompts_per_task is None:
         a.prompts_per_task = 2 if quick else 4
     target, draft, source = load_models(a, quick)
-    if draft is None:
-        raise ValueError("--draft is required: Ouroboros needs a draft model")
+    if draft is None and a.method != "lookahead":
+        raise ValueError(f"--draft is required: {a.method} needs a draft model")
     prompts = load_workload(a, quick, _parse_lengths(a.length))
     grid = dict(QUICK_GRID if quick else GRID)
     if a.grid:
@@ -105,10 +125,11 @@ def tune_main(a) -> dict:
         if start.get(k) not in vs:
             start[k] = vs[len(vs) // 2]
     print(f"[tune] models: {source}; {len(prompts)} prompts; grid {grid}", file=sys.stderr)
-    res = tune(target, draft, prompts, grid=grid, start=start, repeats=a.repeats)
+    res = tune(target, draft, prompts, grid=grid, start=start, repeats=a.repeats,
+               method=a.method)
     print(res["recipe"])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"recipe": res["recipe"], "trials": res["trials"],
+            json.dump({"method": a.method, "recipe": res["recipe"], "trials": res["trials"],
                        "config": dataclasses.asdict(res["config"])}, f, indent=1)
     return res
