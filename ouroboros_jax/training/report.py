@@ -217,7 +217,13 @@ _DEF = re.compile(r'^(?P<ind>[ \t]*)def \w+\(.*?\).*?:[ \t]*\n(?P=ind)[ \t]+(?:[
 def heldout_prompts(manifest: dict, tok, n: int = 24, max_tokens: int = 96, per_file: int = 3) -> list[dict]:
     """Prompts ending right after the docstring of a `def` in held-out files, with preceding lines
     as context, at most `max_tokens` tokens (BOS included). Deterministic: manifest order, and up
-    to `per_file` candidates evenly spread over each file."""
+    to `per_file` candidates evenly spread over each file.
+
+    A prompt ends at the closing quotes, before the newline: the byte-level BPE merges a newline
+    with the next line's indentation ("\n   " + " return"), so a bare "\n" token occurs in
+    training only before column-0 text. A prompt ending in one tells the model the function is
+    over, and it continues with top-level comments and imports instead of the body (measured on
+    the stable-phase target at step 3208: 77% repeated 8-grams, 15 of 24 continuations looping)."""
     files = [f for f in manifest["files"] if f["split"] == "heldout"]
     per = []
     for f, text in zip(files, corpus.read_texts(manifest, "heldout")):
@@ -228,7 +234,7 @@ def heldout_prompts(manifest: dict, tok, n: int = 24, max_tokens: int = 96, per_
             end = text.find("\n", close) if close >= 0 else -1
             if end < 0 or close - q > 600:
                 continue
-            body = text[m.start() : end + 1]
+            body = text[m.start() : end]
             if len(tok.encode(body).ids) + 1 > max_tokens:
                 continue
             lines = text[: m.start()].splitlines(keepends=True)
