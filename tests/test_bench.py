@@ -224,7 +224,12 @@ def test_prompt_jsonl_and_humaneval_readers(tmp_path):
         read_prompt_jsonl(_write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a"}, {"text": "b"}]))
     he = read_humaneval()
     assert len(he) == 164 and he[0].id == "HumanEval/0" and he[0].max_new_tokens == 512
-    assert he[0].turns[0].startswith("\nfrom typing import List") or "def " in he[0].turns[0]
+    assert he[0].turns[0].startswith("from typing import List")
+    # trailing whitespace stripped (the raw prompts end in '"""\n'), nothing else touched
+    raw = read_humaneval(strip=False)
+    assert all(r.turns[0].endswith("\n") for r in raw)
+    assert all(h.turns[0] == r.turns[0].rstrip() for h, r in zip(he, raw))
+    assert sum(h.turns[0].endswith('"""') for h in he) > 140  # most end at the docstring
 
 
 def test_tuner_follows_algorithm_1(monkeypatch):

