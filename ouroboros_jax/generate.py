@@ -41,6 +41,12 @@ def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
     return b
 
 
+def cache_slots(prompt_width: int, max_new_tokens: int, margin: int) -> int:
+    """Cache slots of a call: the bucketed prompt width, the new tokens and the method's margin
+    (tree nodes scored past the last kept token), rounded up to a power of two."""
+    return bucket(prompt_width + max_new_tokens + margin, minimum=64)
+
+
 def _as_token_lists(target: Model, prompts) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of strings or of token-id lists, got "
@@ -131,7 +137,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
 
     B = len(token_lists)
     P = bucket(longest)
-    slots = bucket(P + max_new_tokens + spec.margin(cfg), minimum=64)
+    slots = cache_slots(P, max_new_tokens, spec.margin(cfg))
     prompt = np.zeros((B, P), np.int32)
     for i, t in enumerate(token_lists):
         prompt[i, :len(t)] = t

@@ -219,12 +219,12 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
             buckets = {prompt_bucket(c["prompt_tokens"])
                        for c in results["methods"]["vanilla"]["per_call"]}
             # and in a cache as large as the runs' (attention reads every slot): generate's
-            # slot bucket for the median prompt
-            from ..generate import bucket
+            # slots for the median prompt
+            from ..generate import cache_slots
 
             plen = sorted(c["prompt_tokens"] for c in results["methods"]["vanilla"]["per_call"])
-            slots = bucket(prompt_bucket(plen[len(plen) // 2])
-                           + max(p.max_new_tokens for p in prompts) + 1, minimum=64)
+            slots = cache_slots(prompt_bucket(plen[len(plen) // 2]),
+                                max(p.max_new_tokens for p in prompts), 1)
             table = measure_latency(target, draft, ts, ds, context=context,
                                     reps=7 if quick else 20, prefill_sizes=buckets, slots=slots)
         st = results["settings"]
