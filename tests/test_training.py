@@ -130,3 +130,47 @@ def test_bf16_export_loads_in_transformers_with_matching_logits(tmp_path):
     cfg, _, params, _ = _tiny_setup()
     save_hf_checkpoint(str(tmp_path), cfg, params, dtype="bfloat16")
     assert check_transformers(tmp_path, rtol=1e-4) <= 1e-4
+
+
+def test_repeat_mask_flags_tokens_inside_repeated_ngrams():
+    from ouroboros_jax.training.tokenizer import EOS_ID
+    from ouroboros_jax.training.unlikelihood import repeat_mask
+
+    # 3-grams: (7,8,9) occurs at 0 and again at 4 -> tokens 4..6 flagged; nothing else repeats
+    row = [7, 8, 9, 5, 7, 8, 9, 6, 10, 11]
+    m = repeat_mask(np.asarray([row]), 3)
+    assert m[0].tolist() == [False] * 4 + [True] * 3 + [False] * 3
+    # a one-token loop: everything from the second 3-gram on is flagged
+    assert repeat_mask(np.asarray([[4] * 8]), 3)[0].tolist() == [False] + [True] * 7
+    # repeats after EOS do not count (decoding stops there)
+    after = [7, 8, 9, EOS_ID, 7, 8, 9, 7, 8, 9]
+    assert not repeat_mask(np.asarray([after]), 3).any()
+
+
+def test_unlikelihood_steps_push_down_the_flagged_tokens_only():
+    from ouroboros_jax.training.unlikelihood import make_steps as ul_steps, unlikelihood_loss
+
+    cfg, tx, params, opt = _tiny_setup()
+    rng = np.random.default_rng(1)
+    toks = jnp.asarray(rng.integers(3, 64, size=(2, 16)), jnp.int32)
+    flagged = np.zeros((2, 15), bool)
+    flagged[:, 8:] = True
+
+    def target_probs(p):
+        from ouroboros_jax.models.llama import causal_mask, forward
+
+        logits, _ = forward(p, cfg, toks[:, :-1], jnp.broadcast_to(jnp.arange(15), (2, 15)), causal_mask(2, 15))
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        return np.exp(np.asarray(jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1)[..., 0]))
+
+    before = target_probs(params)
+    l0 = float(unlikelihood_loss(params, cfg, toks, jnp.asarray(flagged), jnp.float32))
+    # -log(1 - p) summed over flagged positions, per row
+    assert l0 == pytest.approx(float(-np.log1p(-before[flagged]).sum() / 2), rel=1e-4)
+    _, step = ul_steps(cfg, tx, jnp.float32)
+    p2, o2 = params, opt
+    for _ in range(10):
+        p2, o2, loss = step(p2, o2, toks, jnp.asarray(flagged))
+    after = target_probs(p2)
+    assert np.all(after[flagged] < before[flagged])
+    assert float(unlikelihood_loss(p2, cfg, toks, jnp.asarray(flagged), jnp.float32)) < l0

@@ -211,22 +211,27 @@ def short_loop(tokens: list[int], tail: int = 24) -> int:
     return 0
 
 
-_DEF = re.compile(r'^(?P<ind>[ \t]*)def \w+\(.*?\).*?:[ \t]*\n(?P=ind)[ \t]+(?:[rRuU]?""")', re.M | re.S)
+# A def whose next line opens a docstring. Parentheses are matched (one level of nesting) rather
+# than with a lazy `.*?` under re.S, which backtracked over whole files (52 s for the held-out
+# split) and let a def without a docstring swallow the next def.
+_DEF = re.compile(r'^(?P<ind>[ \t]*)def \w+\((?:[^()]|\([^()]*\))*\)[^\n]{0,200}?:[ \t]*\n(?P=ind)[ \t]+(?:[rRuU]?""")', re.M)
 
 
-def heldout_prompts(manifest: dict, tok, n: int = 24, max_tokens: int = 96, per_file: int = 3) -> list[dict]:
-    """Prompts ending right after the docstring of a `def` in held-out files, with preceding lines
-    as context, at most `max_tokens` tokens (BOS included). Deterministic: manifest order, and up
-    to `per_file` candidates evenly spread over each file.
+def heldout_prompts(manifest: dict, tok, n: int = 24, max_tokens: int = 96, per_file: int = 3,
+                    split: str = "heldout") -> list[dict]:
+    """Prompts ending right after the docstring of a `def` in held-out files (or in another
+    `split`: unlikelihood fine-tuning watches training-split prompts, so the gate's prompts stay
+    unseen), with preceding lines as context, at most `max_tokens` tokens (BOS included).
+    Deterministic: manifest order, and up to `per_file` candidates evenly spread over each file.
 
     A prompt ends at the closing quotes, before the newline: the byte-level BPE merges a newline
     with the next line's indentation ("\n   " + " return"), so a bare "\n" token occurs in
     training only before column-0 text. A prompt ending in one tells the model the function is
     over, and it continues with top-level comments and imports instead of the body (measured on
     the stable-phase target at step 3208: 77% repeated 8-grams, 15 of 24 continuations looping)."""
-    files = [f for f in manifest["files"] if f["split"] == "heldout"]
+    files = [f for f in manifest["files"] if f["split"] == split]
     per = []
-    for f, text in zip(files, corpus.read_texts(manifest, "heldout")):
+    for f, text in zip(files, corpus.read_texts(manifest, split)):
         cands = []
         for m in _DEF.finditer(text):
             q = m.end()
