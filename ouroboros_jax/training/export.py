@@ -42,7 +42,9 @@ def stage_member(run_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
     run = json.loads((run_dir / "run.json").read_text())
     cmds = (run_dir / "commands.txt").read_text().splitlines() if (run_dir / "commands.txt").exists() else []
     return {"run": str(run_dir), "invocations": cmds, "step": meta["step"], "train_tokens": meta["tokens"], "wall_s": meta["wall_s"],
-            "args": run["args"], "num_params": cfg.num_params()}
+            "args": run["args"], "num_params": cfg.num_params(),
+            # {"from_step", "steps", "flagged_tokens"} when unlikelihood.py fine-tuned this member
+            "unlikelihood": meta.get("unlikelihood")}
 
 
 def check_transformers(hf_dir: Path, rtol: float = 1e-4) -> float:
@@ -85,6 +87,9 @@ def provenance_md(p: dict) -> str:
         ("held-out loss (nats/token)", f"{r['target']['loss_per_token']:.4f}", f"{r['draft']['loss_per_token']:.4f}"),
         ("held-out bits per byte", f"{r['target']['bits_per_byte']:.4f}", f"{r['draft']['bits_per_byte']:.4f}"),
     ]
+    ul = lambda m: (f"{m['unlikelihood']['steps']} updates from step {m['unlikelihood']['from_step']}"
+                    if m.get("unlikelihood") else "none")
+    rows.append(("unlikelihood fine-tuning (half MLE)", ul(t), ul(d)))
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     c, sp = r["continuations"], r["speculative"]
     lines += [
