@@ -142,9 +142,12 @@ def test_repeat_mask_flags_tokens_inside_repeated_ngrams():
     assert m[0].tolist() == [False] * 4 + [True] * 3 + [False] * 3
     # a one-token loop: everything from the second 3-gram on is flagged
     assert repeat_mask(np.asarray([[4] * 8]), 3)[0].tolist() == [False] + [True] * 7
-    # repeats after EOS do not count (decoding stops there)
-    after = [7, 8, 9, EOS_ID, 7, 8, 9, 7, 8, 9]
-    assert not repeat_mask(np.asarray([after]), 3).any()
+    # the whole row counts, as in the report's measure; file ends are negatives of their own
+    from ouroboros_jax.training.unlikelihood import negatives
+
+    after = np.asarray([[7, 8, 9, EOS_ID, 7, 8, 9, 7, 8, 9]])
+    assert repeat_mask(after, 3)[0].tolist() == [False] * 4 + [True] * 6
+    assert negatives(after, 3)[0].tolist() == [False] * 3 + [True] * 7
 
 
 def test_unlikelihood_steps_push_down_the_flagged_tokens_only():
