@@ -74,8 +74,11 @@ def demo_config(method: str):
 
     if jax.default_backend() != "cpu":
         return None
-    return {"ouroboros": OuroborosConfig(gamma=6, window=6, ngram=4, guesses=6, suffixes=3),
-            "lookahead": LookaheadConfig(window=6, ngram=4, guesses=6)}.get(method)
+    # ouroboros: `ouroboros-jax tune` on the demo pair, 2 training-file prompts, 256 tokens
+    # (runs/tune_prompts.jsonl in the session that shipped the pair); the paper's GPU recipe is
+    # gamma 10-12, W 20, N 7, K 3
+    return {"ouroboros": OuroborosConfig(gamma=2, window=4, ngram=3, guesses=4, suffixes=2),
+            "lookahead": LookaheadConfig(window=4, ngram=3, guesses=4)}.get(method)
 
 
 def _timed_runs(target, draft, prompts, method: str, max_new_tokens: int) -> dict:
