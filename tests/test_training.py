@@ -151,7 +151,7 @@ def test_repeat_mask_flags_tokens_inside_repeated_ngrams():
 
 
 def test_unlikelihood_steps_push_down_the_flagged_tokens_only():
-    from ouroboros_jax.training.unlikelihood import make_steps as ul_steps, unlikelihood_loss
+    from ouroboros_jax.training.unlikelihood import make_ul_step, unlikelihood_loss
 
     cfg, tx, params, opt = _tiny_setup()
     rng = np.random.default_rng(1)
@@ -170,7 +170,7 @@ def test_unlikelihood_steps_push_down_the_flagged_tokens_only():
     l0 = float(unlikelihood_loss(params, cfg, toks, jnp.asarray(flagged), jnp.float32))
     # -log(1 - p) summed over flagged positions, per row
     assert l0 == pytest.approx(float(-np.log1p(-before[flagged]).sum() / 2), rel=1e-4)
-    _, step = ul_steps(cfg, tx, jnp.float32)
+    step = make_ul_step(cfg, tx, jnp.float32)
     p2, o2 = params, opt
     for _ in range(10):
         p2, o2, loss = step(p2, o2, toks, jnp.asarray(flagged))

@@ -52,6 +52,8 @@ def lr_schedule(lr: float, warmup: int, total_steps: int, kind: str = "wsd", dec
     linear decay over the last `decay_frac` of the steps ("wsd", warmup-stable-decay). With "wsd"
     the run length can be changed on resume while still in the constant phase without any jump,
     which suits a machine whose throughput is not known in advance."""
+    if kind == "constant":  # fine-tuning (unlikelihood.py): no warmup, no decay
+        return optax.constant_schedule(lr)
     total_steps = max(total_steps, warmup + 1)
     if kind == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, total_steps, end_value=lr * end_frac)

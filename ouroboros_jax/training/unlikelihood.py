@@ -38,7 +38,7 @@ from ouroboros_jax.models.config import ModelConfig
 from ouroboros_jax.models.llama import causal_mask, forward
 from ouroboros_jax.training import corpus, data, report
 from ouroboros_jax.training.tokenizer import BOS_ID, EOS_ID, load_tokenizer
-from ouroboros_jax.training.train import Checkpointer, loss_fn, make_optimizer
+from ouroboros_jax.training.train import Checkpointer, make_optimizer, make_steps
 
 
 def repeat_mask(cont: np.ndarray, n: int) -> np.ndarray:
@@ -86,18 +86,16 @@ def unlikelihood_loss(params, cfg: ModelConfig, tokens, flagged, compute_dtype):
     return jnp.sum(jnp.where(flagged, ul, 0.0)) / B
 
 
-def make_steps(cfg: ModelConfig, tx, compute_dtype):
-    def mle_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, batch, compute_dtype)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+def make_ul_step(cfg: ModelConfig, tx, compute_dtype):
+    """Jitted (params, opt_state, tokens, flagged) -> (params, opt_state, loss); the MLE update
+    is train.py's own step."""
 
     def ul_step(params, opt_state, tokens, flagged):
         loss, grads = jax.value_and_grad(unlikelihood_loss)(params, cfg, tokens, flagged, compute_dtype)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(mle_step, donate_argnums=(0, 1)), jax.jit(ul_step, donate_argnums=(0, 1))
+    return jax.jit(ul_step, donate_argnums=(0, 1))
 
 
 def rollouts(params, cfg: ModelConfig, windows: np.ndarray, prefix: int, continuation: int, n: int):
@@ -166,11 +164,7 @@ def finetune(a) -> dict:
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.float32))
     params, opt_state, meta = ck.restore(start, params, jax.eval_shape(tx_old.init, params))
     ul = meta.get("unlikelihood", {"from_step": start, "steps": 0, "flagged_tokens": 0})
-    tx = optax.chain(optax.clip_by_global_norm(ra["clip"]),
-                     optax.adamw(optax.constant_schedule(a.lr), b1=0.9, b2=0.95, eps=1e-8,
-                                 weight_decay=ra["weight_decay"],
-                                 mask=lambda p: jax.tree_util.tree_map_with_path(
-                                     lambda path, x: "norm" not in jax.tree_util.keystr(path), p)))
+    tx, _ = make_optimizer(a.lr, 0, 1, ra["weight_decay"], ra["clip"], schedule="constant")
     # the chained states have the same structure (the schedule keeps its count in the adamw state)
     opt_state = jax.tree.unflatten(jax.tree.structure(tx.init(params)), jax.tree.leaves(opt_state))
 
@@ -191,10 +185,8 @@ def finetune(a) -> dict:
     wp = report.heldout_prompts(dict(manifest, files=train_files[::every]), tok, n=a.watch_prompts,
                                 per_file=1, split="train")
     watch_ids = [[BOS_ID] + tok.encode(p["text"]).ids for p in wp]
-    mle_step, ul_step = make_steps(cfg, tx, compute_dtype)
-    from ouroboros_jax.training.train import make_steps as mle_steps
-
-    _, eval_step = mle_steps(cfg, tx, compute_dtype)
+    mle_step, eval_step = make_steps(cfg, tx, compute_dtype)
+    ul_step = make_ul_step(cfg, tx, compute_dtype)
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
@@ -223,7 +215,7 @@ def finetune(a) -> dict:
         k = ul["steps"]
         windows = packed.batch(k)
         if k % 2 == 0:
-            params, opt_state, loss = mle_step(params, opt_state, jnp.asarray(windows))
+            params, opt_state, loss, _ = mle_step(params, opt_state, jnp.asarray(windows))
             acc["mle"].append(float(loss))
             meta["tokens"] = int(meta["tokens"]) + windows[:, 1:].size
         else:
