@@ -136,8 +136,9 @@ class Checkpointer:
         return r["state"]["params"], r["state"]["opt_state"], r["meta"]
 
 
-def restore_params(out_dir: str | Path, step: int | None = None):
-    """(ModelConfig, fp32 params, meta) of a run directory's newest (or given) checkpoint."""
+def restore_state(out_dir: str | Path, step: int | None = None):
+    """(ModelConfig, fp32 params, optimizer state, meta) of a run directory's newest (or given)
+    checkpoint, the optimizer rebuilt from the run's recorded arguments."""
     out = Path(out_dir)
     run = json.loads((out / "run.json").read_text())
     cfg = ModelConfig(**run["model"])
@@ -150,8 +151,14 @@ def restore_params(out_dir: str | Path, step: int | None = None):
     step = ck.latest() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {out / 'ckpt'}")
-    params, _, meta = ck.restore(step, params, opt_state)
-    return cfg, params, dict(meta, step=step)
+    params, opt_state, meta = ck.restore(step, params, opt_state)
+    return cfg, params, opt_state, dict(meta, step=step)
+
+
+def restore_params(out_dir: str | Path, step: int | None = None):
+    """(ModelConfig, fp32 params, meta) of a run directory's newest (or given) checkpoint."""
+    cfg, params, _, meta = restore_state(out_dir, step)
+    return cfg, params, meta
 
 
 def parse_args(argv=None):

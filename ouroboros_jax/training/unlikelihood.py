@@ -38,7 +38,7 @@ from ouroboros_jax.models.config import ModelConfig
 from ouroboros_jax.models.llama import causal_mask, forward
 from ouroboros_jax.training import corpus, data, report
 from ouroboros_jax.training.tokenizer import BOS_ID, EOS_ID, load_tokenizer
-from ouroboros_jax.training.train import Checkpointer, make_optimizer, make_steps
+from ouroboros_jax.training.train import Checkpointer, make_optimizer, make_steps, restore_state
 
 
 def repeat_mask(cont: np.ndarray, n: int) -> np.ndarray:
@@ -153,16 +153,11 @@ def finetune(a) -> dict:
     if a.prefix >= a.seq_len:
         raise SystemExit(f"--prefix {a.prefix} must be shorter than --seq-len {a.seq_len}")
     ck = Checkpointer(out / "ckpt")
-    start = ck.latest()
-    if start is None:
+    if ck.latest() is None:
         raise SystemExit(f"no checkpoint under {out / 'ckpt'}: copy the MLE run's checkpoint there first")
-    # restore with the MLE run's optimizer structure, then continue its Adam moments at a constant LR
-    tx_old, _ = make_optimizer(ra["lr"], ra["warmup"], ra["total_steps"], ra["weight_decay"], ra["clip"],
-                               ra.get("schedule", "wsd"), ra.get("decay_frac", 0.2))
-    from ouroboros_jax.models.llama import init_params
-
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.float32))
-    params, opt_state, meta = ck.restore(start, params, jax.eval_shape(tx_old.init, params))
+    # the MLE run's optimizer state: its Adam moments continue, at a constant LR
+    _, params, opt_state, meta = restore_state(out)
+    start = meta.pop("step")
     ul = meta.get("unlikelihood", {"from_step": start, "steps": 0, "flagged_tokens": 0})
     tx, _ = make_optimizer(a.lr, 0, 1, ra["weight_decay"], ra["clip"], schedule="constant")
     # the chained states have the same structure (the schedule keeps its count in the adamw state)
