@@ -1,4 +1,4 @@
-"""The `ouroboros-jax` command: generate, demo, memory."""
+"""The `ouroboros-jax` command: generate, demo, memory, bench, tune, distill."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def _cmd_tune(a):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["distill"]:  # its own parser (training/distill.py), so -h shows all its flags
+        from .training.distill import main as distill_main
+
+        distill_main(argv[1:])
+        return
     ap = argparse.ArgumentParser(prog="ouroboros-jax",
                                  description="Ouroboros speculative decoding for JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -132,6 +138,8 @@ def main(argv=None):
     t = sub.add_parser("tune", help="the paper's Algorithm 1: pick gamma, then W/N, then K")
     add_tune_args(t)
     t.set_defaults(fn=_cmd_tune)
+
+    sub.add_parser("distill", help="distil a draft model from a target: ouroboros-jax distill -h")
 
     a = ap.parse_args(argv)
     try:
