@@ -18,7 +18,7 @@ def _cmd_generate(a):
 
         data, model = _parse_mesh(a.mesh)
         mesh = make_mesh(data, model)
-    config = None
+    config = "auto"
     if a.config:
         from .decoding import METHODS
 
@@ -102,7 +102,7 @@ def main(argv=None):
     g.add_argument("--draft", help="draft model directory (same tokenizer)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     g.add_argument("--method", default="vanilla")
-    g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\'')
+    g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\' (default: auto)')
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

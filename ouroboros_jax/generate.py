@@ -101,13 +101,15 @@ def _check_draft(target: Model, draft: Optional[Model], method: str, needs_draft
 def generate(target: Model, prompts, draft: Optional[Model] = None, method: str = "vanilla",
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, eos_token_id: Optional[int] = None,
-             config: Any = None, mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
+             config: Any = "auto", mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
              max_cache_len: Optional[int] = None) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
     prompts: list of strings (tokenized with the target's tokenizer) or of token-id lists.
     method: "vanilla", "speculative", "lookahead" or "ouroboros"; config: that method's config
-    object (defaults from the paper when None). temperature 0 is greedy. mesh: a
+    object, "auto" (default: chosen for this device, batch and pair by `decoding.auto`, which may
+    turn speculation off for the call; `stats["auto"]` says what it chose and why) or None (the
+    paper's recipe). temperature 0 is greedy. mesh: a
     `jax.sharding.Mesh` with axes named "data" and/or "model" to shard over. pool: a phrase
     pool returned by an earlier call (methods that keep one). max_cache_len: the longest
     prompt + generation allowed (default: the target's max_position_embeddings).
@@ -118,8 +120,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     spec = METHODS[method]
     _validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
     _check_draft(target, draft, method, spec.needs_draft)
-    cfg = spec.default_config() if config is None else config
-    if config is not None and not isinstance(cfg, spec.config_type):
+    auto = isinstance(config, str) and config == "auto"
+    if isinstance(config, str) and not auto:
+        raise ValueError(f"config must be a {spec.config_type.__name__}, 'auto' or None, got {config!r}")
+    cfg = spec.default_config() if config is None or auto else config
+    if config is not None and not auto and not isinstance(cfg, spec.config_type):
         raise ValueError(f"config for method={method!r} must be a {spec.config_type.__name__}, "
                          f"got {type(cfg).__name__}")
     token_lists = _as_token_lists(target, prompts)
@@ -137,11 +142,21 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
 
     B = len(token_lists)
     P = bucket(longest)
-    slots = cache_slots(P, max_new_tokens, spec.margin(cfg))
     prompt = np.zeros((B, P), np.int32)
     for i, t in enumerate(token_lists):
         prompt[i, :len(t)] = t
     plens = np.array([len(t) for t in token_lists], np.int32)
+    choice = None
+    if auto and method != "vanilla":
+        from .decoding.auto import auto_config
+
+        choice = auto_config(method, target, draft, jnp.asarray(prompt), jnp.asarray(plens),
+                             cache_slots(P, max_new_tokens, 0))
+        if choice.method == "vanilla":
+            spec, cfg = METHODS["vanilla"], None
+        else:
+            cfg = choice.config
+    slots = cache_slots(P, max_new_tokens, spec.margin(cfg))
     limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
                     eos_token_id=jnp.asarray(eos, jnp.int32))
     sp = SamplingParams.make(temperature if temperature > 0 else 1.0, top_k, top_p, seed)
@@ -167,8 +182,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     texts = None
     if target.tokenizer is not None:
         texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in new]
-    return GenerationOutput(tokens=new, texts=texts,
-                            stats=summarize_stats(stats, seconds), pool=pool_out)
+    stats = summarize_stats(stats, seconds)
+    if choice is not None:
+        stats["auto"] = choice.as_stats(method)
+    return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
 
 
 def summarize_stats(raw: dict, seconds: float) -> dict:

@@ -10,6 +10,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# config="auto" keeps its latency probes on disk; tests keep theirs beside the compilation cache
+os.environ.setdefault("OUROBOROS_JAX_CACHE", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".jax_cache", "ouroboros_jax"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import jax  # noqa: E402

@@ -1,0 +1,334 @@
+"""`config="auto"`: each method's configuration chosen for the device, models and batch at hand.
+
+A speculative method pays off only where scoring many tokens in one forward costs about what
+scoring one costs (an accelerator reading its weights at batch 1), and only as far as the draft
+agrees with the target. Both are measured rather than assumed:
+
+1. **latency probe** (`probe_latency`): seconds per forward of the target and of the draft by
+   input size n, at the call's batch bucket and cache size, on the actual device; measured once
+   and kept on disk (`cache_path()`), keyed by device kind, model shape and dtype, batch bucket
+   and cache bucket, so later calls and later processes pay nothing;
+2. **agreement** (`pair_agreement`): the share of positions where the draft's and the target's
+   argmax agree over the prompts of the call (two forwards), pooled on disk with earlier calls'
+   prompts for the same pair;
+3. **choice** (`choose`): the paper's expected-tokens model (tokens per round at agreement a and
+   gamma: (1 - a^(gamma+1)) / (1 - a)) divided by the round's predicted time from the latency
+   table, maximised over a grid of each method's knobs; vanilla's rate is 1 / t_T(1) (both
+   with the work outside the forwards added). When no
+   setting is predicted to beat vanilla by `MIN_GAIN`, speculation is turned off for the call
+   (the call runs vanilla, and stats say so).
+
+On an accelerator t_T(n) is nearly flat up to tens or hundreds of tokens, and the choice lands at
+large trees (the paper's recipe: gamma ~12, W ~20, N ~7); on a 2-core CPU a forward's cost grows
+with every token, and it lands at small trees (what `ouroboros-jax tune` finds there).
+
+Priors that are not measured (named constants below) describe how often pool phrases pay: they
+come from the demo pair's measured counters (bench, W 4 N 3 G 4: lookahead eta 1.74, Ouroboros
+c 1.25) and only shape the choice between tree sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
+# the last is extrapolated linearly from the last two.
+TARGET_SIZES = (1, 4, 8, 16, 64)
+DRAFT_SIZES = (1, 4, 16, 64)
+MIN_GAIN = 1.05  # predicted speedup a speculative setting needs, else the call runs vanilla
+DEFAULT_AGREEMENT = 0.5  # before the pair has been measured on 32 prompt positions
+MIN_AGREEMENT_TOKENS = 32
+# Work outside the forwards, in units of the target's 1-token forward: per vanilla step (sampling,
+# emit, commit) and per speculative round (tree, accept walk, commits, pool lookups and inserts).
+# From the bench's cost model on the demo pair at batch 1 (measured / forward-only predicted
+# time: 1.23 for vanilla, 1.40 for Ouroboros).
+VANILLA_OVERHEAD = 0.2
+ROUND_OVERHEAD = 0.5
+# Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
+# right continuation, and the chance that each further token of a right phrase is also right;
+# fitted to the demo pair's lookahead (W 4, N 3, G 4: eta 1.74) and Ouroboros (c 1.25) counters.
+PHRASE_HIT = 0.12
+PHRASE_CONTINUES = 0.8
+
+GRID = {
+    "gamma": (1, 2, 3, 4, 6, 8, 10, 12),
+    "window": (2, 4, 8, 15, 20),
+    "ngram": (3, 4, 5, 7),
+    "suffixes": (1, 2, 3),
+}
+
+
+# ------------------------------------------------------------------------------------ disk cache
+def cache_path() -> Path:
+    """$OUROBOROS_JAX_CACHE/auto.json, else ~/.cache/ouroboros_jax/auto.json."""
+    root = os.environ.get("OUROBOROS_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ouroboros_jax")
+    return Path(root) / "auto.json"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(update: dict) -> None:
+    """Merges `update` into the cache file atomically; a read-only home just skips caching."""
+    p = cache_path()
+    try:
+        data = _read_cache()
+        for k, v in update.items():
+            data.setdefault(k, {}).update(v)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, p)
+    except OSError:
+        pass
+
+
+def model_signature(model) -> str:
+    """Shape, dtype and placement of a model: what its forward's cost depends on."""
+    cfg = dataclasses.asdict(model.config)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg.pop(k, None)
+    leaf = model.params["embed"]
+    sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    where = dict(mesh.shape) if mesh is not None else len(getattr(sharding, "device_set", [0]) or [0])
+    blob = json.dumps([cfg, str(leaf.dtype), str(where)], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}:{jax.device_count()}"
+
+
+def batch_bucket(batch: int) -> int:
+    return 1 << max(0, (int(batch) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------ latency
+def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
+    """A timer: seconds per forward of n tokens per row at `batch` rows, after slots/2 cached
+    tokens in a cache of `slots` slots, `inner` forwards in one compiled loop (as in decoding:
+    no dispatch per forward)."""
+    from ..models import forward, init_cache
+
+    cfg = model.config
+    context = max(0, min(slots - n, slots // 2))
+    cache = init_cache(cfg, batch, slots, model.dtype)
+    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+    tokens = jnp.ones((batch, n), jnp.int32)
+    pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool))[None], (batch, n, n))
+
+    def body(i, acc, p, c):
+        t = tokens + (acc > 1e30).astype(jnp.int32)  # depends on the carry: not hoisted
+        logits = forward(p, cfg, t, pos, mask, c)[0]
+        return acc + logits[0, -1, 0]
+
+    f = jax.jit(lambda p, c: jax.lax.fori_loop(0, inner, partial(body, p=p, c=c), jnp.zeros((), jnp.float32)))
+    f(model.params, cache).block_until_ready()
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        f(model.params, cache).block_until_ready()
+        return (time.perf_counter() - t0) / inner
+
+    return timed
+
+
+def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int = 5,
+                  use_cache: bool = True) -> dict:
+    """{n: seconds per forward} for this model at this batch bucket and cache size; from the
+    disk cache when this device kind has measured this model shape before."""
+    B = batch_bucket(batch)
+    key = f"{device_kind()}|{model_signature(model)}|B{B}|S{slots}"
+    if use_cache:
+        hit = _read_cache().get("latency", {}).get(key)
+        if hit and all(str(n) in hit for n in sizes):
+            return {int(k): float(v) for k, v in hit.items()}
+    timers = {n: _forward_seconds(model, B, n, slots) for n in sizes}
+    samples = {n: [] for n in sizes}
+    for _ in range(reps):  # interleaved, so background load spreads over all sizes alike
+        for n, timed in timers.items():
+            samples[n].append(timed())
+    table = {n: float(np.median(v)) for n, v in samples.items()}
+    # a larger input never costs less: noise can make a measured table dip
+    for n_prev, n in zip(sizes, sizes[1:]):
+        table[n] = max(table[n], table[n_prev])
+    if use_cache:
+        _write_cache({"latency": {key: {str(n): t for n, t in table.items()}}})
+    return table
+
+
+def lookup(table: dict, n: int) -> float:
+    """Seconds at n from a {n: seconds} table (linear between and past measured sizes)."""
+    xs = sorted(table)
+    ys = [table[x] for x in xs]
+    if n <= xs[0]:
+        return ys[0]
+    if n <= xs[-1]:
+        return float(np.interp(n, xs, ys))
+    if len(xs) == 1:
+        return ys[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (n - xs[-1])
+
+
+# ------------------------------------------------------------------------------------ agreement
+@partial(jax.jit, static_argnums=(1, 3))
+def _agreement_counts(tparams, tcfg, dparams, dcfg, prompt, plens):
+    """(positions where both models' argmax agree, positions) over the real prompt tokens."""
+    from ..models import forward
+
+    B, P = prompt.shape
+    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((P, P), bool)), (B, P, P))
+    t = jnp.argmax(forward(tparams, tcfg, prompt, pos, mask)[0], axis=-1)
+    d = jnp.argmax(forward(dparams, dcfg, prompt, pos, mask)[0], axis=-1)
+    real = jnp.arange(P)[None, :] < plens[:, None]
+    return jnp.sum((t == d) & real), jnp.sum(real)
+
+
+def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tuple[float, int]:
+    """(estimated top-1 agreement of the pair, positions it rests on): this call's prompts pooled
+    with every earlier call's for the same pair (disk cache)."""
+    key = f"{model_signature(target)}|{model_signature(draft)}"
+    agree, n = (int(x) for x in _agreement_counts(target.params, target.config, draft.params,
+                                                   draft.config, prompt, plens))
+    if use_cache:
+        old = _read_cache().get("agreement", {}).get(key, [0, 0])
+        agree, n = agree + int(old[0]), n + int(old[1])
+        _write_cache({"agreement": {key: [agree, n]}})
+    if n < MIN_AGREEMENT_TOKENS:  # shrink a few positions' estimate toward the prior
+        w = n / MIN_AGREEMENT_TOKENS
+        return w * (agree / max(n, 1)) + (1 - w) * DEFAULT_AGREEMENT, n
+    return agree / n, n
+
+
+# ------------------------------------------------------------------------------------ the model
+def expected_tokens(a: float, gamma: int) -> float:
+    """Tokens per round of a chain of gamma draft tokens at per-token agreement a (accepted
+    prefix + the target's own token): (1 - a^(gamma+1)) / (1 - a)."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+def phrase_gain(guesses: int, ngram: int) -> float:
+    """Expected extra tokens from the best of `guesses` (N-1)-token phrases for a key: some
+    phrase is right with 1 - (1 - PHRASE_HIT)^G, and then each of its tokens after the first
+    continues with PHRASE_CONTINUES."""
+    hit = 1 - (1 - PHRASE_HIT) ** guesses
+    return hit * sum(PHRASE_CONTINUES ** j for j in range(ngram - 1))
+
+
+@dataclasses.dataclass
+class Choice:
+    method: str  # the method the call runs: the asked one, or "vanilla" when nothing pays
+    config: object
+    predicted_speedup: float
+    agreement: Optional[float]
+    reason: str
+
+    def as_stats(self, asked: str) -> dict:
+        from ..bench.tune import recipe_of
+
+        return {"asked": asked, "method": self.method,
+                "config": recipe_of(self.config) if self.config is not None else None,
+                "predicted_speedup": round(self.predicted_speedup, 3),
+                "agreement": None if self.agreement is None else round(self.agreement, 3),
+                "reason": self.reason}
+
+
+def _vanilla_rate(tt):
+    return 1.0 / (lookup(tt, 1) * (1 + VANILLA_OVERHEAD))
+
+
+def _speculative_rate(a, gamma, tt, td):
+    t_round = gamma * lookup(td, 1) + lookup(tt, gamma + 1) + ROUND_OVERHEAD * lookup(tt, 1)
+    return expected_tokens(a, gamma) / t_round
+
+
+def _lookahead_rate(window, ngram, guesses, tt):
+    n_t = (window + guesses) * (ngram - 1)
+    tokens = 1 + phrase_gain(guesses, ngram)
+    return tokens / (lookup(tt, n_t) + ROUND_OVERHEAD * lookup(tt, 1))
+
+
+def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
+    m = ngram - 1
+    n_t = 1 + gamma + suffixes * m
+    n_s = (window + guesses) * m
+    c = 1 + phrase_gain(guesses, ngram) * a  # draft tokens per draft forward (phrase drafting)
+    draft_forwards = gamma / c  # on average: a forward yields 1 to N-1 tokens
+    # lengthening: when the whole chain is accepted, one of K pool phrases may go on
+    bonus = a ** gamma * (1 - (1 - PHRASE_HIT) ** suffixes) * sum(a ** j for j in range(1, m + 1))
+    tokens = expected_tokens(a, gamma) + bonus
+    t_round = draft_forwards * lookup(td, n_s) + lookup(tt, n_t) + ROUND_OVERHEAD * lookup(tt, 1)
+    return tokens / t_round
+
+
+def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]) -> Choice:
+    """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
+    {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN."""
+    from .lookahead import LookaheadConfig
+    from .ouroboros import OuroborosConfig
+    from .speculative import SpeculativeConfig
+
+    vanilla_rate = _vanilla_rate(tt)
+    best, best_rate = None, 0.0
+    if method == "speculative":
+        for g in GRID["gamma"]:
+            r = _speculative_rate(agreement, g, tt, td)
+            if r > best_rate:
+                best, best_rate = SpeculativeConfig(gamma=g), r
+    elif method == "lookahead":
+        for w in GRID["window"]:
+            for n in GRID["ngram"]:
+                r = _lookahead_rate(w, n, w, tt)
+                if r > best_rate:
+                    best, best_rate = LookaheadConfig(window=w, ngram=n, guesses=w), r
+    elif method == "ouroboros":
+        for g in GRID["gamma"]:
+            for w in GRID["window"]:
+                for n in GRID["ngram"]:
+                    for k in GRID["suffixes"]:
+                        if k > w:
+                            continue
+                        r = _ouroboros_rate(agreement, g, w, n, w, k, tt, td)
+                        if r > best_rate:
+                            best, best_rate = OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w,
+                                                              suffixes=k), r
+    else:
+        raise ValueError(f"config='auto' knows speculative, lookahead and ouroboros, not {method!r}")
+    gain = best_rate / vanilla_rate
+    if gain < MIN_GAIN:
+        return Choice("vanilla", None, 1.0, agreement,
+                      f"no {method} setting is predicted to beat vanilla here (best {gain:.2f}x): "
+                      "speculation is off for this call")
+    return Choice(method, best, gain, agreement, f"predicted {gain:.2f}x vanilla")
+
+
+def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True) -> Choice:
+    """Probe (or recall) the latencies and the pair's agreement, then `choose`."""
+    B = int(prompt.shape[0])
+    tt = probe_latency(target, B, slots, TARGET_SIZES, use_cache=use_cache)
+    td, a = None, None
+    if draft is not None and method != "lookahead":
+        td = probe_latency(draft, B, slots, DRAFT_SIZES, use_cache=use_cache)
+        a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
+    return choose(method, tt, td, a)

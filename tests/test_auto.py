@@ -1,0 +1,126 @@
+"""config="auto" (decoding/auto.py): the choice follows the latency shape of the device (flat
+tables, as on an accelerator, give the paper's large trees; steep CPU-like tables give small
+trees or no speculation), the probe and the agreement are kept on disk, and auto never changes
+the tokens."""
+
+import json
+
+import numpy as np
+import pytest
+
+import ouroboros_jax as oj
+from ouroboros_jax.decoding import auto
+from ouroboros_jax.decoding.lookahead import LookaheadConfig
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+SIZES = (1, 4, 8, 16, 64, 256)
+# Accelerator at batch 1: a forward costs its weights, whatever the input (weights-bound); the
+# draft has 1/10 of the target's parameters.
+FLAT_T = {n: 1.0 for n in SIZES}
+FLAT_D = {n: 0.1 for n in SIZES}
+# 2-core CPU (demo pair, measured by the probe): the target's forward grows by about 5% per
+# extra token and the draft's by about 6%.
+CPU_T = {n: 3.7e-3 * (1 + 0.05 * (n - 1)) for n in SIZES}
+CPU_D = {n: 0.47e-3 * (1 + 0.06 * (n - 1)) for n in SIZES}
+
+
+def test_flat_latency_gives_the_papers_large_trees():
+    # the paper's pairs on code agree about 90% of the time
+    o = auto.choose("ouroboros", FLAT_T, FLAT_D, 0.9)
+    assert o.method == "ouroboros" and isinstance(o.config, OuroborosConfig)
+    c = o.config
+    assert (c.gamma, c.window, c.ngram, c.suffixes) == (12, 20, 7, 3)  # the paper's code recipe
+    la = auto.choose("lookahead", FLAT_T, None, None)
+    assert isinstance(la.config, LookaheadConfig) and la.config.window >= 15 and la.config.ngram >= 5
+    sd = auto.choose("speculative", FLAT_T, FLAT_D, 0.8)
+    assert isinstance(sd.config, SpeculativeConfig) and 4 <= sd.config.gamma <= 8  # paper: 4-6+
+    o = auto.choose("ouroboros", FLAT_T, FLAT_D, 0.8)
+    assert o.predicted_speedup > sd.predicted_speedup > 1.5
+
+
+def test_steep_cpu_latency_gives_small_trees():
+    o = auto.choose("ouroboros", CPU_T, CPU_D, 0.75)
+    assert o.method == "ouroboros"
+    c = o.config
+    assert c.window <= 4 and c.ngram <= 4 and c.gamma <= 6
+    n_t = 1 + c.gamma + c.suffixes * (c.ngram - 1)
+    assert n_t < 20  # far from the paper's 247-token trees
+    sd = auto.choose("speculative", CPU_T, CPU_D, 0.75)
+    assert sd.method == "speculative" and 2 <= sd.config.gamma <= 6
+
+
+def test_speculation_turned_off_where_it_cannot_pay():
+    # low agreement: the draft's forwards cost more than the tokens they win
+    low = auto.choose("speculative", CPU_T, CPU_D, 0.1)
+    assert low.method == "vanilla" and low.config is None and "off" in low.reason
+    # a large batch on a CPU: every extra token per row costs as much as a row (compute-bound)
+    steep = {n: 1e-3 * n for n in SIZES}
+    for m, td in (("speculative", {n: 0.3e-3 * n for n in SIZES}), ("lookahead", None)):
+        assert auto.choose(m, steep, td, 0.7).method == "vanilla"
+
+
+def test_more_agreement_never_lowers_gamma():
+    gammas = [auto.choose("speculative", FLAT_T, FLAT_D, a).config.gamma for a in (0.5, 0.7, 0.9)]
+    assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
+
+
+def test_expected_tokens_formula():
+    assert auto.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert auto.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    # Monte Carlo: tokens of a round = accepted prefix (each token right with a) + 1
+    rs = np.random.RandomState(0)
+    ok = rs.rand(200000, 4) < 0.7
+    acc = np.argmin(np.concatenate([ok, np.zeros((len(ok), 1), bool)], 1), axis=1)
+    assert np.mean(acc + 1) == pytest.approx(auto.expected_tokens(0.7, 4), rel=0.01)
+
+
+def test_lookup_interpolates_and_extrapolates():
+    t = {1: 1.0, 4: 2.0, 8: 4.0}
+    assert auto.lookup(t, 1) == 1.0 and auto.lookup(t, 2) == pytest.approx(4 / 3)
+    assert auto.lookup(t, 16) == pytest.approx(8.0)
+
+
+def test_generate_auto_keeps_tokens_reports_choice_and_caches(tiny_pair, random_prompts, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    prompts = random_prompts[:3]
+    ref = oj.generate(target, prompts, max_new_tokens=12)
+    timers = []
+    real = auto._forward_seconds
+    monkeypatch.setattr(auto, "_forward_seconds", lambda *a, **k: timers.append(a[2]) or real(*a, **k))
+    for method in ("speculative", "lookahead", "ouroboros"):
+        out = oj.generate(target, prompts, draft=draft, method=method, max_new_tokens=12)
+        assert out.tokens == ref.tokens
+        s = out.stats["auto"]
+        assert s["asked"] == method and s["method"] in (method, "vanilla") and s["reason"]
+        if s["method"] == "vanilla":
+            assert out.stats["draft_calls"] == 0 and s["config"] is None
+        json.dumps(out.stats)
+    probed = len(timers)
+    assert sorted(set(timers)) == sorted(set(auto.TARGET_SIZES) | set(auto.DRAFT_SIZES))
+    cache = json.loads((tmp_path / "auto.json").read_text())
+    assert len(cache["latency"]) == 2  # target and draft at batch bucket 4, one cache size
+    n_agree = cache["agreement"]
+    assert list(n_agree.values())[0][1] == 2 * sum(len(p) for p in prompts)  # two calls pooled
+    oj.generate(target, prompts, draft=draft, method="speculative", max_new_tokens=12)
+    assert len(timers) == probed  # the second call is answered from the disk cache
+
+
+def test_agreement_of_a_model_with_itself_is_one(tiny_target, random_prompts):
+    import jax.numpy as jnp
+
+    P = 64
+    rows = random_prompts[:4]
+    prompt = np.zeros((4, P), np.int32)
+    for i, r in enumerate(rows):
+        prompt[i, :len(r)] = r
+    plens = jnp.asarray([len(r) for r in rows], jnp.int32)
+    a, n = auto.pair_agreement(tiny_target, tiny_target, jnp.asarray(prompt), plens, use_cache=False)
+    assert n == sum(len(r) for r in rows) and a == 1.0
+
+
+def test_bad_config_string_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="config must be"):
+        oj.generate(tiny_target, [[3, 4]], method="lookahead", config="fast")
