@@ -148,12 +148,13 @@ def test_draft_kv_stays_in_step_without_reforward(tiny_pair):
     state = speculative.SpeculativeState(
         init_sequences(prompt, plens, slots),
         prefill(params, config, prompt, plens, slots, jnp.float32),
-        prefill(params, config, prompt, plens, slots, jnp.float32), init_stats(2, GAMMA + 2))
+        prefill(params, config, prompt, plens, slots, jnp.float32),
+        {**init_stats(2, GAMMA + 2), "drafted_tokens": jnp.zeros((), jnp.int32)})
     limits = Limits(max_new_tokens=jnp.asarray(2 * (GAMMA + 1) + 2, jnp.int32),
                     eos_token_id=jnp.asarray(-1, jnp.int32))
-    step = jax.jit(speculative.speculative_step, static_argnums=(1, 3, 4, 5, 6))
+    step = jax.jit(speculative.speculative_step, static_argnums=(1, 3, 4, 5, 6, 7))
     for r, lag in ((1, 1), (2, 1), (3, 0)):  # 5, 5, then 2 tokens (max_new_tokens cut)
-        state = step(params, config, params, config, GAMMA, True, leviathan_accept,
+        state = step(params, config, params, config, GAMMA, 0.0, True, leviathan_accept,
                      SamplingParams.make(), limits, state)
         n = np.asarray(state.seq.lengths)
         np.testing.assert_array_equal(n, np.asarray(plens) + min(r * (GAMMA + 1), 12))
@@ -217,13 +218,16 @@ def counts_of(outputs):
     return counts
 
 
-def generated(target, draft, seed):
+def generated(target, draft, seed, confidence=0.0):
     """The public path: S_ROWS copies of the prompt in one call (rows draw with their own
     keys)."""
     out = oj.generate(target, [S_PROMPT] * S_ROWS, draft=draft, method="speculative",
-                      config=SpeculativeConfig(gamma=S_GAMMA), max_new_tokens=S_NEW,
-                      eos_token_id=NO_EOS, seed=seed, **S_KW)
-    assert out.stats["draft_calls"] == S_GAMMA * out.stats["target_calls"]
+                      config=SpeculativeConfig(gamma=S_GAMMA, confidence=confidence),
+                      max_new_tokens=S_NEW, eos_token_id=NO_EOS, seed=seed, **S_KW)
+    if confidence == 0:
+        assert out.stats["draft_calls"] == S_GAMMA * out.stats["target_calls"]
+    else:  # some rows stop after their first draft token
+        assert out.stats["drafted_tokens"] < S_GAMMA * S_ROWS * out.stats["target_calls"]
     return out.tokens
 
 
@@ -274,3 +278,52 @@ def test_sampling_matches_vanilla_distribution(small_pair):
     print(f"chi-square p-values: leviathan {p_right:.3g}, always-accept {p_wrong:.3g}")
     assert p_right > 1e-3, p_right
     assert p_wrong < 1e-6, p_wrong
+
+
+# ----------------------------------------------------------------------------- adaptive drafting
+
+
+@pytest.mark.parametrize("confidence", [0.3, 0.6, 0.95])
+def test_adaptive_greedy_equals_vanilla_and_drafts_less(tiny_pair, chunks, vanilla_out, confidence):
+    target, draft, _ = tiny_pair
+    cfg = SpeculativeConfig(gamma=GAMMA, confidence=confidence)
+    fixed = oj.generate(target, chunks[0], draft=draft, method="speculative", config=CFG,
+                        max_new_tokens=NEW, eos_token_id=NO_EOS)
+    out = oj.generate(target, chunks[0], draft=draft, method="speculative", config=cfg,
+                      max_new_tokens=NEW, eos_token_id=NO_EOS)
+    assert out.tokens == vanilla_out[0]
+    s = out.stats
+    # every row proposes at least one token a round, at most gamma
+    assert s["drafted_tokens"] <= GAMMA * B * s["target_calls"]
+    assert s["draft_calls"] <= GAMMA * s["target_calls"]
+    if confidence >= 0.6:  # random tiny models are rarely that sure: chains get cut
+        assert s["draft_calls"] < fixed.stats["draft_calls"]
+        assert s["drafted_tokens"] < fixed.stats["drafted_tokens"]
+
+
+def test_adaptive_self_draft_never_stops_early(tiny_target, chunks, vanilla_out):
+    """A draft equal to the target at confidence 1e-6 keeps every chain whole: the cut happens
+    only below the threshold, and every token is accepted."""
+    cfg = SpeculativeConfig(gamma=GAMMA, confidence=1e-6)
+    out = oj.generate(tiny_target, chunks[1], draft=tiny_target, method="speculative", config=cfg,
+                      max_new_tokens=NEW, eos_token_id=NO_EOS)
+    assert out.tokens == vanilla_out[1]
+    assert out.stats["draft_calls"] == GAMMA * out.stats["target_calls"]
+    assert out.stats["eta"] == pytest.approx(GAMMA + 1)
+
+
+def test_adaptive_sampling_matches_vanilla_distribution(small_pair):
+    """Adaptive chains (the draft stops below confidence 0.3, so rows verify chains of 1 or 2)
+    keep the Leviathan/Chen rule lossless."""
+    target, draft = small_pair
+    probs = exact_distribution(target)
+    runs = [generated(target, draft, seed, confidence=0.3) for seed in S_SEEDS]
+    p = chi2_pvalue(counts_of(runs), probs)
+    print(f"chi-square p-value, adaptive: {p:.3g}")
+    assert p > 1e-3, p
+
+
+def test_confidence_validation():
+    for bad in (-0.1, 1.0, "0.5", True, None):
+        with pytest.raises(ValueError, match="confidence"):
+            SpeculativeConfig(gamma=2, confidence=bad)

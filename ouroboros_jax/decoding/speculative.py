@@ -50,13 +50,26 @@ DRAFT_KEY, ACCEPT_KEY, TARGET_KEY = 1, 2, 3
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """gamma: tokens the draft proposes per round (ALGORITHM.md: 4-6 for text, 10-12 code)."""
+    """gamma: most tokens the draft proposes per round (ALGORITHM.md: 4-6 for text, 10-12 code).
+
+    confidence: adaptive drafting. A row stops extending its chain after a draft token whose
+    probability under the draft (its processed distribution when sampling, its softmax when
+    greedy) is below `confidence`; the round's draft forwards end when every row has stopped.
+    The target still scores a fixed gamma + 1 chain (static shape); undrafted slots are masked
+    out of acceptance. 0 (default) drafts gamma tokens every round. The stopping rule looks only
+    at the draft's own probabilities, so greedy output stays vanilla's and sampling stays
+    lossless (the Leviathan/Chen rule over a chain of any length fixed before verification).
+    """
 
     gamma: int = 4
+    confidence: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
+                or not 0.0 <= self.confidence < 1.0:
+            raise ValueError(f"confidence must be a number in [0, 1), got {self.confidence!r}")
 
 
 @struct.dataclass
@@ -88,13 +101,25 @@ def _draw(logits: jax.Array, keys, sp: SamplingParams, greedy: bool):
     return draw(_fold(keys, DRAFT_KEY), logq).astype(jnp.int32), logq
 
 
+def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool) -> jax.Array:
+    """Probability the draft gave its own token: logits [B,T,V], drafts int32[B,T] -> f32[B,T]
+    (from logq, the distribution drawn from, when sampling; the plain softmax when greedy)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if greedy else logq
+    return jnp.exp(jnp.take_along_axis(lp, drafts[..., None], -1)[..., 0])
+
+
 def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
-                  keys, seq: Sequences, cache: KVCache):
-    """γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, cache).
+                  keys, seq: Sequences, cache: KVCache, confidence: float = 0.0):
+    """Up to γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, drafted int32[B],
+    forwards int32[], cache).
 
     keys [B,≥γ]: the round's token keys for positions n .. n+γ-1 (None when greedy).
+    drafted[b]: tokens row b proposes (γ unless `confidence` stopped it earlier: the first
+    token whose draft probability is below `confidence` is the row's last); forwards: draft
+    forwards run, which end when every row has stopped. Slots past `drafted` hold garbage.
 
-    On return the cache holds every token the draft processed: positions < lengths - 1 + γ.
+    On return the cache holds every token the draft processed: positions < lengths - 1 +
+    forwards, the draft's own chain (rolled back by the caller to what was accepted).
     """
     B, S = seq.tokens.shape
     n = seq.lengths
@@ -105,43 +130,62 @@ def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
     logits, new = forward(params, config, tok2, pos2, mask2, cache, select=lag[:, None])
     cache = commit_prefix(cache, new, lag + 1)
     d, logq = _draw(logits, None if greedy else keys[:, :1], sp, greedy)
+    V = logits.shape[-1]
+    drafts = jnp.zeros((B, gamma), jnp.int32).at[:, 0].set(d[:, 0])
+    logqs = None if greedy else jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(logq[:, 0])
+    active = jnp.ones((B,), bool)
+    if confidence > 0:
+        active = _confidence(logits, d, logq, greedy)[:, 0] >= confidence
+    drafted = jnp.ones((B,), jnp.int32)
 
-    def step(carry, xs):
-        tok, cache = carry
-        i, k = xs
+    def cond(c):
+        i, _, _, _, active, _ = c
+        return (i < gamma) & jnp.any(active)
+
+    def body(c):
+        i, drafts, logqs, cache, active, drafted = c
+        tok = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)
         pos = (n - 1 + i)[:, None]
         logits, new = forward(params, config, tok, pos, jnp.ones((B, 1, 1), bool), cache)
         cache = commit_prefix(cache, new, jnp.ones((B,), jnp.int32))
-        d, logq = _draw(logits, None if greedy else k[:, None], sp, greedy)
-        return (d, cache), (d[:, 0], None if logq is None else logq[:, 0])
+        k = None if greedy else jax.lax.dynamic_slice_in_dim(keys, i, 1, axis=1)
+        d, logq = _draw(logits, k, sp, greedy)
+        drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, i, axis=1)
+        if not greedy:
+            logqs = jax.lax.dynamic_update_slice_in_dim(logqs, logq, i, axis=1)
+        drafted = drafted + active.astype(jnp.int32)
+        if confidence > 0:
+            active = active & (_confidence(logits, d, logq, greedy)[:, 0] >= confidence)
+        return i + 1, drafts, logqs, cache, active, drafted
 
-    xs = (jnp.arange(1, gamma), None if greedy else jnp.swapaxes(keys[:, 1:gamma], 0, 1))
-    (_, cache), (ds, logqs) = jax.lax.scan(step, (d, cache), xs)
-    drafts = jnp.concatenate([d, ds.T], axis=1)
-    if greedy:
-        return drafts, None, cache
-    return drafts, jnp.concatenate([logq, jnp.swapaxes(logqs, 0, 1)], axis=1), cache
+    i, drafts, logqs, cache, _, drafted = jax.lax.while_loop(
+        cond, body, (jnp.ones((), jnp.int32), drafts, logqs, cache, active, drafted))
+    return drafts, logqs, drafted, i, cache
 
 
 def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
-                     keys: jax.Array) -> Accepted:
+                     keys: jax.Array, drafted=None) -> Accepted:
     """The Leviathan/Chen rule over one chain.
 
     logp f32[B,γ+1,V]: target's processed log-probs after [x, d1..dγ]; logq f32[B,γ,V]: the
     draft's, from which d1..dγ (drafts int32[B,γ]) were drawn; keys [B,γ+1]: the token keys
-    of the positions chosen after each node (n .. n+γ). Returns Accepted over the chain:
-    tokens = [d1..da, y], count = a+1, where a = accepted drafts and y the residual (a < γ)
-    or bonus (a = γ) draw.
+    of the positions chosen after each node (n .. n+γ); drafted int32[B] (None: γ): the
+    chain's length per row (adaptive drafting). Returns Accepted over the chain:
+    tokens = [d1..da, y], count = a+1, where a = accepted drafts and y the residual
+    (a < drafted) or bonus (a = drafted) draw.
     """
     B, G = drafts.shape
+    slot_g = jnp.arange(G, dtype=jnp.int32)[None]
+    proposed = jnp.ones((B, G), bool) if drafted is None else slot_g < drafted[:, None]
     logp_d = jnp.take_along_axis(logp[:, :G], drafts[..., None], -1)[..., 0]
     logq_d = jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0]
     u = jax.vmap(jax.vmap(jax.random.uniform))(_fold(keys[:, :G], ACCEPT_KEY))
-    accept = jnp.log(u) < logp_d - logq_d  # u < p/q; p >= q always accepts
+    accept = (jnp.log(u) < logp_d - logq_d) & proposed  # u < p/q; p >= q always accepts
     a = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
     # residual max(p - q, 0) at the first rejection; q = 0 after the last draft gives the bonus
     p_a = jnp.exp(jnp.take_along_axis(logp, a[:, None, None], 1)[:, 0])
-    q_pad = jnp.concatenate([jnp.exp(logq), jnp.zeros_like(logq[:, :1])], axis=1)
+    q = jnp.where(proposed[..., None], jnp.exp(logq), 0.0)
+    q_pad = jnp.concatenate([q, jnp.zeros_like(logq[:, :1])], axis=1)
     q_a = jnp.take_along_axis(q_pad, a[:, None, None], 1)[:, 0]
     r = jnp.maximum(p_a - q_a, 0.0)
     # p == q up to rounding leaves no residual mass; rejection then has probability ~0 anyway
@@ -156,23 +200,26 @@ def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
     return Accepted(path=path, tokens=tokens, count=a + 1)
 
 
-def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, greedy: bool,
-                     accept_rule, sp: SamplingParams, limits: Limits,
+def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, confidence: float,
+                     greedy: bool, accept_rule, sp: SamplingParams, limits: Limits,
                      state: SpeculativeState) -> SpeculativeState:
-    """One round: γ draft forwards, one target forward over the chain, accept, commit."""
+    """One round: up to γ draft forwards, one target forward over the chain, accept, commit."""
     seq = state.seq
     B = seq.tokens.shape[0]
     parents = chain_parents(gamma + 1)
     positions = (seq.lengths - 1)[:, None] + tree_depths(parents)[None]  # [B, γ+1]
     keys = None if greedy else round_keys(sp, positions + 1)
-    drafts, logq, dcache = draft_propose(dparams, dconfig, gamma, greedy, sp, keys, seq,
-                                         state.dcache)
+    drafts, logq, drafted, forwards, dcache = draft_propose(dparams, dconfig, gamma, greedy, sp,
+                                                            keys, seq, state.dcache, confidence)
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
     logits, new = forward(tparams, tconfig, chain, positions, mask, state.tcache)
     if greedy:
         choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        acc = accept_walk(parents, chain, jnp.ones_like(chain, bool), choices)
+        valid = jnp.arange(gamma + 1, dtype=jnp.int32)[None] <= drafted[:, None]
+        acc = accept_walk(parents, chain, valid, choices)
+    elif confidence > 0:
+        acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
     else:
         acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
 
@@ -183,16 +230,17 @@ def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, greedy: boo
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)
     stats = count_round(state.stats, live, kept)
-    stats = {**stats, "draft_calls": stats["draft_calls"] + gamma,
-             "draft_tokens": stats["draft_tokens"] + gamma}
+    stats = {**stats, "draft_calls": stats["draft_calls"] + forwards,
+             "draft_tokens": stats["draft_tokens"] + forwards,
+             "drafted_tokens": stats["drafted_tokens"] + jnp.sum(jnp.where(live, drafted, 0))}
     return SpeculativeState(seq, tcache, dcache, stats)
 
 
 @partial(jax.jit, static_argnames=("tconfig", "dconfig", "gamma", "slots", "greedy",
-                                   "accept_rule"))
+                                   "accept_rule", "confidence"))
 def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
                     sp: SamplingParams, *, gamma: int, slots: int, greedy: bool,
-                    accept_rule=leviathan_accept):
+                    accept_rule=leviathan_accept, confidence: float = 0.0):
     """prompt int32[B,P] right-padded -> (Sequences with S = slots, stats dict).
 
     slots must leave γ+1 slots past prompt + max_new_tokens. accept_rule (static) is the
@@ -202,8 +250,9 @@ def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, 
     seq = init_sequences(prompt, prompt_lengths, slots)
     tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
     dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
-    state = SpeculativeState(seq, tcache, dcache, init_stats(prompt.shape[0], gamma + 2))
-    step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, greedy,
+    stats = {**init_stats(prompt.shape[0], gamma + 2), "drafted_tokens": jnp.zeros((), jnp.int32)}
+    state = SpeculativeState(seq, tcache, dcache, stats)
+    step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, confidence, greedy,
                    accept_rule, sp, limits)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
     return state.seq, state.stats
@@ -212,7 +261,7 @@ def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, 
 def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
     seq, stats = run_speculative(target.params, target.config, draft.params, draft.config,
                                  prompt, plens, limits, sp, gamma=cfg.gamma, slots=slots,
-                                 greedy=greedy)
+                                 greedy=greedy, confidence=float(cfg.confidence))
     return seq, stats, pool
 
 
