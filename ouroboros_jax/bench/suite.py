@@ -306,6 +306,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="append", default=[],
                    help="k, gamma, pool, history, length, or all (repeatable)")
     p.add_argument("--sweep-prompts", type=int, help="prompts per task in sweeps")
+    p.add_argument("--batch-sizes", metavar="B1,B2,...",
+                   help="instead of the suite: throughput of each method (config=auto) at these "
+                        "batch sizes, with a plot (bench/batch.py)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench[-quick])")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -327,6 +330,8 @@ def bench_main(a) -> dict:
     log(f"[bench] models: {source}")
     prompts = load_workload(a, quick, lengths)
     names = [n.strip() for n in a.methods.split(",") if n.strip()]
+    if a.batch_sizes:
+        return _batch_main(a, target, draft, prompts, names, log)
     runs = method_runs(names, quick, overrides)
     sweeps = a.sweep
     if "all" in sweeps:
@@ -349,3 +354,26 @@ def bench_main(a) -> dict:
     log(f"[bench] wrote {paths['json']}, {paths['markdown']}"
         + (f" and {len(paths.get('plots', []))} plots" if paths.get("plots") else ""))
     return results
+
+
+def _batch_main(a, target, draft, prompts, names, log) -> dict:
+    from ..decoding import METHODS
+    from .batch import batch_markdown, batch_throughput, parse_batch_sizes, plot_batch
+
+    sizes = parse_batch_sizes(a.batch_sizes)
+    methods = [n for n in names if n in METHODS]
+    rows = batch_throughput(target, draft, prompts, methods, sizes, a.max_new_tokens,
+                            eos=-1 if a.ignore_eos else None, log=log)
+    out = a.out or os.path.join("runs", "bench-batch")
+    os.makedirs(out, exist_ok=True)
+    res = {"batch": rows, "command": "ouroboros-jax bench " + " ".join(sys.argv[2:])
+           if sys.argv[1:2] == ["bench"] else None}
+    with open(os.path.join(out, "batch.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = batch_markdown(rows)
+    with open(os.path.join(out, "batch.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    if not a.no_plots:
+        log(f"[bench] plot: {plot_batch(rows, os.path.join(out, 'batch_throughput.png'))}")
+    return res

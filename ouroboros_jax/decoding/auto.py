@@ -49,6 +49,9 @@ DRAFT_SIZES = (1, 4, 16, 64)
 MIN_GAIN = 1.05  # predicted speedup a speculative setting needs, else the call runs vanilla
 DEFAULT_AGREEMENT = 0.5  # before the pair has been measured on 32 prompt positions
 MIN_AGREEMENT_TOKENS = 32
+# Once a pair's agreement rests on this many prompt positions, later calls reuse it without
+# running the two forwards (auto's per-call cost is then a dictionary lookup).
+SETTLED_AGREEMENT_TOKENS = 2048
 # Work outside the forwards, in units of the target's 1-token forward: per vanilla step (sampling,
 # emit, commit) and per speculative round (tree, accept walk, commits, pool lookups and inserts).
 # From the bench's cost model on the demo pair at batch 1 (measured / forward-only predicted
@@ -76,20 +79,27 @@ def cache_path() -> Path:
     return Path(root) / "auto.json"
 
 
+# In-process copy of what this process read or wrote, by cache path: no file reads per call.
+_MEMO: dict = {}
+
+
 def _read_cache() -> dict:
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
+    p = str(cache_path())
+    if p not in _MEMO:
+        try:
+            _MEMO[p] = json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            _MEMO[p] = {}
+    return _MEMO[p]
 
 
 def _write_cache(update: dict) -> None:
     """Merges `update` into the cache file atomically; a read-only home just skips caching."""
     p = cache_path()
+    data = _read_cache()
+    for k, v in update.items():
+        data.setdefault(k, {}).update(v)
     try:
-        data = _read_cache()
-        for k, v in update.items():
-            data.setdefault(k, {}).update(v)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
@@ -208,10 +218,12 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
     """(estimated top-1 agreement of the pair, positions it rests on): this call's prompts pooled
     with every earlier call's for the same pair (disk cache)."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
+    old = _read_cache().get("agreement", {}).get(key, [0, 0]) if use_cache else [0, 0]
+    if int(old[1]) >= SETTLED_AGREEMENT_TOKENS:
+        return int(old[0]) / int(old[1]), int(old[1])
     agree, n = (int(x) for x in _agreement_counts(target.params, target.config, draft.params,
                                                    draft.config, prompt, plens))
     if use_cache:
-        old = _read_cache().get("agreement", {}).get(key, [0, 0])
         agree, n = agree + int(old[0]), n + int(old[1])
         _write_cache({"agreement": {key: [agree, n]}})
     if n < MIN_AGREEMENT_TOKENS:  # shrink a few positions' estimate toward the prior
