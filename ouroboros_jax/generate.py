@@ -178,11 +178,17 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     method: "vanilla", "speculative", "lookahead" or "ouroboros"; config: that method's config
     object (defaults from the paper when None). temperature 0 is greedy. mesh: a
     `jax.sharding.Mesh` with axes named "data" and/or "model" to shard over. pool: a phrase
-    pool returned by an earlier call (methods that keep one). max_cache_len: the longest
-    prompt + generation allowed (default: the target's max_position_embeddings).
-    Returns GenerationOutput(tokens, texts, stats, pool).
+    pool returned by an earlier call (methods that keep one). eos_token_id: one id or a list
+    (generation stops at any of them; -1 or [] for none; default: generation_config.json's,
+    else config.json's, else the tokenizer's). max_cache_len: the longest prompt + generation
+    allowed (default: the target's max_position_embeddings); giving it also fixes the cache
+    size, so calls that differ only in max_new_tokens share one compiled loop (see the module
+    docstring). Returns GenerationOutput(tokens, texts, stats, pool).
     """
-    if method not in METHODS:
+    _check_model(target, "target")
+    if draft is not None:
+        _check_model(draft, "draft")
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     spec = METHODS[method]
     _validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
