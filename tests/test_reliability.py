@@ -46,20 +46,20 @@ def _edit_config(d, **changes):
 
 # ------------------------------------------------------------------ 1. bf16: what holds
 def _teacher_forced_margins(model, ids):
-    """(argmax, top1 - top2, max |logit|) per position of one full causal forward."""
+    """(two best tokens, top1 - top2, max |logit|) per position of one causal forward."""
     x = jnp.asarray([ids], jnp.int32)
     T = len(ids)
     logits, _ = forward(model.params, model.config, x, jnp.arange(T, dtype=jnp.int32)[None],
                         causal_mask(1, T))
     lg = np.asarray(logits[0], np.float32)
     s = np.sort(lg, -1)
-    return lg.argmax(-1), s[:, -1] - s[:, -2], np.abs(lg).max(-1)
+    return np.argsort(lg, -1)[:, -2:], s[:, -1] - s[:, -2], np.abs(lg).max(-1)
 
 
 def test_bf16_methods_depart_from_vanilla_only_at_rounding_level_ties(tiny_pair, random_prompts):
     """README, "Exactness and bf16": in bf16 a method may leave vanilla's tokens only where
     vanilla's two best logits are within 2% of the largest logit (a bf16 rounding-level tie),
-    and what it emits there is the runner-up, not an arbitrary token."""
+    and there both outputs hold one of those two best tokens, never an arbitrary one."""
     target = oj.load_model(tiny_pair[0].path, dtype="bfloat16")
     draft = oj.load_model(tiny_pair[1].path, dtype="bfloat16")
     prompts = random_prompts[:6] + REPEAT[:2]
@@ -75,9 +75,10 @@ def test_bf16_methods_depart_from_vanilla_only_at_rounding_level_ties(tiny_pair,
             if a == b:
                 continue
             k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-            am, margin, scale = _teacher_forced_margins(target, p + a[:k])
+            top2, margin, scale = _teacher_forced_margins(target, p + a[:k])
             i = len(p) + k - 1
             assert margin[i] <= 0.02 * scale[i], (m, k, margin[i], scale[i])
+            assert b[k] in top2[i] and a[k] in top2[i], (m, k)
 
 
 # ------------------------------------------------------------------ 2. loading
@@ -303,7 +304,6 @@ def test_max_new_tokens_never_recompiles_with_a_fixed_cache(tiny_target):
     (dict(max_cache_len=0), "max_cache_len"),
     (dict(eos_token_id=10**30), "eos_token_id"),
     (dict(eos_token_id=True), "eos_token_id"),
-    (dict(max_new_tokens=2**40), "max_new_tokens"),
 ])
 def test_bad_arguments_raise_value_errors_naming_them(tiny_target, kwargs, match):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
