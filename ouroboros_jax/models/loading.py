@@ -3,11 +3,11 @@
 A directory holds `config.json`, `model.safetensors` or a sharded `model.safetensors.index.json`
 (when both are present, `model.safetensors` is read, as transformers does), optionally
 `generation_config.json` (its `eos_token_id` is `generate`'s default, as in transformers) and
-tokenizer files. Only floating-point tensors are accepted: an int8/bool tensor would be a
-quantized or foreign checkpoint that a plain cast turns into wrong weights. Loading is strict: every parameter is filled exactly once, every
-shape is checked against the config, and any problem raises a `ValueError` (or
-`FileNotFoundError`) naming the file, key or field, because a half-loaded model still produces
-fluent-looking wrong text.
+tokenizer files. Loading is strict: every parameter is filled exactly once, every shape is
+checked against the config, only floating-point tensors are accepted (an int8/bool tensor
+belongs to a quantized or foreign checkpoint that a plain cast would turn into wrong weights),
+and any problem raises a `ValueError` (or `FileNotFoundError`) naming the file, key or field,
+because a half-loaded model still produces fluent-looking wrong text.
 """
 
 from __future__ import annotations
