@@ -45,8 +45,15 @@ def _parse_mesh(s: str):
     try:
         data, model = (int(x) for x in s.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--mesh must look like DATAxMODEL, e.g. 1x8; got {s!r}")
+        raise ValueError(f"--mesh must look like DATAxMODEL, e.g. 1x8; got {s!r}") from None
+    if data < 1 or model < 1:
+        raise ValueError(f"--mesh sizes must be >= 1 (DATAxMODEL, e.g. 1x8); got {s!r}")
     return data, model
+
+
+def _positive(name: str, v: int) -> None:
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 def _cmd_memory(a):
@@ -54,6 +61,8 @@ def _cmd_memory(a):
     from .sharding import memory_plan
 
     data, model = _parse_mesh(a.mesh)
+    _positive("--batch", a.batch)
+    _positive("--cache-len", a.cache_len)
     names = a.preset or list(PRESETS)
     gib = 2 ** 30
     print(f"mesh data={data} x model={model}, batch {a.batch}, cache {a.cache_len} tokens, "
@@ -61,7 +70,7 @@ def _cmd_memory(a):
     print(f"{'model':<14}{'params':>10}{'params/dev':>14}{'kv cache/dev':>15}{'total/dev':>12}")
     for n in names:
         if n not in PRESETS:
-            raise SystemExit(f"unknown preset {n!r}; choose from {sorted(PRESETS)}")
+            raise ValueError(f"unknown preset {n!r}; choose from {sorted(PRESETS)}")
         p = memory_plan(PRESETS[n], data, model, a.batch, a.cache_len, a.dtype)
         print(f"{n:<14}{p['num_params'] / 1e9:>9.1f}B{p['params_per_device_bytes'] / gib:>11.2f}"
               f"GiB{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"

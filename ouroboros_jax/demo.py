@@ -93,6 +93,11 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
              method: str | None = None) -> dict:
     """Vanilla, then each speculative method (or just `method`), on the same prompts; prints
     the code, a table of tokens/s, speedup, eta and exactness, and names the fastest."""
+    for name, v in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if method is not None and method != "vanilla" and method not in METHODS:
+        raise ValueError(f"method: unknown method {method!r}; known: {', '.join(METHODS)}")
     t0 = time.perf_counter()
     _log("[demo] loading the model pair ...")
     target, draft, prompts, trained = load_pair()
@@ -103,8 +108,6 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
     if num_prompts is None:
         num_prompts = 2 if os.environ.get("CI") else min(len(prompts), 6)
     prompts = prompts[:num_prompts]
-    if method is not None and method != "vanilla" and method not in METHODS:
-        raise ValueError(f"method: unknown method {method!r}; known: {', '.join(METHODS)}")
     methods = [m for m in ((method,) if method else SPECULATIVE_METHODS) if m != "vanilla"]
     results = {m: _timed_runs(target, draft, prompts, m, max_new_tokens)
                for m in ["vanilla", *methods]}

@@ -95,19 +95,19 @@ def cache_spec(config: ModelConfig, batch: int, slots: int, mesh: Mesh) -> P:
     return spec_for(LOGICAL_AXES["cache"], shape, mesh)
 
 
-_SHARDED: dict = {}
-
-
 def shard_model(model: Model, mesh: Mesh) -> Model:
-    """The same model with params placed on the mesh (cached per model and mesh)."""
+    """The same model with params placed on the mesh.
+
+    The placed copy is cached on the model itself (`model._sharded`, keyed by mesh), so repeated
+    calls reuse it and it is freed with the model: no module-level cache outlives a model.
+    """
     _check_mesh(mesh)
-    key = (id(model.params), id(mesh))
-    hit = _SHARDED.get(key)
+    hit = model._sharded.get(mesh)
     if hit is not None and hit[0] is model.params:
         return hit[1]
     params = jax.device_put(model.params, param_shardings(model.config, mesh))
     out = dataclasses.replace(model, params=params)
-    _SHARDED[key] = (model.params, out)
+    model._sharded[mesh] = (model.params, out)
     return out
 
 
@@ -120,6 +120,9 @@ def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A ("data", "model") mesh over the first data*model devices."""
     devices = jax.devices() if devices is None else devices
+    for name, v in (("data", data), ("model", model)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"mesh {name} axis size must be an integer >= 1, got {v!r}")
     if data * model > len(devices):
         raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, "
                          f"{len(devices)} available")
@@ -143,6 +146,10 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
     """
     from .models.llama import init_params
 
+    for name, v in (("data", data), ("model", model), ("batch", batch),
+                    ("cache_len", cache_len)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"memory_plan: {name} must be an integer >= 1, got {v!r}")
     abstract = jax.eval_shape(lambda k: init_params(config, k, jnp.dtype(dtype)),
                               jax.random.key(0))
     axis_sizes = {"data": data, "model": model}

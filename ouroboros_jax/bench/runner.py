@@ -231,7 +231,7 @@ def _hf_caller(run: MethodRun, hf: _HFModels, eos):
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf.target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                     max_new_tokens=n, eos_token_id=None if eos < 0 else eos,
+                                     max_new_tokens=n, eos_token_id=None if eos == -1 else eos,
                                      pad_token_id=0, **extra)
         s = time.perf_counter() - t0
         toks = out[0, len(ids):].tolist()
@@ -380,10 +380,10 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     eos = -1
     if not ignore_eos:
-        e = target.config.eos_token_id
-        if e is None and target.tokenizer is not None:
-            e = target.tokenizer.eos_token_id
-        eos = -1 if e is None else int(e)
+        from ..generate import default_eos_ids
+
+        e = default_eos_ids(target)  # one id, a tuple of ids, or None
+        eos = -1 if e is None else (list(e) if isinstance(e, tuple) else int(e))
     runs = sorted(runs, key=lambda r: r.label != "vanilla")
     if not runs or runs[0].label != "vanilla":
         runs.insert(0, MethodRun("vanilla", "vanilla"))

@@ -41,7 +41,7 @@ class Limits:
     """Dynamic stopping rules (arrays: changing them never recompiles)."""
 
     max_new_tokens: jax.Array  # int32[]
-    eos_token_id: jax.Array  # int32[]; -1 when there is none
+    eos_token_id: jax.Array  # int32[E] (or int32[]): stop at any of these ids; -1 pads
 
 
 def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> Sequences:
@@ -64,7 +64,8 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
     a = jnp.arange(A, dtype=jnp.int32)[None, :]
     room = limits.max_new_tokens - seq.generated
     valid = (a < counts[:, None]) & (a < room[:, None]) & ~seq.done[:, None]
-    is_eos = (new == limits.eos_token_id) & valid
+    eos = jnp.atleast_1d(limits.eos_token_id)
+    is_eos = jnp.any(new[..., None] == eos, axis=-1) & valid
     first_eos = jnp.min(jnp.where(is_eos, a, A), axis=1)
     valid = valid & (a <= first_eos[:, None])
     kept = jnp.sum(valid, axis=1).astype(jnp.int32)

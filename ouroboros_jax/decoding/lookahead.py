@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, clear_pool, init_pool, pool_bytes, pool_occupancy
+from ..pool import PhrasePool, check_pool, clear_pool, init_pool, pool_bytes, pool_occupancy
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
 from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
@@ -64,6 +64,7 @@ def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_le
     if not isinstance(pool, PhrasePool):
         raise ValueError(f"pool must be a PhrasePool returned by an earlier call, got "
                          f"{type(pool).__name__}")
+    check_pool(pool)
     if pool.vocab_size != vocab or pool.phrase_len != phrase_len or pool.guesses < guesses:
         raise ValueError(f"pool: shape (vocab {pool.vocab_size}, {pool.guesses} phrases per key "
                          f"of {pool.phrase_len} tokens) does not fit this call (vocab {vocab}, "

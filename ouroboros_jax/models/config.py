@@ -8,6 +8,7 @@ attention bias would load weights "fine" and then produce wrong tokens.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -55,7 +56,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     model_type: str = "llama"
     bos_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
+    # one id or a tuple of ids (Llama 3 / Qwen2.5 instruct configs list several)
+    eos_token_id: Optional[int | tuple] = None
     pad_token_id: Optional[int] = None
 
     def __post_init__(self):
@@ -72,6 +74,12 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type {self.model_type!r} is not one of "
                              f"{SUPPORTED_MODEL_TYPES}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < 1:
+            # eps <= 0 divides by zero on an all-zero row; >= 1 is surely a typo
+            raise ValueError(f"ModelConfig.rms_norm_eps must be a number in (0, 1), got {eps!r}")
+        object.__setattr__(self, "eos_token_id",
+                           normalize_eos(self.eos_token_id, "ModelConfig.eos_token_id"))
 
     @property
     def kv_groups(self) -> int:
@@ -90,10 +98,24 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Strictly converts a Hugging Face config dict; raises ValueError naming the field."""
 
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: must hold a JSON object of config fields, got a "
+                             f"{type(d).__name__}")
+
         def need(name):
             if name not in d or d[name] is None:
                 raise ValueError(f"{source}: required field {name!r} is missing")
-            return d[name]
+            return _int(d[name], name, source)
+
+        def opt_int(name, default):
+            v = d.get(name)
+            return default if v is None else _int(v, name, source)
+
+        def opt_float(name, default):
+            v = d.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{source}: field {name!r} must be a number, got {v!r}")
+            return float(v)
 
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -114,7 +136,13 @@ class ModelConfig:
         # `rope_theta` + `rope_scaling`.
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(f"{source}: field 'rope_theta' must be a positive number, got "
+                             f"{theta!r}")
         scaling_src = d.get("rope_scaling") or {}
+        if not isinstance(scaling_src, dict):
+            raise ValueError(f"{source}: field 'rope_scaling' must be an object, got "
+                             f"{scaling_src!r}")
         if not scaling_src and rope.get("rope_type", "default") != "default":
             scaling_src = rope
         rope_scaling = _parse_rope_scaling(scaling_src, source)
@@ -125,29 +153,38 @@ class ModelConfig:
         elif model_type == "qwen2" and d.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is unsupported for qwen2")
 
-        heads = int(need("num_attention_heads"))
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        heads = need("num_attention_heads")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "sliding_window"):
+            if d.get(name) is not None and _int(d[name], name, source) <= 0:
+                raise ValueError(f"{source}: field {name!r} must be positive, got {d[name]!r}")
+        eps = opt_float("rms_norm_eps", 1e-6)
+        if not 0 < eps < 1:
+            raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ValueError(f"{source}: field 'tie_word_embeddings' must be true or false, got "
+                             f"{tie!r}")
         return cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=d.get("head_dim"),
+            num_kv_heads=opt_int("num_key_value_heads", None) or heads,
+            head_dim=opt_int("head_dim", None),
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rms_norm_eps=eps,
+            tie_word_embeddings=tie,
             qkv_bias=model_type == "qwen2",
-            sliding_window=int(sliding) if sliding else None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            sliding_window=_int(sliding, "sliding_window", source) if sliding else None,
+            max_position_embeddings=opt_int("max_position_embeddings", 2048),
             model_type=model_type,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
+            bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
+            eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
+            pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -162,7 +199,9 @@ class ModelConfig:
             "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                             else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
         }
         if self.model_type == "llama":
@@ -180,19 +219,61 @@ class ModelConfig:
         return d
 
 
+def _int(v, name: str, source: str) -> int:
+    """An integer config field; refuses strings, bools and fractional numbers by name."""
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float)
+                                                           and v.is_integer())):
+        raise ValueError(f"{source}: field {name!r} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _token_id(v, name: str, source: str) -> Optional[int]:
+    if v is None:
+        return None
+    v = _int(v, name, source)
+    if v < 0:
+        raise ValueError(f"{source}: field {name!r} must be a token id >= 0, got {v}")
+    return v
+
+
+def normalize_eos(v, what: str = "eos_token_id") -> Optional[int | tuple]:
+    """None, one id, or a tuple of distinct ids (a one-element list becomes its id); ids must
+    be integers in [0, 2**31) (they travel as int32). Raises ValueError naming `what`."""
+    if v is None:
+        return None
+    ids = list(v) if isinstance(v, (list, tuple)) else [v]
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < 2**31:
+            raise ValueError(f"{what} must be a token id (an integer in [0, 2**31)) or a list "
+                             f"of them, got {v!r}")
+        if int(i) not in out:
+            out.append(int(i))
+    if not out:
+        return None
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 def _parse_rope_scaling(s: dict, source: str) -> Optional[tuple]:
     if not s:
         return None
     kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
         return None
+
+    def num(name, cast=float):
+        if name not in s:
+            raise ValueError(f"{source}: rope_scaling of type {kind} lacks field {name!r}")
+        v = s[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{source}: rope_scaling field {name!r} must be a positive number, "
+                             f"got {v!r}")
+        return cast(v)
+
     if kind == "linear":
-        return ("linear", float(s["factor"]))
+        return ("linear", num("factor"))
     if kind == "llama3":
-        try:
-            return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
-                    float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
-        except KeyError as e:
-            raise ValueError(f"{source}: rope_scaling of type llama3 lacks field {e}") from None
+        return ("llama3", num("factor"), num("low_freq_factor"), num("high_freq_factor"),
+                num("original_max_position_embeddings", int))
     raise ValueError(f"{source}: rope_scaling type {kind!r} unsupported "
                      "(supported: default, linear, llama3)")

@@ -1,10 +1,13 @@
 """Strict loading and saving of Hugging Face Llama-family checkpoints, all local.
 
-A directory holds `config.json`, `model.safetensors` or a sharded `model.safetensors.index.json`,
-and optionally tokenizer files. Loading is strict: every parameter is filled exactly once, every
-shape is checked against the config, and any problem raises a `ValueError` (or
-`FileNotFoundError`) naming the file, key or field, because a half-loaded model still produces
-fluent-looking wrong text.
+A directory holds `config.json`, `model.safetensors` or a sharded `model.safetensors.index.json`
+(when both are present, `model.safetensors` is read, as transformers does), optionally
+`generation_config.json` (its `eos_token_id` is `generate`'s default, as in transformers) and
+tokenizer files. Loading is strict: every parameter is filled exactly once, every shape is
+checked against the config, only floating-point tensors are accepted (an int8/bool tensor
+belongs to a quantized or foreign checkpoint that a plain cast would turn into wrong weights),
+and any problem raises a `ValueError` (or `FileNotFoundError`) naming the file, key or field,
+because a half-loaded model still produces fluent-looking wrong text.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class Model:
     params: Params
     tokenizer: Any = None
     path: Optional[str] = None
+    # generation_config.json's fields (eos_token_id, ...), {} when the directory has none
+    generation_config: dict = dataclasses.field(default_factory=dict)
+    # mesh -> this model placed on it (sharding.shard_model); lives and dies with the model
+    _sharded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
 
     @property
     def dtype(self):
@@ -96,7 +104,7 @@ def read_config(path: str) -> ModelConfig:
     try:
         with open(cfg_path) as f:
             d = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
     return ModelConfig.from_hf_dict(d, source=cfg_path)
 
@@ -104,12 +112,18 @@ def read_config(path: str) -> ModelConfig:
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(index):
+    # transformers' precedence: model.safetensors wins over an index next to it
+    if not os.path.isfile(single) and os.path.isfile(index):
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{index} is malformed: {e!r}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v and os.path.basename(v) == v
+                for k, v in weight_map.items()):
+            raise ValueError(f"{index}: field 'weight_map' must be an object mapping tensor "
+                             "names to shard file names in the same directory")
         files = sorted(set(weight_map.values()))
         for fn in files:
             if not os.path.isfile(os.path.join(path, fn)):
@@ -147,6 +161,10 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
     for fn, key, w in _read_tensors(_weight_files(path)):
         if key.endswith(_IGNORED_SUFFIXES):
             continue
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"{fn}: tensor {key} has dtype {w.dtype}; only floating-point "
+                             "checkpoints are supported (quantized or integer weights would be "
+                             "cast into wrong values)")
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
         if key in top_names:
@@ -197,9 +215,40 @@ def load_tokenizer(path: str):
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return None
+    for n in ("tokenizer.json", "tokenizer_config.json"):
+        fn = os.path.join(path, n)
+        if os.path.isfile(fn):
+            try:
+                with open(fn, encoding="utf-8") as f:
+                    json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{fn} is not valid JSON (truncated?): {e}") from None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers/tokenizers raise many types, none naming the file
+        raise ValueError(f"{path}: the tokenizer files could not be loaded "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def read_generation_config(path: str) -> dict:
+    """generation_config.json as a dict ({} when absent); its eos_token_id is validated."""
+    from .config import normalize_eos
+
+    fn = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(fn):
+        return {}
+    try:
+        with open(fn) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{fn} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{fn}: must hold a JSON object, got a {type(d).__name__}")
+    if "eos_token_id" in d:
+        d["eos_token_id"] = normalize_eos(d["eos_token_id"], f"{fn}: field 'eos_token_id'")
+    return d
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "float32") -> Model:
@@ -209,10 +258,14 @@ def load_model(path: str, dtype: str | jnp.dtype = "float32") -> Model:
     """
     if str(jnp.dtype(dtype)) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a directory path, got {type(path).__name__}")
     path = os.fspath(path)
     config = read_config(path)
+    gen = read_generation_config(path)
     params = load_params(path, config, jnp.dtype(dtype))
-    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=path)
+    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=path,
+                 generation_config=gen)
 
 
 def save_hf_checkpoint(out_dir: str, config: ModelConfig, params: Params,

@@ -1,8 +1,9 @@
 """Saving and loading a phrase pool (mechanism 4, history across sessions).
 
 A pool is four arrays plus two static fields, so it is stored as one `.npz` file. Loading
-checks the file's layout so a pool saved for another vocabulary or n-gram size is refused
-instead of silently producing useless lookups.
+checks the file's layout and contents (shapes, integer dtypes, every id inside the vocabulary,
+stamps and clock consistent) so a pool saved for another vocabulary or n-gram size, or edited
+by hand, is refused instead of producing useless lookups or crashing inside the decode loop.
 """
 
 from __future__ import annotations
@@ -13,20 +14,26 @@ import zipfile
 import jax.numpy as jnp
 import numpy as np
 
-from .phrase_pool import EVICTION_POLICIES, PhrasePool
+from .phrase_pool import EVICTION_POLICIES, PhrasePool, check_pool
 
 _FORMAT = 1
 
 
 def save_pool(path: str, pool: PhrasePool) -> None:
     """Writes the pool to `path` (.npz); the write is atomic (temp file, then rename)."""
+    check_pool(pool)
     path = os.fspath(path)
     tmp = path + ".tmp.npz"
-    np.savez_compressed(tmp, keys=np.asarray(pool.keys), phrases=np.asarray(pool.phrases),
-                        stamps=np.asarray(pool.stamps), clock=np.asarray(pool.clock),
-                        vocab_size=np.int64(pool.vocab_size), policy=np.array(pool.policy),
-                        format=np.int64(_FORMAT))
-    os.replace(tmp, path)
+    try:
+        np.savez_compressed(tmp, keys=np.asarray(pool.keys), phrases=np.asarray(pool.phrases),
+                            stamps=np.asarray(pool.stamps), clock=np.asarray(pool.clock),
+                            vocab_size=np.int64(pool.vocab_size), policy=np.array(pool.policy),
+                            format=np.int64(_FORMAT))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # never leave a half-written or orphaned temp file behind
+            os.remove(tmp)
+        raise
 
 
 def load_pool(path: str, vocab_size: int | None = None, phrase_len: int | None = None
@@ -43,15 +50,44 @@ def load_pool(path: str, vocab_size: int | None = None, phrase_len: int | None =
     need = {"keys", "phrases", "stamps", "clock", "vocab_size", "policy", "format"}
     if not need <= set(d):
         raise ValueError(f"{path}: pool file lacks {sorted(need - set(d))}")
+    for n in ("format", "vocab_size", "clock"):
+        if d[n].shape != () or not np.issubdtype(d[n].dtype, np.integer):
+            raise ValueError(f"{path}: {n} must be an integer scalar, got {d[n].dtype} "
+                             f"{d[n].shape}")
     if int(d["format"]) != _FORMAT:
         raise ValueError(f"{path}: pool format {int(d['format'])} unsupported")
     keys, phrases, stamps = d["keys"], d["phrases"], d["stamps"]
-    if keys.ndim != 2 or phrases.shape[:2] != keys.shape or stamps.shape != keys.shape:
+    for n, a in (("keys", keys), ("phrases", phrases), ("stamps", stamps)):
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{path}: {n} must hold integers, got {a.dtype}")
+    if keys.ndim != 2 or phrases.ndim != 3 or phrases.shape[:2] != keys.shape \
+            or stamps.shape != keys.shape or min(phrases.shape) < 1:
         raise ValueError(f"{path}: inconsistent pool shapes keys {keys.shape}, phrases "
                          f"{phrases.shape}, stamps {stamps.shape}")
+    if d["policy"].shape != () or d["policy"].dtype.kind != "U":
+        raise ValueError(f"{path}: policy must be a string")
     policy = str(d["policy"])
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"{path}: unknown eviction policy {policy!r}")
+    V, clock = int(d["vocab_size"]), int(d["clock"])
+    if not 1 <= V < 2**31:
+        raise ValueError(f"{path}: vocab_size {V} out of range")
+    filled = stamps > 0
+    rows = np.arange(keys.shape[0])[:, None]
+    if (stamps < 0).any() or not 0 <= clock < 2**31:
+        raise ValueError(f"{path}: negative stamps or clock out of range")
+    if ((keys < 0) & filled).any() or (keys >= V).any() or (keys < -1).any():
+        raise ValueError(f"{path}: keys must be -1 (empty) or token ids in [0, {V})")
+    if ((keys % keys.shape[0] != rows) & filled).any():
+        raise ValueError(f"{path}: a key is stored outside its row (key % rows)")
+    bad = filled[..., None] & ((phrases < 0) | (phrases >= V))
+    if bad.any():
+        r, g, m = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"{path}: phrase token {int(phrases[r, g, m])} (row {r}, slot {g}) is "
+                         f"outside the vocabulary [0, {V})")
+    live = stamps[filled]
+    if len(np.unique(live)) != len(live) or (live.size and live.max() > clock):
+        raise ValueError(f"{path}: stamps must be unique and at most clock ({clock})")
     if vocab_size is not None and int(d["vocab_size"]) != vocab_size:
         raise ValueError(f"{path}: pool was built for vocab_size {int(d['vocab_size'])}, "
                          f"not {vocab_size}")

@@ -99,6 +99,35 @@ def init_pool(
     )
 
 
+def check_pool(pool, where: str = "pool") -> None:
+    """Host-side check of a pool's structure (not its contents): array ranks, shapes and integer
+    dtypes agree, so a hand-made pool fails here, naming the array, not deep inside a jitted
+    loop. Contents are checked by `load_pool`; out-of-vocabulary phrases are masked by `lookup`.
+    """
+    if not isinstance(pool, PhrasePool):
+        raise ValueError(f"{where} must be a PhrasePool, got {type(pool).__name__}")
+    arrays = {n: getattr(pool, n) for n in ("keys", "phrases", "stamps", "clock")}
+    for n, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype") \
+                or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{where}.{n} must be an integer array, got "
+                             f"{getattr(a, 'dtype', type(a).__name__)}")
+    keys, phrases, stamps, clock = (arrays[n] for n in ("keys", "phrases", "stamps", "clock"))
+    if (keys.ndim != 2 or phrases.ndim != 3 or tuple(phrases.shape[:2]) != tuple(keys.shape)
+            or tuple(stamps.shape) != tuple(keys.shape) or clock.shape != ()
+            or min(phrases.shape) < 1):
+        raise ValueError(f"{where}: inconsistent shapes keys {tuple(keys.shape)}, phrases "
+                         f"{tuple(phrases.shape)}, stamps {tuple(stamps.shape)}, clock "
+                         f"{tuple(clock.shape)} (want [R,G], [R,G,M], [R,G], [] with R, G, M "
+                         ">= 1)")
+    v = pool.vocab_size
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{where}.vocab_size must be an integer >= 1, got {v!r}")
+    if pool.policy not in EVICTION_POLICIES:
+        raise ValueError(f"{where}.policy must be one of {EVICTION_POLICIES}, got "
+                         f"{pool.policy!r}")
+
+
 def clear_pool(pool: PhrasePool) -> PhrasePool:
     """Same shapes and policy, every slot empty, clock back to 0 (history off / reset)."""
     return init_pool(pool.vocab_size, pool.guesses, pool.phrase_len, pool.rows, pool.policy)
@@ -199,9 +228,14 @@ def lookup(pool: PhrasePool, key, k: int):
     key = jnp.asarray(key, dtype=jnp.int32)
     row = key % pool.rows
     row_stamps = pool.stamps[row]  # [..., G]
-    match = (row_stamps > 0) & (pool.keys[row] == key[..., None]) & (key[..., None] >= 0)
+    row_phrases = pool.phrases[row]  # [..., G, M]
+    # A phrase holding an id outside [0, V) (a hand-edited or foreign pool) is never offered:
+    # the model's embedding lookup would turn it into NaN and poison the whole row.
+    in_vocab = jnp.all((row_phrases >= 0) & (row_phrases < pool.vocab_size), axis=-1)
+    match = ((row_stamps > 0) & (pool.keys[row] == key[..., None]) & (key[..., None] >= 0)
+             & in_vocab)
     # Stamps are unique among filled slots, so ordering by stamp is newest first, no ties.
     top, slot = jax.lax.top_k(jnp.where(match, row_stamps, -1), k)  # [..., k]
     found = top > 0
-    phrases = jnp.take_along_axis(pool.phrases[row], slot[..., None], axis=-2)  # [..., k, M]
+    phrases = jnp.take_along_axis(row_phrases, slot[..., None], axis=-2)  # [..., k, M]
     return jnp.where(found[..., None], phrases, 0), found
