@@ -90,6 +90,10 @@ def provenance_md(p: dict) -> str:
     ul = lambda m: (f"{m['unlikelihood']['steps']} updates from step {m['unlikelihood']['from_step']}"
                     if m.get("unlikelihood") else "none")
     rows.append(("unlikelihood fine-tuning (half MLE)", ul(t), ul(d)))
+    dd = d.get("distillation")
+    if dd:
+        rows.append(("distilled from the target (KL + CE)", "–",
+                     f"{dd['steps']} updates, {dd['tokens']:,} tokens, {dd['wall_s'] / 3600:.2f} h"))
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     c, sp = r["continuations"], r["speculative"]
     lines += [
@@ -98,6 +102,25 @@ def provenance_md(p: dict) -> str:
         f"- target greedy {c['new_tokens']}-token continuations of {c['prompts']} held-out prompts: "
         f"{c['mean_repeat8']:.3f} repeated 8-grams on average (max {c['max_repeat8']:.3f}), "
         f"{c['short_loops']} one/two-token loops, {c['restarts']} restarts",
+    ]
+    g = p.get("distillation_gates")
+    if g:
+        b, a = g["before"], g["after"]
+        lines += [
+            "", "## Distilled draft (issue 11)", "",
+            f"Measured on {g['prompts']}:", "",
+            "| | draft before | distilled draft | gate |", "|---|---:|---:|---|",
+            f"| top-1 agreement with the target's greedy continuations (teacher-forced) | "
+            f"{b['top1_agreement']:.3f} | {a['top1_agreement']:.3f} | >= 0.75: "
+            f"{'met' if g['gates']['agreement>=0.75'] else 'not met'} |",
+            f"| greedy SD tokens per target forward, gamma 4 (measured eta) | "
+            f"{b['sd_gamma4_measured_eta']:.2f} | {a['sd_gamma4_measured_eta']:.2f} | >= 2.8: "
+            f"{'met' if g['gates']['sd_gamma4>=2.8'] else 'not met'} |",
+            f"| same, predicted from the agreement | {b['sd_tokens_per_round_gamma4']:.2f} | "
+            f"{a['sd_tokens_per_round_gamma4']:.2f} | |",
+            "", "Speculative decoding's tokens were identical to vanilla's for both drafts.",
+        ]
+    lines += [
         "", "## Commands", "", "```",
         *p["commands"], "```", "",
     ]
