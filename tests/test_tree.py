@@ -1,7 +1,7 @@
 """Tests for ouroboros_jax.tree: the parents -> mask/depth primitive and the static layouts.
 
 Properties are checked against a plain-Python recursive ancestor walk; the layouts against
-parents written out by hand from ALGORITHM.md section 1.
+parents written out by hand from docs/algorithm.md section 1.
 """
 
 import jax
