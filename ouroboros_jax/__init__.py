@@ -11,7 +11,7 @@ from .decoding.speculative import SpeculativeConfig
 from .generate import GenerationOutput, generate
 from .models import Model, ModelConfig, load_model, save_hf_checkpoint
 from .pool import PhrasePool, init_pool, load_pool, save_pool
-from .training.assets import demo_pair, demo_prompts
+from .demo_assets import demo_pair, demo_prompts
 
 __all__ = ["GenerationOutput", "LookaheadConfig", "Model", "ModelConfig", "OuroborosConfig",
            "PhrasePool", "SpeculativeConfig", "demo_pair", "demo_prompts", "generate",

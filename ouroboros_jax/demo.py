@@ -50,7 +50,7 @@ def _random_pair():
 def load_pair():
     """(target, draft, prompts, trained?): the shipped pair when installed, else a random one."""
     try:
-        from .training.assets import demo_pair, demo_prompts
+        from .demo_assets import demo_pair, demo_prompts
 
         target, draft = demo_pair()
         return target, draft, [p["text"] for p in demo_prompts()], True

@@ -4,7 +4,8 @@ reproducible random keys.
 Keys are folded from (seed, row, position): the token that lands at absolute position `p` of
 row `b` is always drawn with the same key, however many tokens a step accepts and whichever
 decoding method runs. With deterministic draft candidates this makes a speculative method's
-sampled output identical to vanilla sampling's for the same seed, not only equal in law.
+sampled output identical to vanilla sampling's for the same seed, not only equal in law
+(docs/algorithm.md section 6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The one tree primitive every attention mask in the project is built from.
+"""The one tree primitive every attention mask in the project is built from
+(docs/algorithm.md section 5).
 
 Every forward that scores more than one new token (prefill chunk, speculative chain, Ouroboros
 chain + suffix branches, the draft's Jacobi window + pool guesses) is a forest of T new nodes
@@ -162,7 +163,7 @@ def chain_parents(n: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class JacobiLayout:
-    """Index bookkeeping of one lookahead (Jacobi) step input, ALGORITHM.md section 1.
+    """Index bookkeeping of one lookahead (Jacobi) step input, docs/algorithm.md section 1.
 
     Node order: [ last | level0: W-1 | level1 .. level(N-2): W each | guesses: G x (N-1) ].
 
@@ -206,7 +207,7 @@ class JacobiLayout:
 
 @functools.lru_cache(maxsize=None)
 def jacobi_tree(window: int, ngram: int, guesses: int) -> JacobiLayout:
-    """Static tree of one lookahead step (ALGORITHM.md section 1) -> JacobiLayout.
+    """Static tree of one lookahead step (docs/algorithm.md section 1) -> JacobiLayout.
 
     Args:
       window: W >= 1, Jacobi window width (columns).

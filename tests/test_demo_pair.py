@@ -14,7 +14,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.models.llama import causal_mask, forward
 from ouroboros_jax.training import corpus
-from ouroboros_jax.training.assets import DEMO_DIR, demo_prompts, demo_provenance
+from ouroboros_jax.demo_assets import DEMO_DIR, demo_prompts, demo_provenance
 from ouroboros_jax.training.tokenizer import BOS_ID
 
 

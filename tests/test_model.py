@@ -1,5 +1,6 @@
 """The JAX model against transformers' torch models on the same weights (fp32)."""
 
+import chex
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -54,6 +55,7 @@ def test_prefill_then_decode_equals_full_forward(tiny_target):
     toks = jnp.asarray(np.random.RandomState(1).randint(0, 97, size=(2, T)))
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
     full, _ = forward(m.params, m.config, toks, pos, causal_mask(2, T))
+    chex.assert_shape(full, (2, T, m.config.vocab_size))
     cache = init_cache(m.config, 2, 64)
     lg, new = forward(m.params, m.config, toks[:, :split], pos[:, :split], causal_mask(2, split),
                       cache)
@@ -64,7 +66,8 @@ def test_prefill_then_decode_equals_full_forward(tiny_target):
                           jnp.ones((2, 1, 1), bool), cache)
         cache = commit_prefix(cache, new, jnp.ones((2,), jnp.int32))
         steps.append(lg)
-    np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
+    chex.assert_shape(steps[1:], (2, 1, m.config.vocab_size))
+    chex.assert_trees_all_close(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
 def test_gathered_commit_equals_one_by_one(tiny_target):
@@ -88,8 +91,9 @@ def test_gathered_commit_equals_one_by_one(tiny_target):
                         jnp.ones((1, 1, 1), bool), seq)
         seq = commit_prefix(seq, n1, jnp.array([1]))
     assert int(via_gather.lengths[0]) == int(seq.lengths[0]) == 13
-    np.testing.assert_allclose(via_gather.k[:, :, :13], seq.k[:, :, :13], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(via_gather.v[:, :, :13], seq.v[:, :, :13], rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_equal_shapes_and_dtypes(via_gather, seq)
+    chex.assert_trees_all_close((via_gather.k[:, :, :13], via_gather.v[:, :, :13]),
+                                (seq.k[:, :, :13], seq.v[:, :, :13]), rtol=1e-5, atol=1e-5)
     # rollback is a length: rolling back to 11 then recommitting gives the same prefix
     rb = rollback(via_gather, jnp.array([11]))
     assert int(rb.lengths[0]) == 11
@@ -103,7 +107,8 @@ def test_commit_never_overwrites_past_the_end(tiny_target):
     cache = commit_prefix(cache, new, jnp.array([6]))
     before = np.asarray(cache.k)
     cache2 = commit_prefix(cache, new, jnp.array([6]))  # only 2 slots left: the rest is dropped
-    np.testing.assert_array_equal(np.asarray(cache2.k)[:, :, :6], before[:, :, :6])
+    chex.assert_trees_all_equal_shapes(cache2, cache)
+    chex.assert_trees_all_equal(cache2.k[:, :, :6], before[:, :, :6])
 
 
 def test_bf16_params_run_and_stay_close(tiny_pair, tmp_path):
@@ -114,5 +119,6 @@ def test_bf16_params_run_and_stay_close(tiny_pair, tmp_path):
     pos, mask = jnp.arange(30)[None], causal_mask(1, 30)
     a, _ = forward(m32.params, m32.config, toks, pos, mask)
     b, _ = forward(m16.params, m16.config, toks, pos, mask)
-    assert b.dtype == jnp.float32
+    chex.assert_type(b, jnp.float32)
+    chex.assert_equal_shape([a, b])
     assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) > 0.8

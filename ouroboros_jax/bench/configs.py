@@ -1,0 +1,83 @@
+"""Which method configs a bench run compares: the paper defaults or the --quick small trees,
+fields overridden per method, the Table 4 ablation steps, and method names -> `MethodRun`s.
+
+Shared by `suite.py` (the bench) and `sweeps.py` (one knob at a time), so neither imports the
+other for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .runner import HF_PEERS, MethodRun
+
+# Small trees for --quick (tiny random models, seconds): the shapes the unit tests also compile.
+QUICK_CONFIGS = {"speculative": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 4, "guesses": 4},
+                 "ouroboros": {"gamma": 4, "window": 4, "ngram": 4, "guesses": 4, "suffixes": 2}}
+ABLATION_STEPS = (  # paper Table 4, one mechanism added per step
+    ("SD", dict(phrase_drafting=False, lengthening=False, recycling=False, history=False)),
+    ("+phrase drafting", dict(phrase_drafting=True, lengthening=False, recycling=False,
+                              history=False)),
+    ("+lengthening", dict(phrase_drafting=True, lengthening=True, recycling=False,
+                          history=False)),
+    ("+recycling", dict(phrase_drafting=True, lengthening=True, recycling=True, history=False)),
+    ("+history", dict(phrase_drafting=True, lengthening=True, recycling=True, history=True)),
+)
+
+
+def config_types() -> dict:
+    from ..decoding.lookahead import LookaheadConfig
+    from ..decoding.ouroboros import OuroborosConfig
+    from ..decoding.speculative import SpeculativeConfig
+
+    return {"speculative": SpeculativeConfig, "lookahead": LookaheadConfig,
+            "ouroboros": OuroborosConfig}
+
+
+def make_config(method: str, overrides: Optional[dict] = None, quick: bool = False):
+    """The method's config: paper defaults (or the --quick small trees), fields overridden."""
+    types = config_types()
+    if method not in types:
+        return None
+    kw = dict(QUICK_CONFIGS.get(method, {})) if quick else {}
+    kw.update(overrides or {})
+    fields = {f.name for f in dataclasses.fields(types[method])}
+    bad = sorted(set(kw) - fields)
+    if bad:
+        raise ValueError(f"--config {method}: unknown field(s) {', '.join(bad)}; "
+                         f"{types[method].__name__} has {', '.join(sorted(fields))}")
+    return types[method](**kw)
+
+
+def method_runs(names, quick: bool = False, overrides: Optional[dict] = None) -> list[MethodRun]:
+    """Names -> MethodRuns. Names: any registered method, "ablation" (the Table 4 steps on the
+    ouroboros engine), "peers" (hf-greedy, hf-assisted, hf-pld) or one peer name.
+    overrides: {method: {field: value}} applied to that method's config."""
+    overrides = overrides or {}
+    runs: list[MethodRun] = []
+    for n in names:
+        if n == "peers":
+            runs += [MethodRun(p, p, kind="hf") for p in HF_PEERS]
+        elif n in HF_PEERS:
+            runs.append(MethodRun(n, n, kind="hf"))
+        elif n == "ablation":
+            for step, sw in ABLATION_STEPS:
+                try:
+                    cfg = make_config("ouroboros", {**overrides.get("ouroboros", {}), **sw},
+                                      quick)
+                except ImportError:
+                    cfg = None
+                runs.append(MethodRun(f"ablation:{step}", "ouroboros", cfg))
+        else:
+            try:
+                cfg = make_config(n, overrides.get(n), quick)
+            except ImportError:  # a method module that does not exist yet: runner skips it
+                cfg = None
+            runs.append(MethodRun(n, n, cfg))
+    seen, out = set(), []
+    for r in runs:
+        if r.label not in seen:
+            seen.add(r.label)
+            out.append(r)
+    return out
