@@ -269,7 +269,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
 
 
 def summarize_stats(raw: dict, seconds: float) -> dict:
-    """Device counters -> the named measures of ALGORITHM.md section 4 (plain Python)."""
+    """Device counters -> the named measures of docs/algorithm.md section 4 (plain Python)."""
     s: dict[str, Any] = {}
     new_tokens = int(np.sum(raw["new_tokens"]))
     rounds = int(np.sum(raw["rounds"]))

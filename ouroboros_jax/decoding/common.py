@@ -95,7 +95,7 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
 
 
 def init_stats(batch: int, hist_bins: int) -> dict:
-    """On-device counters, named as in ALGORITHM.md section 4."""
+    """On-device counters, named as in docs/algorithm.md section 4."""
     z = lambda: jnp.zeros((), jnp.int32)
     return {
         "new_tokens": jnp.zeros((batch,), jnp.int32),

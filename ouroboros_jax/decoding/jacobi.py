@@ -1,4 +1,4 @@
-"""The lookahead (Jacobi) step of ALGORITHM.md section 1, as pure functions of any model.
+"""The lookahead (Jacobi) step of docs/algorithm.md section 1, as pure functions of any model.
 
 Used by the target in lookahead decoding and by the draft inside Ouroboros. One step is one
 forward over a fixed-size tree (`tree.jacobi_tree(W, N, G)`):

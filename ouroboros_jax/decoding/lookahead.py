@@ -1,4 +1,4 @@
-"""Lookahead decoding (Fu et al. 2023; ALGORITHM.md sections 0 and 1): the target itself runs
+"""Lookahead decoding (Fu et al. 2023; docs/algorithm.md sections 0 and 1): the target itself runs
 the Jacobi window and verifies up to G pool n-grams keyed by its pending token, one target
 forward per step, the whole loop on device.
 

@@ -1,4 +1,4 @@
-"""Ouroboros (arXiv 2402.13720; ALGORITHM.md section 2): the draft drafts phrase by phrase with
+"""Ouroboros (arXiv 2402.13720; docs/algorithm.md section 2): the draft drafts phrase by phrase with
 lookahead steps, the draft is lengthened by pool phrases as tree branches, one target forward
 verifies everything, verified phrases are recycled into the pool, and the pool is kept across
 calls. One jitted `lax.while_loop` per call; each row accepts its own count.
@@ -26,7 +26,7 @@ One round (one target forward), rows b of the batch:
       (the lookup of K newest sees the corrected versions first).
  5. History (mechanism 4): `pool=` in, `out.pool` back; history=False starts empty.
 
-Stats (ALGORITHM.md section 4; draft counters are per row: `draft_calls` = sum over rows of
+Stats (docs/algorithm.md section 4; draft counters are per row: `draft_calls` = sum over rows of
 draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
 excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
 

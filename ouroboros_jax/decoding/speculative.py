@@ -50,7 +50,7 @@ DRAFT_KEY, ACCEPT_KEY, TARGET_KEY = 1, 2, 3
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """gamma: most tokens the draft proposes per round (ALGORITHM.md: 4-6 for text, 10-12 code).
+    """gamma: most tokens the draft proposes per round (docs/algorithm.md: 4-6 for text, 10-12 code).
 
     confidence: adaptive drafting. A row stops extending its chain after a draft token whose
     probability under the draft (its processed distribution when sampling, its softmax when

@@ -1,7 +1,7 @@
 """Tree verification shared by every speculative method: the accept walk and the commit of
 the accepted path.
 
-The walk (ALGORITHM.md section 2.3): start at the root (node 0, the pending token). At each node
+The walk (docs/algorithm.md section 2.3): start at the root (node 0, the pending token). At each node
 take the target's next token y there (`choices`: argmax, or a draw from the processed
 distribution with the (row, position) key). If a valid child carries y, move to it; otherwise
 stop. Every token emitted is the target's own choice given an accepted prefix, so greedy output

@@ -1,4 +1,4 @@
-"""Phrase pool: fixed-shape, device-resident n-gram store (ALGORITHM.md section 3).
+"""Phrase pool: fixed-shape, device-resident n-gram store (docs/algorithm.md section 3).
 
 Knows nothing of models; see `phrase_pool` for the layout and semantics.
 """

@@ -1,4 +1,4 @@
-"""Phrase pool: a fixed-shape, device-resident n-gram table (ALGORITHM.md section 3).
+"""Phrase pool: a fixed-shape, device-resident n-gram table (docs/algorithm.md section 3).
 
 A phrase is a key token plus the M = N-1 tokens that followed it (an n-gram). The reference
 keeps a Python dict token -> list of <= G phrases with LRU order and no bound on keys; here it
