@@ -118,16 +118,19 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
         print(f"--- prompt {i + 1} ---\n{head}", end="")
         print(o.texts[0] if o.texts else o.tokens[0])
     print("=" * 72)
-    print(f"{'method':<12} {'tokens/s':>9} {'speedup':>8} {'eta':>6}  identical to vanilla")
+    print(f"{'method':<12} {'tokens/s':>9} {'speedup':>8} {'eta':>6}  {'identical':<9}  config (auto)")
     summary = {"trained_pair": trained, "methods": {}}
     for m, r in results.items():
         same = all(a.tokens == b.tokens for a, b in zip(van["outs"], r["outs"]))
         speedup = r["tokens_per_second"] / van["tokens_per_second"]
+        a = r["outs"][-1].stats.get("auto") or {}
+        chosen = ("off: ran vanilla (" + a["reason"].split(" (")[0].split(":")[0] + ")"
+                  if a.get("method") == "vanilla" else a.get("config") or "")
         print(f"{m:<12} {r['tokens_per_second']:9.1f} {speedup:7.2f}x {r['eta']:6.2f}  "
-              f"{'yes' if same else 'NO'}")
+              f"{'yes' if same else 'NO':<9}  {chosen}")
         summary["methods"][m] = {"tokens_per_second": r["tokens_per_second"],
                                  "speedup": speedup, "eta": r["eta"], "identical": same,
-                                 "compile_seconds": r["compile_seconds"]}
+                                 "compile_seconds": r["compile_seconds"], "auto": a or None}
     fastest = max(results, key=lambda m: results[m]["tokens_per_second"])
     summary["fastest"] = fastest
     summary["identical"] = all(v["identical"] for v in summary["methods"].values())
@@ -137,9 +140,9 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
         print("(random-weight pair: the draft never agrees with the target, so no method can "
               "be faster here; this run shows exactness, not speed)")
     elif fastest != "ouroboros":
-        print("(on a CPU a forward's cost grows with every token it scores, so large draft "
-              "trees cost more here than on a GPU; `ouroboros-jax bench --cost-model` shows the "
-              "counts priced both ways)")
+        print("(config=auto sized every method for this machine from a latency probe and the "
+              "pair's agreement; on a CPU a forward's cost grows with every token it scores, so "
+              "trees stay small here; `ouroboros-jax bench --cost-model` prices the counts both ways)")
     print(f"(compile time excluded from tokens/s; whole demo took "
           f"{time.perf_counter() - t0:.0f} s)")
     return summary

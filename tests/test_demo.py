@@ -11,7 +11,9 @@ def test_demo_runs_and_reports_exactness(capsys):
     rows = [line.split() for line in out.splitlines()
             if line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"])]
     assert [r[0] for r in rows] == ["vanilla", "speculative", "lookahead", "ouroboros"]
-    assert all(r[-1] == "yes" for r in rows)  # each method's tokens equal vanilla's
+    assert all(r[4] == "yes" for r in rows)  # each method's tokens equal vanilla's
+    # every speculative row says what config=auto chose (a config, or off)
+    assert all(("Config(" in " ".join(r[5:])) or r[5:6] == ["off:"] for r in rows[1:])
 
 
 def test_memory_command_prints_per_device_bytes(capsys):

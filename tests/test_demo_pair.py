@@ -95,3 +95,32 @@ def test_ouroboros_stats_on_the_demo_pair(pair):
                                              lengthening=False), **kw)
     assert off.tokens == ref.tokens and off.stats["suffix_tokens_accepted"] == 0
     json.dumps(s)  # stats are plain JSON-ready values
+
+
+def test_distilled_draft_figures_reproduce(pair):
+    """The shipped draft was distilled from the target (issue 11): its provenance records the
+    agreement and speculative figures before and after, and they reproduce here on the shipped
+    held-out prompts: teacher-forced agreement with the target's greedy continuations, and
+    greedy speculative decoding at gamma 4 (tokens identical to vanilla's, eta as predicted
+    by the agreement)."""
+    from ouroboros_jax.training import distill
+
+    prov = demo_provenance()
+    g = prov["distillation_gates"]
+    before, after = g["before"], g["after"]
+    assert after["top1_agreement"] > before["top1_agreement"] + 0.1
+    assert after["sd_gamma4_measured_eta"] > before["sd_gamma4_measured_eta"]
+    d = prov["draft"]["distillation"]
+    assert d["init_model_sha256"] == prov["draft_before_distillation"]["model_sha256"]
+    assert d["steps"] > 0 and d["tokens"] > 0
+    target, draft = pair
+    prompts = [[BOS_ID] + target.tokenizer(p["text"], add_special_tokens=False)["input_ids"]
+               for p in demo_prompts()]
+    conts = oj.generate(target, prompts, max_new_tokens=distill.EVAL_NEW_TOKENS).tokens
+    r = distill.agreement_report(draft.params, draft.config, prompts, conts)
+    assert r["top1_agreement"] == pytest.approx(after["top1_agreement"], abs=0.01)
+    sd = oj.generate(target, prompts[:6], draft=draft, method="speculative",
+                     config=oj.SpeculativeConfig(gamma=4), max_new_tokens=distill.EVAL_NEW_TOKENS)
+    assert sd.tokens == conts[:6]
+    m = distill.teacher_forced_matches(draft.params, draft.config, prompts[:6], conts[:6])
+    assert sd.stats["eta"] == pytest.approx(distill.sd_tokens_per_round(m, 4), rel=0.02)
