@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -550,8 +551,14 @@ class Distiller:
         from ouroboros_jax.models.loading import save_hf_checkpoint
 
         hf = self.out / "hf"
+        src = Path(self.target.path or "")
+        tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                       "tokenizer.model") if (src / n).is_file()]
+        # the target's own tokenizer files, byte for byte (a re-save adds loader-specific keys)
         save_hf_checkpoint(str(hf), self.dcfg, self.params, dtype=self.a.export_dtype,
-                           tokenizer=self.target.tokenizer)
+                           tokenizer=None if tok_files else self.target.tokenizer)
+        for f in tok_files:
+            shutil.copy(f, hf / f.name)
         rep = {"step": step, "draft_params": self.dcfg.num_params(),
                "target_params": self.target.config.num_params(), "heldout": self.evaluate(), "hf_dir": str(hf)}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
