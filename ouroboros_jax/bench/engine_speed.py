@@ -1,11 +1,13 @@
-"""Engine speed, side by side: this checkout against another (e.g. the pre-change commit).
+"""Engine speed, side by side in one process: this checkout against another (e.g. the
+pre-change commit).
 
     git worktree add /tmp/base <commit>
-    python -m ouroboros_jax.bench.engine_speed --tree /tmp/base --tree . --rounds 3
+    python -m ouroboros_jax.bench.engine_speed --base /tmp/base --reps 7
 
-Each round runs one worker process per tree, alternating (so load from other jobs on a shared
-machine falls on both alike), and the report gives per-tree medians and the ratios between
-trees. A worker imports `ouroboros_jax` from its tree and measures, on the demo pair (fp32):
+The other checkout's package is imported under another name (`oj_base`), both run on the same
+loaded weights, and every repetition times every measure of both in turn (the order alternating),
+so load from other jobs on a shared machine falls on both alike; the report gives medians, their
+ratios, and the median of the paired ratios (adjacent runs), the number to trust under load. Measures, on the demo pair (fp32):
 
 - `eos`: a demo prompt whose greedy generation stops at EOS after 115 tokens, generated with
   max_new_tokens=128 and with 1536 (same tokens, 4x the cache slots): tokens/s of each and
@@ -19,9 +21,9 @@ Compile time is excluded everywhere (every call is made once before it is timed)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -29,86 +31,115 @@ import numpy as np
 
 EOS_PROMPT = 1  # demo prompt index: greedy output ends with EOS after 115 tokens
 V512_PROMPTS = (0, 2)
+FWD_CASES = ((256, 128), (1024, 512), (2048, 128))
 
 
-def _timed(fn, reps):
-    fn()  # compile / warm
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)), out
+def load_tree(name: str, tree: str):
+    """The `ouroboros_jax` package of another checkout, imported as `name`."""
+    init = os.path.join(os.path.abspath(tree), "ouroboros_jax", "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def worker(reps: int) -> dict:
+def _measures(pkg, target, prompts):
+    """{name: callable -> (seconds, payload)} for one package."""
+    import importlib
+
+    cost_model = importlib.import_module(pkg.__name__ + ".bench.cost_model")
+
+    def gen(prompt, n, **kw):
+        def f():
+            t0 = time.perf_counter()
+            out = pkg.generate(target, [prompt], max_new_tokens=n, **kw)
+            return time.perf_counter() - t0, out.tokens[0]
+        return f
+
+    m = {"eos_128": gen(prompts[EOS_PROMPT], 128), "eos_1536": gen(prompts[EOS_PROMPT], 1536)}
+    for i in V512_PROMPTS:
+        m[f"vanilla512_p{i}"] = gen(prompts[i], 512, eos_token_id=-1)
+    for slots, ctx in FWD_CASES:
+        timed = cost_model._forward_timer(target, 1, ctx, inner=16, slots=slots)
+        m[f"fwd_{slots}_{ctx}"] = lambda timed=timed: (timed(), None)
+    return m
+
+
+def run(base: str, reps: int) -> dict:
     import ouroboros_jax as oj
-    from ouroboros_jax.bench.cost_model import _forward_timer
 
+    pkgs = {"base": load_tree("oj_base", base), "new": oj}
     target, _ = oj.demo_pair("float32")
     prompts = [p["text"] for p in oj.demo_prompts()]
-    res: dict = {}
-    p = prompts[EOS_PROMPT]
-    toks = {}
-    for n in (128, 1536):
-        s, out = _timed(lambda: oj.generate(target, [p], max_new_tokens=n), reps)
-        toks[n] = out.tokens[0]
-        res[f"eos_{n}_tok_s"] = len(out.tokens[0]) / s
-    res["eos_same_tokens"] = toks[128] == toks[1536]
-    res["eos_tokens"] = len(toks[128])
-    res["eos_ratio"] = res["eos_1536_tok_s"] / res["eos_128_tok_s"]
-    tps = []
-    for i in V512_PROMPTS:
-        s, out = _timed(lambda: oj.generate(target, [prompts[i]], max_new_tokens=512,
-                                            eos_token_id=-1), reps)
-        tps.append(len(out.tokens[0]) / s)
-    res["vanilla512_tok_s"] = float(np.mean(tps))
-    for slots, ctx in ((256, 128), (1024, 512), (2048, 128)):
-        timed = _forward_timer(target, 1, ctx, inner=16, slots=slots)
-        res[f"fwd_{slots}_{ctx}_ms"] = 1e3 * float(np.median([timed() for _ in range(5 * reps)]))
+    meas = {k: _measures(p, target, prompts) for k, p in pkgs.items()}
+    samples: dict = {k: {n: [] for n in meas[k]} for k in pkgs}
+    tokens: dict = {k: {} for k in pkgs}
+    for k in pkgs:  # compile
+        for n, f in meas[k].items():
+            tokens[k][n] = f()[1]
+    for r in range(reps):
+        for n in meas["new"]:
+            for k in (("base", "new") if r % 2 == 0 else ("new", "base")):
+                samples[k][n].append(meas[k][n]()[0])
+    res: dict = {"paired": _paired(samples, tokens)}
+    for k in pkgs:
+        med = {n: float(np.median(v)) for n, v in samples[k].items()}
+        eos_toks = len(tokens[k]["eos_128"])
+        r = {"eos_128_tok_s": eos_toks / med["eos_128"],
+             "eos_1536_tok_s": len(tokens[k]["eos_1536"]) / med["eos_1536"],
+             "vanilla512_tok_s": float(np.mean([512 / med[f"vanilla512_p{i}"]
+                                                for i in V512_PROMPTS]))}
+        r["eos_ratio"] = r["eos_1536_tok_s"] / r["eos_128_tok_s"]
+        for slots, ctx in FWD_CASES:
+            r[f"fwd_{slots}_{ctx}_ms"] = 1e3 * med[f"fwd_{slots}_{ctx}"]
+        r["eos_same_tokens"] = tokens[k]["eos_128"] == tokens[k]["eos_1536"]
+        r["eos_tokens"] = eos_toks
+        res[k] = r
+    res["same_tokens_base_new"] = all(tokens["base"][n] == tokens["new"][n] for n in tokens["new"]
+                                      if not n.startswith("fwd"))
     return res
+
+
+def _paired(samples, tokens) -> dict:
+    """new/base speed ratios from the two adjacent runs of each repetition, median over
+    repetitions (robust to load that drifts slower than one repetition)."""
+    def ratio(n):  # base seconds / new seconds = new speed / base speed
+        return float(np.median(np.asarray(samples["base"][n]) / np.asarray(samples["new"][n])))
+
+    out = {n: ratio(n) for n in samples["new"]}
+    # the padded-cache penalty within each package, pairing the 128 and 1536 runs of a rep
+    for k in ("base", "new"):
+        out[f"{k}_eos_ratio"] = float(np.median(
+            (len(tokens[k]["eos_1536"]) / np.asarray(samples[k]["eos_1536"]))
+            / (len(tokens[k]["eos_128"]) / np.asarray(samples[k]["eos_128"]))))
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", action="append", help="checkout to measure (repeatable)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--base", required=True, help="the other checkout (e.g. a git worktree)")
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
-    if a.worker:
-        print("RESULT " + json.dumps(worker(a.reps)), flush=True)
-        return
-    trees = [os.path.abspath(t) for t in (a.tree or ["."])]
-    runs: dict = {t: [] for t in trees}
-    for r in range(a.rounds):
-        for t in (trees if r % 2 == 0 else trees[::-1]):
-            env = dict(os.environ, PYTHONPATH=t, JAX_PLATFORMS="cpu")
-            # this file runs as the worker; PYTHONPATH makes it import the tree's package
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                                "--reps", str(a.reps)], cwd=t, env=env,
-                               capture_output=True, text=True)
-            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            if p.returncode or not line:
-                raise SystemExit(f"worker in {t} failed:\n{p.stderr[-3000:]}")
-            runs[t].append(json.loads(line[0][7:]))
-            print(f"[round {r}] {t}: {runs[t][-1]}", file=sys.stderr, flush=True)
-    keys = [k for k, v in runs[trees[0]][0].items() if isinstance(v, float)]
-    med = {t: {k: float(np.median([x[k] for x in runs[t]])) for k in keys} for t in trees}
-    print("| measure | " + " | ".join(trees) + (" | last/first |" if len(trees) > 1 else " |"))
-    print("|---" * (len(trees) + 1 + (len(trees) > 1)) + "|")
+    res = run(a.base, a.reps)
+    keys = [k for k, v in res["new"].items() if isinstance(v, float)]
+    print(f"| measure | base ({a.base}) | new | new/base |")
+    print("|---|---:|---:|---:|")
     for k in keys:
-        row = [f"{med[t][k]:.3f}" for t in trees]
-        if len(trees) > 1:
-            row.append(f"{med[trees[-1]][k] / med[trees[0]][k]:.2f}")
-        print(f"| {k} | " + " | ".join(row) + " |")
-    for t in trees:
-        print(f"{t}: same tokens 128 vs 1536: {[x['eos_same_tokens'] for x in runs[t]]}, "
-              f"EOS after {runs[t][0]['eos_tokens']} tokens")
+        b, n = res["base"][k], res["new"][k]
+        print(f"| {k} | {b:.3f} | {n:.3f} | {n / b:.2f} |")
+    print("\nPaired (median over repetitions of the ratio between adjacent runs):")
+    for n, v in res["paired"].items():
+        print(f"  {n}: {v:.2f}" + ("" if "eos_ratio" in n else " (new speed / base speed)"))
+    for k in ("base", "new"):
+        print(f"{k}: EOS after {res[k]['eos_tokens']} tokens, same tokens with 128 and 1536: "
+              f"{res[k]['eos_same_tokens']}")
+    print(f"base and new give the same tokens: {res['same_tokens_base_new']}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"trees": trees, "runs": runs, "medians": med}, f, indent=2)
+            json.dump(res, f, indent=2)
 
 
 if __name__ == "__main__":
