@@ -12,7 +12,10 @@ timing jitted forwards of each model (`measure_latency`), or loaded from JSON wr
 machine (e.g. a GPU) to predict what the same counts would give there. Prefill forwards (one
 per call and model) are counted when the table has prefill timings. This is the paper's eq. 5/6
 with the counts measured instead of modelled. Not modelled: per-round work outside the forwards
-(acceptance walk, pool updates, cache commits), a large share for tiny models.
+(acceptance walk, pool updates, cache commits, the loop itself); the engine keeps it small
+(commits update the cache in place, attention reads only live cache blocks), so measured /
+predicted time near 1 says the counted forwards explain the run. Attention cost follows the
+live length (models/attention.py), so forwards are timed after the workload's median context.
 """
 
 from __future__ import annotations
@@ -155,8 +158,8 @@ def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards
 
 def _forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
     """A compiled callable running `inner` forwards of n tokens (after `context` cached tokens,
-    in a cache of `slots` slots: attention reads every slot, used or not) in one loop, as in
-    decoding (no dispatch per forward) -> seconds per forward."""
+    in a cache of `slots` slots; attention reads the blocks below `context` only) in one loop,
+    as in decoding (no dispatch per forward) -> seconds per forward."""
     import jax
     import jax.numpy as jnp
 

@@ -51,17 +51,28 @@ def commit(cache: KVCache, new: NewKV, indices: jax.Array, counts: jax.Array) ->
     lengths[b] + a for a < counts[b]; lengths grow by counts. Writes that would fall past the
     last slot are dropped rather than clamped, so an overflow can never overwrite the prefix.
     """
-    B, A = indices.shape
     S = cache.num_slots
-    a = jnp.arange(A, dtype=jnp.int32)[None, :]
-    slot = jnp.where(a < counts[:, None], cache.lengths[:, None] + a, S)  # S = out of range
+    if indices.shape[1] > S:  # more offered than the cache can ever hold
+        indices, counts = indices[:, :S], jnp.minimum(counts, S)
+    B, A = indices.shape
+    # Every row writes a window of A in-range slots, [start, start + A), holding its new tokens
+    # from slot lengths[b] on and its old contents elsewhere. In-range, distinct indices let
+    # XLA update the cache in place; a bounds-checked ("drop") scatter becomes a
+    # select over the whole cache, i.e. a copy of all S slots per commit.
+    start = jnp.clip(cache.lengths, 0, S - A)
+    slot = start[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]  # [B, A]
+    a = slot - cache.lengths[:, None]  # which appended token lands in this slot
+    valid = ((a >= 0) & (a < counts[:, None]))[None, :, :, None, None]
+    src = jnp.take_along_axis(indices, jnp.clip(a, 0, A - 1), axis=1)  # [B, A]
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
-    # take_along_axis over the token axis of [L, B, T, K, D]
-    gather = lambda x: jnp.take_along_axis(x, indices[None, :, :, None, None], axis=2)
-    k_sel, v_sel = gather(new.k), gather(new.v)
-    k = cache.k.at[:, rows, slot].set(k_sel.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, rows, slot].set(v_sel.astype(cache.v.dtype), mode="drop")
-    return KVCache(k=k, v=v, lengths=cache.lengths + counts.astype(jnp.int32))
+
+    def write(c, x):  # c [L, B, S, K, D], x [L, B, T, K, D]
+        sel = jnp.take_along_axis(x, src[None, :, :, None, None], axis=2).astype(c.dtype)
+        return c.at[:, rows, slot].set(jnp.where(valid, sel, c[:, rows, slot]),
+                                       mode="promise_in_bounds")
+
+    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v),
+                   lengths=cache.lengths + counts.astype(jnp.int32))
 
 
 def commit_prefix(cache: KVCache, new: NewKV, counts: jax.Array) -> KVCache:

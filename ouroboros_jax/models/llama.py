@@ -11,7 +11,8 @@ Glossary (used in every einsum and shape comment of the project):
 Positions and the mask among the new tokens are inputs, so one function serves prefill, single
 token decoding, Jacobi windows and verification trees alike. Every committed cache slot
 `s < cache.lengths[b]` is visible to every new token of row b (the committed prefix is everyone's
-ancestor); the forward never writes the cache (see kv_cache.commit).
+ancestor); the forward never writes the cache (see kv_cache.commit). Attention reads only the
+cache blocks below the longest row (models/attention.py), so its cost follows the live length.
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
     embed [V,E]; layers: attn_norm [L,E], wq [L,E,H,D], wk [L,E,K,D], wv [L,E,K,D], wo [L,H,D,E],
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
 from .kv_cache import KVCache, NewKV
 
@@ -110,45 +112,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, window):
-    """Grouped-query attention of T new tokens over the committed cache and each other.
-
-    q [B,T,H,D]; k_new, v_new [B,T,K,D]; positions int[B,T]; mask bool[B,T,T] among new tokens;
-    cache_k, cache_v [B,S,K,D] or None; cache_len int[B]; window: sliding window or None.
-    Returns [B,T,H,D]. Scores and softmax in fp32.
-    """
-    B, T, H, D = q.shape
-    K = k_new.shape[2]
-    qg = q.reshape(B, T, K, H // K, D)
-    scale = 1.0 / math.sqrt(D)
-    f32 = jnp.float32
-    s_new = jnp.einsum("btkgd,bukd->bkgtu", qg, k_new, preferred_element_type=f32) * scale
-    vis_new = mask
-    if window is not None:
-        vis_new = vis_new & (positions[:, :, None] - positions[:, None, :] < window)
-    neg = jnp.finfo(f32).min
-    s_new = jnp.where(vis_new[:, None, None], s_new, neg)
-    if cache_k is None:
-        p = jax.nn.softmax(s_new, axis=-1)
-        out = jnp.einsum("bkgtu,bukd->btkgd", p.astype(v_new.dtype), v_new)
-        return out.reshape(B, T, H, D)
-    S = cache_k.shape[1]
-    slot = jnp.arange(S)[None, None, :]
-    vis_cache = slot < cache_len[:, None, None]  # [B,1,S]
-    if window is not None:
-        vis_cache = vis_cache & (positions[:, :, None] - slot < window)
-    vis_cache = jnp.broadcast_to(vis_cache, (B, T, S))
-    s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, cache_k.astype(q.dtype),
-                         preferred_element_type=f32) * scale
-    s_cache = jnp.where(vis_cache[:, None, None], s_cache, neg)
-    p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
-    p_cache, p_new = p[..., :S].astype(v_new.dtype), p[..., S:].astype(v_new.dtype)
-    out = (jnp.einsum("bkgts,bskd->btkgd", p_cache, cache_v.astype(v_new.dtype))
-           + jnp.einsum("bkgtu,bukd->btkgd", p_new, v_new))
-    return out.reshape(B, T, H, D)
-
-
-def _layer(config: ModelConfig, inv_freq, x, lp, positions, mask, cache_k, cache_v, cache_len):
+def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
+           live_blocks):
     """One decoder layer. x [B,T,E] -> (x [B,T,E], k [B,T,K,D], v [B,T,K,D])."""
     h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
     q = jnp.einsum("bte,ehd->bthd", h, lp["wq"])
@@ -158,7 +123,9 @@ def _layer(config: ModelConfig, inv_freq, x, lp, positions, mask, cache_k, cache
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    a = attention(q, k, v, positions, mask, cache_k, cache_v, cache_len, config.sliding_window)
+    ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
+    a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
+               live_blocks=live_blocks)
     x = x + jnp.einsum("bthd,hde->bte", a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
     g = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
@@ -182,19 +149,18 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     dtype = params["embed"].dtype
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
 
+    kernel = kernel_for_backend()
+    # the trip count over cache blocks, once for all layers
+    live = None if cache is None else live_block_count(cache.lengths, cache.num_slots)
+
     def step(x, xs):
-        if cache is None:
-            lp = xs
-            ck = cv = None
-            clen = None
-        else:
-            lp, ck, cv = xs
-            clen = cache.lengths
-        x, k, v = _layer(config, inv_freq, x, lp, positions, mask, ck, cv, clen)
+        lp, layer = xs
+        x, k, v = _layer(config, inv_freq, kernel, x, lp, layer, positions, mask, cache, live)
         return x, (k, v)
 
-    xs = params["layers"] if cache is None else (params["layers"], cache.k, cache.v)
-    x, (ks, vs) = jax.lax.scan(step, x, xs)
+    # the cache is not scanned over: each layer's kernel reads its own live blocks from it
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    x, (ks, vs) = jax.lax.scan(step, x, (params["layers"], layers))
     if select is not None:
         x = jnp.take_along_axis(x, select[..., None], axis=1)
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)

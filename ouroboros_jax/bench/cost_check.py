@@ -1,0 +1,113 @@
+"""How much of a run the counted forwards explain: measured time / cost-model prediction, with
+every measurement paired with a latency measurement taken right after it.
+
+    python -m ouroboros_jax.bench.cost_check --reps 5 --max-new-tokens 256
+
+The bench's cost model (`cost_model.py`) times forwards once, after all methods ran; on a shared
+machine whose load changes by the minute that pairs a run with a latency table measured under
+other load. Here each repetition runs every method on the same demo prompts (batch 1, greedy,
+EOS ignored so the counts are fixed) and then times, in the same minute, the forwards that
+method used (target and draft forwards of its input sizes after the median context, in a cache
+of the run's slots, and the prefills); the ratio measured / predicted is taken per repetition
+and the median over repetitions is reported. A ratio near 1 means the work outside the forwards
+(acceptance walk, pool, commits, the loop) is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from .cost_model import _forward_timer, forward_sizes, predict_seconds, prompt_bucket
+
+# The small trees of the README's CPU bench.
+CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
+           "ouroboros": {"gamma": 2, "window": 4, "ngram": 3, "guesses": 4, "suffixes": 2}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--methods", default="vanilla,speculative,lookahead,ouroboros")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    import ouroboros_jax as oj
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.generate import cache_slots
+
+    target, draft = oj.demo_pair("float32")
+    texts = [p["text"] for p in oj.demo_prompts()[:a.prompts]]
+    plens = [len(target.tokenizer(t)["input_ids"]) for t in texts]
+    context = int(np.median(plens)) + a.max_new_tokens // 2
+    cfg_types = {"speculative": oj.SpeculativeConfig, "lookahead": oj.LookaheadConfig,
+                 "ouroboros": oj.OuroborosConfig}
+    methods = [m.strip() for m in a.methods.split(",")]
+    setups = {}
+    for m in methods:
+        cfg = cfg_types[m](**CONFIGS[m]) if m in cfg_types else None
+        n_t, n_s, n_s1 = forward_sizes(m, cfg)
+        slots = cache_slots(prompt_bucket(int(np.median(plens))), a.max_new_tokens,
+                            METHODS[m].margin(cfg) if cfg is not None else 0)
+        timers = {"t": _forward_timer(target, n_t, context, slots=slots)}
+        if n_s:
+            timers["s"] = _forward_timer(draft, n_s, context, slots=slots)
+            timers["s1"] = _forward_timer(draft, n_s1, context, slots=slots)
+        for P in sorted({prompt_bucket(n) for n in plens}):
+            timers[f"pt{P}"] = _forward_timer(target, P, 0, inner=2)
+            if n_s:
+                timers[f"ps{P}"] = _forward_timer(draft, P, 0, inner=2)
+
+        def gen(m=m, cfg=cfg):
+            secs, tc, df = 0.0, 0, 0
+            for t in texts:
+                out = oj.generate(target, [t], draft=draft if n_s else None, method=m,
+                                  config=cfg, max_new_tokens=a.max_new_tokens, eos_token_id=-1)
+                secs += out.stats["seconds"]
+                tc += out.stats["target_calls"]
+                df += out.stats.get("draft_forwards", out.stats["draft_calls"])
+            return secs, tc, df
+
+        gen()  # compile
+        setups[m] = (gen, timers, (n_t, n_s, n_s1))
+
+    ratios: dict = {m: [] for m in methods}
+    detail: dict = {m: [] for m in methods}
+    for r in range(a.reps):
+        for m in methods:
+            gen, timers, (n_t, n_s, n_s1) = setups[m]
+            secs, tc, df = gen()
+            lat = {k: float(np.median([f() for _ in range(3)])) for k, f in timers.items()}
+            pre = sum(lat[f"pt{prompt_bucket(n)}"] + (lat[f"ps{prompt_bucket(n)}"] if n_s else 0)
+                      for n in plens)
+            from .cost_model import LatencyTable
+
+            table = LatencyTable(target={n_t: lat["t"]},
+                                 draft={n_s: lat["s"], n_s1: lat["s1"]} if n_s else {})
+            pred = predict_seconds(tc, df, n_t, n_s, table, n_s1 if n_s else None, pre)
+            ratios[m].append(secs / pred)
+            detail[m].append({"measured_s": secs, "predicted_s": pred, "target_calls": tc,
+                              "draft_forwards": df, "latency_ms": {k: 1e3 * v
+                                                                   for k, v in lat.items()}})
+            print(f"[rep {r}] {m}: measured {secs:.3f} s, predicted {pred:.3f} s, "
+                  f"ratio {secs / pred:.3f}", flush=True)
+    print(f"\n{a.prompts} demo prompts x {a.max_new_tokens} new tokens, context {context}, "
+          f"{a.reps} repetitions")
+    print("| method | target calls | draft forwards | measured / predicted (median) | range |")
+    print("|---|---:|---:|---:|---|")
+    for m in methods:
+        v = ratios[m]
+        print(f"| {m} | {detail[m][0]['target_calls']} | {detail[m][0]['draft_forwards']} | "
+              f"{np.median(v):.3f} | {min(v):.3f}-{max(v):.3f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"ratios": ratios, "detail": detail, "context": context}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

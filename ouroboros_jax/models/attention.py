@@ -1,0 +1,166 @@
+"""Attention kernels of the forward, and the one seam where a backend picks its kernel.
+
+Glossary as in llama.py: B rows, T new tokens, S cache slots, L layers, H query heads, K kv heads,
+G = H / K query heads per kv head, D head dim; C slots of one cache block.
+
+Every kernel computes the same thing: grouped-query attention of T new tokens over the committed
+cache slots `s < cache_len[b]` (everyone's ancestor) and over each other through `mask[B,T,T]`,
+with an optional sliding window, scores and softmax in fp32. Kernels take the whole stacked cache
+`[L,B,S,K,D]` and a layer index, so a layer reads only what it needs instead of the layer scan
+slicing (copying) all S slots of every layer.
+
+- `blockwise` (the default): an online softmax (fp32 running max, sum and output) over cache
+  blocks of C slots, visiting only blocks below the longest live row (a `fori_loop` whose trip
+  count is a traced value), then over the new tokens. Its cost follows the live length, not the
+  padded cache size, so a large `max_new_tokens` that is never reached costs nothing.
+- `dense`: softmax over all S slots at once (the reference; reads every padded slot).
+
+`kernel_for_backend` is the seam: an accelerator kernel (`jax.nn.dot_product_attention` with a
+cuDNN backend, a Pallas flash/paged kernel) registers in `KERNELS` under a name and is returned
+there for "gpu" / "tpu". `set_kernel` overrides the choice; it is read when a forward is traced,
+so it must be set before the first call is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 128  # cache slots per block (measured on the demo pair, see bench/engine_speed.py)
+
+_F32 = jnp.float32
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def _scores(qg, k, scale):
+    """qg [B,T,K,G,D], k [B,C,K,D] -> fp32 scores [B,K,G,T,C]."""
+    return jnp.einsum("btkgd,bckd->bkgtc", qg, k.astype(qg.dtype),
+                      preferred_element_type=_F32) * scale
+
+
+def _new_token_visibility(positions, mask, window):
+    """bool[B,T,T]: new token i sees new token j."""
+    if window is None:
+        return mask
+    return mask & (positions[:, :, None] - positions[:, None, :] < window)
+
+
+def _cache_visibility(positions, cache_len, slot, window):
+    """slot int[C] -> bool[B,T or 1,C]: the slot is committed (and inside the window)."""
+    vis = slot[None, None, :] < cache_len[:, None, None]
+    if window is not None:
+        vis = vis & (positions[:, :, None] - slot[None, None, :] < window)
+    return vis
+
+
+def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, layer,
+                    window, live_blocks=None):
+    """Reference kernel: one softmax over every cache slot and the new tokens.
+
+    q [B,T,H,D]; k_new, v_new [B,T,K,D]; positions int[B,T]; mask bool[B,T,T]; cache_k, cache_v
+    [L,B,S,K,D] or None; cache_len int[B]; layer int[]; window int or None -> [B,T,H,D].
+    """
+    B, T, H, D = q.shape
+    K = k_new.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    scale = 1.0 / math.sqrt(D)
+    s_new = _scores(qg, k_new, scale)
+    s_new = jnp.where(_new_token_visibility(positions, mask, window)[:, None, None], s_new, _NEG)
+    if cache_k is None:
+        p = jax.nn.softmax(s_new, axis=-1)
+        out = jnp.einsum("bkgtu,bukd->btkgd", p.astype(v_new.dtype), v_new)
+        return out.reshape(B, T, H, D)
+    ck = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+    cv = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+    S = ck.shape[1]
+    vis = _cache_visibility(positions, cache_len, jnp.arange(S), window)
+    s_cache = jnp.where(vis[:, None, None], _scores(qg, ck, scale), _NEG)
+    p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
+    p_cache, p_new = p[..., :S].astype(v_new.dtype), p[..., S:].astype(v_new.dtype)
+    out = (jnp.einsum("bkgts,bskd->btkgd", p_cache, cv.astype(v_new.dtype))
+           + jnp.einsum("bkgtu,bukd->btkgd", p_new, v_new))
+    return out.reshape(B, T, H, D)
+
+
+def _online_update(carry, s, vis, v):
+    """One online-softmax step. carry (m [B,K,G,T], l [B,K,G,T], acc [B,K,G,T,D]) fp32;
+    s fp32 [B,K,G,T,C]; vis bool broadcastable to s; v [B,C,K,D]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(jnp.where(vis, s, _NEG), axis=-1))
+    # masked scores contribute exactly 0, also while nothing is visible yet (m_new = _NEG)
+    p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), v,
+                                             preferred_element_type=_F32)
+    return m_new, l, acc
+
+
+def live_block_count(cache_len, num_slots: int, block: int = BLOCK):
+    """int32[]: cache blocks holding any committed slot of any row (the loop's trip count)."""
+    C = min(block, num_slots)
+    return (jnp.max(cache_len).astype(jnp.int32) + C - 1) // C
+
+
+def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, layer,
+                        window, live_blocks=None, block: int = BLOCK):
+    """Online softmax over the live cache blocks, then the new tokens (same I/O as dense).
+
+    live_blocks: int32[] trip count (computed once per forward by the caller; recomputed from
+    cache_len when None). Blocks past it are never read.
+    """
+    if cache_k is None:
+        return dense_attention(q, k_new, v_new, positions, mask, None, None, cache_len, layer,
+                               window)
+    B, T, H, D = q.shape
+    K = k_new.shape[2]
+    G = H // K
+    S = cache_k.shape[2]
+    C = min(block, S)
+    assert S % C == 0, f"cache slots ({S}) must be a multiple of the block ({C})"
+    qg = q.reshape(B, T, K, G, D)
+    scale = 1.0 / math.sqrt(D)
+    if live_blocks is None:
+        live_blocks = live_block_count(cache_len, S, block)
+    live_blocks = jnp.minimum(live_blocks, S // C)
+
+    def body(i, carry):
+        start = i * C
+        idx = (layer, 0, start, 0, 0)
+        kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, C, K, D))[0]
+        vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, C, K, D))[0]
+        vis = _cache_visibility(positions, cache_len, start + jnp.arange(C), window)
+        return _online_update(carry, _scores(qg, kb, scale), vis[:, None, None], vb)
+
+    init = (jnp.full((B, K, G, T), _NEG, _F32), jnp.zeros((B, K, G, T), _F32),
+            jnp.zeros((B, K, G, T, D), _F32))
+    carry = jax.lax.fori_loop(0, live_blocks, body, init)
+    vis_new = _new_token_visibility(positions, mask, window)[:, None, None]
+    _, l, acc = _online_update(carry, _scores(qg, k_new, scale), vis_new, v_new)
+    out = acc / l[..., None]  # l > 0: every new token sees itself
+    return jnp.einsum("bkgtd->btkgd", out).reshape(B, T, H, D).astype(q.dtype)
+
+
+KERNELS: dict[str, Callable] = {"blockwise": blockwise_attention, "dense": dense_attention}
+_override: Optional[str] = None
+
+
+def set_kernel(name: Optional[str]) -> None:
+    """Forces a kernel by name (None: back to the per-backend choice). Read at trace time."""
+    global _override
+    if name is not None and name not in KERNELS:
+        raise ValueError(f"attention kernel must be one of {sorted(KERNELS)}, got {name!r}")
+    _override = name
+
+
+def kernel_for_backend(backend: Optional[str] = None) -> Callable:
+    """The attention kernel for a backend ("cpu", "gpu", "tpu"; default: jax's default).
+
+    Every backend gets `blockwise` today; this is where an accelerator kernel goes."""
+    if _override is not None:
+        return KERNELS[_override]
+    backend = backend or jax.default_backend()
+    return KERNELS["blockwise"]
