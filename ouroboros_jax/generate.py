@@ -265,6 +265,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     stats = summarize_stats(stats, seconds)
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
+    if draft is not None and greedy and method == "speculative" and getattr(cfg, "confidence", 1) == 0:
+        from .decoding.auto import record_realised
+
+        record_realised(target, draft, stats, cfg.gamma)  # what the next "auto" plans with
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
 
 

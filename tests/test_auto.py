@@ -124,3 +124,26 @@ def test_agreement_of_a_model_with_itself_is_one(tiny_target, random_prompts):
 def test_bad_config_string_is_refused(tiny_target):
     with pytest.raises(ValueError, match="config must be"):
         oj.generate(tiny_target, [[3, 4]], method="lookahead", config="fast")
+
+
+def test_agreement_from_eta_inverts_expected_tokens():
+    for a in (0.1, 0.5, 0.7, 0.9):
+        for g in (2, 4, 8):
+            assert auto.agreement_from_eta(auto.expected_tokens(a, g), g) == pytest.approx(a, abs=1e-6)
+    assert auto.agreement_from_eta(1.0, 4) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, tmp_path, monkeypatch):
+    """Speculative calls record the agreement they realised; after MIN_REALISED_ROUNDS rounds it
+    is what auto plans with (the pair is the target with itself: every draft token accepted)."""
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    t = tiny_target
+    assert auto.realised_agreement(t, t) is None
+    cfg = SpeculativeConfig(gamma=3)
+    out = oj.generate(t, [[5, 6, 7]] * 2, draft=t, method="speculative", config=cfg,
+                      max_new_tokens=300, eos_token_id=-1)
+    assert out.stats["eta"] == pytest.approx(4.0)
+    assert out.stats["target_calls"] >= auto.MIN_REALISED_ROUNDS
+    assert auto.realised_agreement(t, t) > 0.99
+    stored = json.loads((tmp_path / "auto.json").read_text())["realised"]
+    assert list(stored.values())[0][1] == out.stats["target_calls"]

@@ -8,9 +8,11 @@ agrees with the target. Both are measured rather than assumed:
    input size n, at the call's batch bucket and cache size, on the actual device; measured once
    and kept on disk (`cache_path()`), keyed by device kind, model shape and dtype, batch bucket
    and cache bucket, so later calls and later processes pay nothing;
-2. **agreement** (`pair_agreement`): the share of positions where the draft's and the target's
-   argmax agree over the prompts of the call (two forwards), pooled on disk with earlier calls'
-   prompts for the same pair;
+2. **agreement**: once greedy speculative calls have run on the pair, the agreement they
+   realised (`agreement_from_eta`: the a whose expected tokens per round equal the measured
+   eta, pooled over calls by rounds, on disk); before that, the share of positions where the
+   draft's and the target's argmax agree over the call's prompts (`pair_agreement`: two
+   forwards, pooled on disk with earlier calls);
 3. **choice** (`choose`): the paper's expected-tokens model (tokens per round at agreement a and
    gamma: (1 - a^(gamma+1)) / (1 - a)) divided by the round's predicted time from the latency
    table, maximised over a grid of each method's knobs; vanilla's rate is 1 / t_T(1) (both
@@ -52,16 +54,19 @@ MIN_AGREEMENT_TOKENS = 32
 # Once a pair's agreement rests on this many prompt positions, later calls reuse it without
 # running the two forwards (auto's per-call cost is then a dictionary lookup).
 SETTLED_AGREEMENT_TOKENS = 2048
-# Work outside the forwards, in units of the target's 1-token forward: per vanilla step (sampling,
-# emit, commit) and per speculative round (tree, accept walk, commits, pool lookups and inserts).
-# From the bench's cost model on the demo pair at batch 1 (measured / forward-only predicted
-# time: 1.23 for vanilla, 1.40 for Ouroboros).
-VANILLA_OVERHEAD = 0.2
-ROUND_OVERHEAD = 0.5
+# Work outside the forwards, in units of the target's 1-token forward, fitted on the demo pair at
+# batch 1 (`calibrate` below: measured seconds minus the probe's forward times, per round):
+# per vanilla step (sampling, emit, commit), per round of any method (tree, accept walk,
+# commits), per draft forward (its sampling and cache commit) and per Ouroboros round for the
+# pool (lookups, recycling, inserts).
+VANILLA_OVERHEAD = 0.18
+ROUND_OVERHEAD = 0.1
+DRAFT_STEP_OVERHEAD = 0.06
+POOL_OVERHEAD = 0.25
 # Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
 # right continuation, and the chance that each further token of a right phrase is also right;
-# fitted to the demo pair's lookahead (W 4, N 3, G 4: eta 1.74) and Ouroboros (c 1.25) counters.
-PHRASE_HIT = 0.12
+# fitted to the demo pair's lookahead counters (eta 1.31 at W 2, N 3, G 2 and 1.45 at W 4, N 3, G 4).
+PHRASE_HIT = 0.08
 PHRASE_CONTINUES = 0.8
 
 GRID = {
@@ -232,6 +237,40 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
     return agree / n, n
 
 
+def agreement_from_eta(eta: float, gamma: int) -> float:
+    """The a at which expected_tokens(a, gamma) == eta (bisection): the per-token agreement a
+    speculative call actually realised. It is higher than the teacher-forced mean when
+    agreement comes in runs (easy stretches accept whole chains), which is what the next
+    choice should plan with."""
+    eta = min(max(eta, 1.0), gamma + 1.0)
+    lo, hi = 0.0, 0.999
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < eta else (lo, mid)
+    return (lo + hi) / 2
+
+
+MIN_REALISED_ROUNDS = 64  # speculative rounds before the realised agreement replaces the prompt's
+
+
+def record_realised(target, draft, stats: dict, gamma: int) -> None:
+    """After a speculative call: pool its realised agreement (from eta at this gamma, weighted by
+    rounds) with earlier calls' for the pair, on disk."""
+    rounds = int(stats.get("target_calls", 0))
+    if rounds <= 0 or not stats.get("new_tokens"):
+        return
+    a = agreement_from_eta(float(stats["eta"]), gamma)
+    key = f"{model_signature(target)}|{model_signature(draft)}"
+    old = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    _write_cache({"realised": {key: [float(old[0]) + a * rounds, int(old[1]) + rounds]}})
+
+
+def realised_agreement(target, draft) -> Optional[float]:
+    key = f"{model_signature(target)}|{model_signature(draft)}"
+    s, n = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    return s / n if n >= MIN_REALISED_ROUNDS else None
+
+
 # ------------------------------------------------------------------------------------ the model
 def expected_tokens(a: float, gamma: int) -> float:
     """Tokens per round of a chain of gamma draft tokens at per-token agreement a (accepted
@@ -271,7 +310,8 @@ def _vanilla_rate(tt):
 
 
 def _speculative_rate(a, gamma, tt, td):
-    t_round = gamma * lookup(td, 1) + lookup(tt, gamma + 1) + ROUND_OVERHEAD * lookup(tt, 1)
+    t_round = (gamma * lookup(td, 1) + lookup(tt, gamma + 1)
+               + (ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * gamma) * lookup(tt, 1))
     return expected_tokens(a, gamma) / t_round
 
 
@@ -290,7 +330,8 @@ def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
     # lengthening: when the whole chain is accepted, one of K pool phrases may go on
     bonus = a ** gamma * (1 - (1 - PHRASE_HIT) ** suffixes) * sum(a ** j for j in range(1, m + 1))
     tokens = expected_tokens(a, gamma) + bonus
-    t_round = draft_forwards * lookup(td, n_s) + lookup(tt, n_t) + ROUND_OVERHEAD * lookup(tt, 1)
+    t_round = (draft_forwards * lookup(td, n_s) + lookup(tt, n_t)
+               + (ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + POOL_OVERHEAD) * lookup(tt, 1))
     return tokens / t_round
 
 
@@ -342,5 +383,7 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     td, a = None, None
     if draft is not None and method != "lookahead":
         td = probe_latency(draft, B, slots, DRAFT_SIZES, use_cache=use_cache)
-        a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
+        a = realised_agreement(target, draft) if use_cache else None
+        if a is None:  # no speculative call has measured the pair yet: its prompts' agreement
+            a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
     return choose(method, tt, td, a)
