@@ -145,6 +145,9 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
 
 
 KERNELS: dict[str, Callable] = {"blockwise": blockwise_attention, "dense": dense_attention}
+# backend -> kernel name; a backend not listed gets "blockwise". An accelerator kernel goes here
+# (e.g. "gpu": "cudnn") once it is registered in KERNELS and tested against "dense".
+BY_BACKEND: dict[str, str] = {}
 _override: Optional[str] = None
 
 
@@ -159,8 +162,7 @@ def set_kernel(name: Optional[str]) -> None:
 def kernel_for_backend(backend: Optional[str] = None) -> Callable:
     """The attention kernel for a backend ("cpu", "gpu", "tpu"; default: jax's default).
 
-    Every backend gets `blockwise` today; this is where an accelerator kernel goes."""
+    Every backend gets `blockwise` today (BY_BACKEND is empty)."""
     if _override is not None:
         return KERNELS[_override]
-    backend = backend or jax.default_backend()
-    return KERNELS["blockwise"]
+    return KERNELS[BY_BACKEND.get(backend or jax.default_backend(), "blockwise")]
