@@ -65,8 +65,9 @@ DRAFT_STEP_OVERHEAD = 0.06
 POOL_OVERHEAD = 0.25
 # Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
 # right continuation, and the chance that each further token of a right phrase is also right;
-# fitted to the demo pair's lookahead counters (eta 1.31 at W 2, N 3, G 2 and 1.45 at W 4, N 3, G 4).
-PHRASE_HIT = 0.08
+# fitted to the demo pair's lookahead counters (W 2, N 3, G 2: eta 1.31 over 128-token and 1.47
+# over 512-token generations, the pool filling as a generation goes on).
+PHRASE_HIT = 0.1
 PHRASE_CONTINUES = 0.8
 
 GRID = {
@@ -318,7 +319,9 @@ def _speculative_rate(a, gamma, tt, td):
 def _lookahead_rate(window, ngram, guesses, tt):
     n_t = (window + guesses) * (ngram - 1)
     tokens = 1 + phrase_gain(guesses, ngram)
-    return tokens / (lookup(tt, n_t) + ROUND_OVERHEAD * lookup(tt, 1))
+    # measured: a lookahead round costs no more than the probe's forward of its size (its pool
+    # work overlaps the forward's), so no per-round term
+    return tokens / lookup(tt, n_t)
 
 
 def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
