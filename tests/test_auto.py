@@ -147,3 +147,23 @@ def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, tmp_path, 
     assert auto.realised_agreement(t, t) > 0.99
     stored = json.loads((tmp_path / "auto.json").read_text())["realised"]
     assert list(stored.values())[0][1] == out.stats["target_calls"]
+
+
+def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_path, monkeypatch):
+    """A new config means a new compile: a process keeps its choice for the same shapes unless
+    another is predicted STICKY_GAIN faster."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    prompt = jnp.asarray([random_prompts[0][:8]], jnp.int32)
+    plens = jnp.asarray([8], jnp.int32)
+    seq = iter([auto.Choice("speculative", SpeculativeConfig(gamma=3), 1.5, 0.7, "first", (CPU_T, CPU_D)),
+                auto.Choice("speculative", SpeculativeConfig(gamma=4), 1.52, 0.7, "second", (CPU_T, CPU_D)),
+                auto.Choice("vanilla", None, 1.0, 0.05, "third", (CPU_T, CPU_D))])
+    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: next(seq))
+    first = auto.auto_config("speculative", target, draft, prompt, plens, 64)
+    second = auto.auto_config("speculative", target, draft, prompt, plens, 64)
+    assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
+    third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
+    assert third.method == "vanilla"

@@ -204,7 +204,7 @@ def _batch_main(a, target, draft, prompts, names, log) -> dict:
     sizes = parse_batch_sizes(a.batch_sizes)
     methods = [n for n in names if n in METHODS]
     rows = batch_throughput(target, draft, prompts, methods, sizes, a.max_new_tokens,
-                            eos=-1 if a.ignore_eos else None, log=log)
+                            eos=-1 if a.ignore_eos else None, log=log, repeats=max(2, a.repeats))
     out = a.out or os.path.join("runs", "bench-batch")
     os.makedirs(out, exist_ok=True)
     res = {"batch": rows, "command": "ouroboros-jax bench " + " ".join(sys.argv[2:])

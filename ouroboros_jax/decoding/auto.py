@@ -295,6 +295,7 @@ class Choice:
     predicted_speedup: float
     agreement: Optional[float]
     reason: str
+    tables: tuple = (None, None)  # (target, draft) latency tables the choice was made with
 
     def as_stats(self, asked: str) -> dict:
         from ..bench.tune import recipe_of
@@ -379,8 +380,43 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     return Choice(method, best, gain, agreement, f"predicted {gain:.2f}x vanilla")
 
 
+def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float]) -> float:
+    """Predicted tokens/s of one config (vanilla's when cfg is None)."""
+    if cfg is None:
+        return _vanilla_rate(tt)
+    if method == "speculative":
+        return _speculative_rate(a, cfg.gamma, tt, td)
+    if method == "lookahead":
+        return _lookahead_rate(cfg.window, cfg.ngram, cfg.guesses, tt)
+    return _ouroboros_rate(a, cfg.gamma, cfg.window, cfg.ngram, cfg.guesses, cfg.suffixes, tt, td)
+
+
+# Choices already made in this process, by (method, models, batch bucket, cache size): a new
+# config is a new compiled loop (seconds on a CPU), so a choice is kept until another is
+# predicted to be at least STICKY_GAIN faster (e.g. once calls have measured the pair's agreement).
+_CHOICES: dict = {}
+STICKY_GAIN = 1.10
+
+
 def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True) -> Choice:
-    """Probe (or recall) the latencies and the pair's agreement, then `choose`."""
+    """Probe (or recall) the latencies and the pair's agreement, then `choose` (keeping this
+    process's earlier choice for the same shapes unless the new one is clearly better)."""
+    B = int(prompt.shape[0])
+    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache)
+    key = (method, model_signature(target), model_signature(draft) if draft is not None else None,
+           batch_bucket(B), slots, str(cache_path()))
+    old = _CHOICES.get(key)
+    if old is not None and old.config != new.config:
+        tt, td, a = new.tables + (new.agreement,)
+        keep = predicted_rate(old.method, old.config, tt, td, a)
+        if predicted_rate(new.method, new.config, tt, td, a) < STICKY_GAIN * keep:
+            return dataclasses.replace(old, agreement=a, tables=new.tables,
+                                       reason=old.reason + " (kept: no other setting is clearly better)")
+    _CHOICES[key] = new
+    return new
+
+
+def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choice:
     B = int(prompt.shape[0])
     tt = probe_latency(target, B, slots, TARGET_SIZES, use_cache=use_cache)
     td, a = None, None
@@ -389,4 +425,4 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
         a = realised_agreement(target, draft) if use_cache else None
         if a is None:  # no speculative call has measured the pair yet: its prompts' agreement
             a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
-    return choose(method, tt, td, a)
+    return dataclasses.replace(choose(method, tt, td, a), tables=(tt, td))
