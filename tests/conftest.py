@@ -54,6 +54,26 @@ def make_hf_model(tmp_dir, model_type="llama", vocab=TINY_VOCAB, hidden=64, laye
     return m
 
 
+def copy_dir(src, dst):
+    """A copy of a model directory to damage in one test (the fixture's stays intact)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def edit_config(d, **changes):
+    """Rewrites fields of d/config.json."""
+    import json
+
+    p = os.path.join(d, "config.json")
+    with open(p) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(p, "w") as f:
+        json.dump(cfg, f)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target Model, draft Model, target torch model): a 2-layer target and a 1-layer draft

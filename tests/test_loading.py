@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 
 import numpy as np
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.models import causal_mask, forward
 from ouroboros_jax.models.orbax_io import load_orbax, save_orbax
 
-from conftest import make_hf_model
+from conftest import copy_dir as _copy, edit_config as _edit_config, make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +21,6 @@ def hf_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     make_hf_model(d, layers=2)
     return str(d)
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
-def _edit_config(d, **changes):
-    p = os.path.join(d, "config.json")
-    cfg = json.load(open(p))
-    cfg.update(changes)
-    json.dump(cfg, open(p, "w"))
 
 
 def _logits(model, n=20):

@@ -20,7 +20,7 @@ from ouroboros_jax.decoding.speculative import SpeculativeConfig
 from ouroboros_jax.models import causal_mask, forward
 from ouroboros_jax.pool import PhrasePool, init_pool, insert_many, load_pool, save_pool
 
-from conftest import REPEAT, make_hf_model
+from conftest import REPEAT, copy_dir as _copy, edit_config as _edit_config, make_hf_model
 
 LA = LookaheadConfig(window=3, ngram=3, guesses=3)
 
@@ -30,18 +30,6 @@ def hf_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf15")
     make_hf_model(d, layers=1)
     return str(d)
-
-
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
-def _edit_config(d, **changes):
-    p = os.path.join(d, "config.json")
-    cfg = json.load(open(p))
-    cfg.update(changes)
-    json.dump(cfg, open(p, "w"))
 
 
 # ------------------------------------------------------------------ 1. bf16: what holds
