@@ -46,6 +46,16 @@ from .verify import Accepted, accept_walk
 
 @struct.dataclass
 class JacobiWindow:
+    """A Jacobi (lookahead) window per row.
+
+    Attributes:
+        grid: int32[B, N-1, W]; grid[b, l, c] is level l, column c, a guess of the token
+            l + c places after `last` (grid[:, 0, 0] stands for `last` and is never read).
+            Each step the grid shifts up a level and the forward's predictions become the
+            bottom level N-2 (see the module docstring).
+        steps: int32[B], steps taken (n-grams are harvested once steps >= N-2).
+    """
+
     grid: jax.Array  # int32[B, N-1, W]: level l, column c (grid[:, 0, 0] unused)
     steps: jax.Array  # int32[B]: steps taken (n-grams are harvested once steps >= N-2)
 

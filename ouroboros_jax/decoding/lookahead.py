@@ -74,6 +74,17 @@ def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_le
 
 @struct.dataclass
 class LookaheadState:
+    """The carry of lookahead decoding's while_loop.
+
+    Attributes:
+        seq: the token buffer; its last token per row is pending.
+        cache: the target's KV cache (lengths - 1 tokens).
+        window: the target's Jacobi window (W columns, N-1 levels) rolled forward every step.
+        pool: the n-gram pool (keyed by a token, phrases of N-1 tokens), fed by the window's
+            harvested n-grams and looked up with the pending token.
+        stats: on-device counters.
+    """
+
     seq: Sequences
     cache: KVCache
     window: JacobiWindow
@@ -83,6 +94,9 @@ class LookaheadState:
 
 def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
                    limits: Limits, state: LookaheadState) -> LookaheadState:
+    """One lookahead step: one target forward over the Jacobi window and up to G pool phrases
+    keyed by the pending token (`jacobi_tree` layout); the accept walk over the phrases; the
+    window advances one Jacobi step and its n-grams go into the pool."""
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     seq = state.seq
     live = ~seq.done

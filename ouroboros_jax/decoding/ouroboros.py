@@ -93,6 +93,21 @@ class OuroborosConfig:
 
 @struct.dataclass
 class OuroborosState:
+    """The carry of Ouroboros' while_loop.
+
+    Attributes:
+        seq: the token buffer; its last token per row is pending.
+        tcache: the target's KV cache (lengths - 1 tokens).
+        dcache: the draft's KV cache: every token the target confirmed that the draft has
+            processed (rolled back to the accepted prefix after each round).
+        window: the draft's Jacobi window, from which phrase drafting harvests phrases.
+        pool: the phrase pool shared by drafting (phrases the draft verifies), lengthening
+            (branches after the chain) and recycling (verified phrases go back in); it
+            persists across calls when `history` is on.
+        stats: on-device counters, plus suffix_tokens_accepted, pool_hits, draft_matches,
+            draft_accepted.
+    """
+
     seq: Sequences
     tcache: KVCache
     dcache: KVCache
@@ -208,6 +223,10 @@ def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, 
 
 def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, greedy: bool,
                     sp: SamplingParams, limits: Limits, state: OuroborosState) -> OuroborosState:
+    """One Ouroboros round (docs/algorithm.md section 2): the draft drafts gamma tokens phrase
+    by phrase (`_draft_phase`); the chain is lengthened with up to K pool phrases keyed by its
+    last token; one target forward scores the tree; the accept walk picks the path; target
+    cache, draft cache and pool are brought up to date (recycling verified phrases)."""
     seq = state.seq
     B = seq.tokens.shape[0]
     g, m = cfg.gamma, cfg.ngram - 1

@@ -74,6 +74,17 @@ class SpeculativeConfig:
 
 @struct.dataclass
 class SpeculativeState:
+    """The carry of speculative decoding's while_loop.
+
+    Attributes:
+        seq: the token buffer; its last token per row is pending (in neither cache).
+        tcache: the target's KV cache (lengths - 1 tokens).
+        dcache: the draft's KV cache (lengths - 1, or lengths - 2 after a fully accepted round:
+            the draft then catches up on one token in its next first forward).
+        stats: on-device counters, plus `drafted_tokens` (tokens proposed; adaptive drafting
+            proposes fewer than gamma).
+    """
+
     seq: Sequences
     tcache: KVCache  # target: lengths - 1 tokens
     dcache: KVCache  # draft: lengths - 1 or lengths - 2 tokens (see the module docstring)

@@ -16,6 +16,15 @@ from .common import Limits, Sequences, count_round, emit, init_sequences, init_s
 
 @struct.dataclass
 class VanillaState:
+    """The carry of vanilla decoding's while_loop.
+
+    Attributes:
+        seq: the token buffer (prompt + emitted tokens, lengths, done flags); its last token
+            per row is the pending one, not yet in the cache.
+        cache: the target's KV cache, holding every token but the pending one (lengths - 1).
+        stats: on-device counters (`common.init_stats`; names as in docs/algorithm.md section 4).
+    """
+
     seq: Sequences
     cache: KVCache
     stats: dict
