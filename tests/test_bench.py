@@ -285,3 +285,31 @@ def test_tuner_tunes_the_baselines_knobs(monkeypatch):
     assert eval(la["recipe"], {"LookaheadConfig": LookaheadConfig}) == la["config"]
     with pytest.raises(ValueError, match="method"):
         tune.tune(None, None, [], method="vanilla")
+
+
+def test_batch_sizes_table_plot_and_exactness(tiny_pair, tmp_path):
+    """`bench --batch-sizes`: every method at every batch size, config=auto, tokens checked
+    against vanilla's at the same batch, a table and a plot written."""
+    from ouroboros_jax.bench.batch import batch_markdown, parse_batch_sizes
+    from ouroboros_jax.cli import main
+
+    target, draft, _ = tiny_pair
+    spec = _write_jsonl(tmp_path / "question.jsonl", SPEC_LINES)
+    out = tmp_path / "out"
+    main(["bench", "--quick", "--target", target.path, "--draft", draft.path, "--spec-bench", spec,
+          "--prompts-per-task", "1", "--no-progress", "--ignore-eos", "--max-new-tokens", "6",
+          "--methods", "vanilla,speculative,lookahead,ouroboros", "--batch-sizes", "2,1",
+          "--out", str(out)])
+    rows = json.loads((out / "batch.json").read_text())["batch"]
+    assert [(r["method"], r["batch"]) for r in rows] == [
+        (m, b) for b in (1, 2) for m in ("vanilla", "speculative", "lookahead", "ouroboros")]
+    assert all(r["identical"] for r in rows)
+    assert all(r["auto"]["asked"] == r["method"] for r in rows if r["method"] != "vanilla")
+    assert all(r["speedup"] == 1.0 for r in rows if r["method"] == "vanilla")
+    assert (out / "batch_throughput.png").stat().st_size > 1000
+    md = (out / "batch.md").read_text()
+    assert md == batch_markdown(rows) + "\n" and "batch 1" in md and "batch 2" in md
+    assert parse_batch_sizes("8, 1,2,2") == [1, 2, 8]
+    for bad in ("0,1", "a,b", ""):
+        with pytest.raises(ValueError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
