@@ -8,23 +8,8 @@ round may touch.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
-
+from .spec import MethodSpec, NoConfig
 from .vanilla import run_vanilla
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    run: Callable
-    needs_draft: bool
-    config_type: Any
-    default_config: Callable[[], Any]
-    margin: Callable[[Any], int]
-
-
-class NoConfig:
-    """Vanilla decoding has no configuration."""
 
 
 def _run_vanilla(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
@@ -43,12 +28,11 @@ def register(name: str, spec: MethodSpec) -> None:
     METHODS[name] = spec
 
 
-from .speculative import SPEC as _spec; register("speculative", _spec)  # noqa: E402,E702
+# Method modules import only `.spec`, never this registry: no import cycle.
+from .lookahead import SPEC as _LOOKAHEAD  # noqa: E402
+from .ouroboros import SPEC as _OUROBOROS  # noqa: E402
+from .speculative import SPEC as _SPECULATIVE  # noqa: E402
 
-from .lookahead import SPEC as _lookahead_spec  # noqa: E402
-
-register("lookahead", _lookahead_spec)
-
-from .ouroboros import SPEC as _ouroboros_spec  # noqa: E402
-
-register("ouroboros", _ouroboros_spec)
+register("speculative", _SPECULATIVE)
+register("lookahead", _LOOKAHEAD)
+register("ouroboros", _OUROBOROS)

@@ -11,6 +11,9 @@ Glossary: B rows, S buffer slots (= cache slots), A tokens offered to `emit` at 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -115,3 +118,20 @@ def count_round(stats: dict, live: jax.Array, kept: jax.Array) -> dict:
     return {**stats, "new_tokens": stats["new_tokens"] + kept,
             "rounds": stats["rounds"] + live.astype(jnp.int32),
             "target_calls": stats["target_calls"] + 1, "acceptance_histogram": hist}
+
+
+def check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
+    """Config validation: obj.<name> must be an int (not a bool) in [lo, hi]; else a ValueError
+    naming the config class and field."""
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{type(obj).__name__}.{name} must be an integer {rng}, got {v!r}")
+
+
+def loop_config(cfg):
+    """A pool-keeping method's config as its compiled loop sees it: `history` and `pool_rows`
+    only shape the starting pool (`pool.prepare_pool`), so they are normalized away and toggling
+    them never recompiles the loop."""
+    return dataclasses.replace(cfg, history=True, pool_rows=None)
+

@@ -17,18 +17,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, check_pool, clear_pool, init_pool, pool_bytes, pool_occupancy
+from ..pool import PhrasePool, pool_bytes, pool_occupancy, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .common import (Limits, Sequences, check_int, count_round, emit, init_sequences, init_stats,
+                     loop_config, prefill)
 from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
-
-
-def _check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
-    v = getattr(obj, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{type(obj).__name__}.{name} must be an integer {rng}, got {v!r}")
+from .spec import MethodSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,29 +42,13 @@ class LookaheadConfig:
     history: bool = True
 
     def __post_init__(self):
-        _check_int(self, "window", 1)
-        _check_int(self, "ngram", 3)
-        _check_int(self, "guesses", 1)
+        check_int(self, "window", 1)
+        check_int(self, "ngram", 3)
+        check_int(self, "guesses", 1)
         if self.pool_rows is not None:
-            _check_int(self, "pool_rows", 1)
+            check_int(self, "pool_rows", 1)
         if not isinstance(self.history, bool):
             raise ValueError(f"LookaheadConfig.history must be a bool, got {self.history!r}")
-
-
-def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_len: int,
-                 rows: Optional[int], history: bool) -> PhrasePool:
-    """The pool a call starts from: the given one (history), emptied (history off), or new."""
-    if pool is None:
-        return init_pool(vocab, guesses, phrase_len, rows)
-    if not isinstance(pool, PhrasePool):
-        raise ValueError(f"pool must be a PhrasePool returned by an earlier call, got "
-                         f"{type(pool).__name__}")
-    check_pool(pool)
-    if pool.vocab_size != vocab or pool.phrase_len != phrase_len or pool.guesses < guesses:
-        raise ValueError(f"pool: shape (vocab {pool.vocab_size}, {pool.guesses} phrases per key "
-                         f"of {pool.phrase_len} tokens) does not fit this call (vocab {vocab}, "
-                         f">= {guesses} phrases of ngram-1 = {phrase_len} tokens)")
-    return pool if history else clear_pool(pool)
 
 
 @struct.dataclass
@@ -140,16 +119,10 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, gree
     pool = prepare_pool(pool, target.config.vocab_size, cfg.guesses, cfg.ngram - 1,
                         cfg.pool_rows, cfg.history)
     seq, stats, pool = run_lookahead(target.params, target.config, prompt, plens, limits, sp,
-                                     pool, cfg=_static(cfg),
+                                     pool, cfg=loop_config(cfg),
                                      slots=slots, greedy=greedy)
     stats = {**stats, "pool_bytes": pool_bytes(pool)}
     return seq, stats, pool
-
-
-def _static(cfg):
-    """history and pool_rows only shape the starting pool (above): normalized away so that
-    toggling them never recompiles the loop."""
-    return dataclasses.replace(cfg, history=True, pool_rows=None)
 
 
 def _margin(cfg: LookaheadConfig) -> int:
@@ -157,11 +130,5 @@ def _margin(cfg: LookaheadConfig) -> int:
     return cfg.ngram
 
 
-def _spec():
-    from . import MethodSpec
-
-    return MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
-                      default_config=LookaheadConfig, margin=_margin)
-
-
-SPEC = _spec()
+SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig, default_config=LookaheadConfig,
+                  margin=_margin)

@@ -46,13 +46,14 @@ from flax import struct
 
 from ..models import forward
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, insert_many, lookup, pool_bytes, pool_occupancy
+from ..pool import PhrasePool, insert_many, lookup, pool_bytes, pool_occupancy, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .common import (Limits, Sequences, check_int, count_round, emit, init_sequences, init_stats,
+                     loop_config, prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
-from .lookahead import _check_int, _static, prepare_pool
+from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
 
@@ -78,13 +79,13 @@ class OuroborosConfig:
     history: bool = True
 
     def __post_init__(self):
-        _check_int(self, "gamma", 1)
-        _check_int(self, "window", 1)
-        _check_int(self, "ngram", 3)
-        _check_int(self, "guesses", 1)
-        _check_int(self, "suffixes", 1, self.guesses)
+        check_int(self, "gamma", 1)
+        check_int(self, "window", 1)
+        check_int(self, "ngram", 3)
+        check_int(self, "guesses", 1)
+        check_int(self, "suffixes", 1, self.guesses)
         if self.pool_rows is not None:
-            _check_int(self, "pool_rows", 1)
+            check_int(self, "pool_rows", 1)
         for name in ("phrase_drafting", "lengthening", "recycling", "history"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
@@ -317,7 +318,7 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, gree
                         cfg.pool_rows, cfg.history)
     seq, stats, pool = run_ouroboros(target.params, target.config, draft.params, draft.config,
                                      prompt, plens, limits, sp, pool,
-                                     cfg=_static(cfg), slots=slots,
+                                     cfg=loop_config(cfg), slots=slots,
                                      greedy=greedy)
     stats = {**stats, "pool_bytes": pool_bytes(pool)}
     return seq, stats, pool
@@ -328,11 +329,5 @@ def _margin(cfg: OuroborosConfig) -> int:
     return cfg.gamma + cfg.ngram + 1
 
 
-def _spec():
-    from . import MethodSpec
-
-    return MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
-                      default_config=OuroborosConfig, margin=_margin)
-
-
-SPEC = _spec()
+SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig, default_config=OuroborosConfig,
+                  margin=_margin)

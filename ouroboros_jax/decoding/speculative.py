@@ -40,7 +40,7 @@ from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key
 from ..tree import chain_parents, tree_depths, tree_mask
-from . import MethodSpec
+from .spec import MethodSpec
 from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
 from .verify import Accepted, accept_walk, commit_path
 

@@ -15,6 +15,7 @@ from ouroboros_jax.pool.phrase_pool import (
     lookup,
     pool_bytes,
     pool_occupancy,
+    prepare_pool,
 )
 from ouroboros_jax.pool.persist import load_pool, save_pool
 
@@ -31,5 +32,6 @@ __all__ = [
     "lookup",
     "pool_bytes",
     "pool_occupancy",
+    "prepare_pool",
     "save_pool",
 ]

@@ -34,6 +34,7 @@ in one batch, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +240,19 @@ def lookup(pool: PhrasePool, key, k: int):
     found = top > 0
     phrases = jnp.take_along_axis(row_phrases, slot[..., None], axis=-2)  # [..., k, M]
     return jnp.where(found[..., None], phrases, 0), found
+
+
+def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_len: int,
+                 rows: Optional[int], history: bool) -> PhrasePool:
+    """The pool a call starts from: the given one (history), emptied (history off), or new."""
+    if pool is None:
+        return init_pool(vocab, guesses, phrase_len, rows)
+    if not isinstance(pool, PhrasePool):
+        raise ValueError(f"pool must be a PhrasePool returned by an earlier call, got "
+                         f"{type(pool).__name__}")
+    check_pool(pool)
+    if pool.vocab_size != vocab or pool.phrase_len != phrase_len or pool.guesses < guesses:
+        raise ValueError(f"pool: shape (vocab {pool.vocab_size}, {pool.guesses} phrases per key "
+                         f"of {pool.phrase_len} tokens) does not fit this call (vocab {vocab}, "
+                         f">= {guesses} phrases of ngram-1 = {phrase_len} tokens)")
+    return pool if history else clear_pool(pool)
