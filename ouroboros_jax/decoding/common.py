@@ -135,3 +135,19 @@ def loop_config(cfg):
     them never recompiles the loop."""
     return dataclasses.replace(cfg, history=True, pool_rows=None)
 
+
+def decode_loop(step, state):
+    """The one driver every method shares: `step(state) -> state` under a `lax.while_loop`
+    until every row of `state.seq` is done (EOS or max_new_tokens), all on device."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
+
+
+def pool_summary(stats: dict, pool) -> dict:
+    """Stats of a pool-keeping method after its loop: pool_hit_rate (rounds whose key had a
+    phrase / rounds) and pool_occupancy."""
+    from ..pool import pool_occupancy
+
+    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
+    return {**stats, "pool_hit_rate": stats["pool_hits"] / rounds,
+            "pool_occupancy": pool_occupancy(pool)}
+

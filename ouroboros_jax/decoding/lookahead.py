@@ -17,11 +17,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, pool_bytes, pool_occupancy, prepare_pool
+from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import (Limits, Sequences, check_int, count_round, emit, init_sequences, init_stats,
-                     loop_config, prefill)
+from .common import (Limits, Sequences, check_int, count_round, decode_loop, emit, init_sequences,
+                     init_stats, loop_config, pool_summary, prefill)
 from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
 from .spec import MethodSpec
 
@@ -104,14 +104,8 @@ def run_lookahead(params, config, prompt, prompt_lengths, limits: Limits, sp: Sa
     stats["guess_tokens_accepted"] = jnp.zeros((), jnp.int32)
     stats["pool_hits"] = jnp.zeros((), jnp.int32)
     state = LookaheadState(seq, cache, init_window(layout, prompt, prompt_lengths), pool, stats)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done),
-                               partial(lookahead_step, params, config, cfg, greedy, sp, limits),
-                               state)
-    stats = dict(state.stats)
-    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
-    stats["pool_hit_rate"] = stats["pool_hits"] / rounds
-    stats["pool_occupancy"] = pool_occupancy(state.pool)
-    return state.seq, stats, state.pool
+    state = decode_loop(partial(lookahead_step, params, config, cfg, greedy, sp, limits), state)
+    return state.seq, pool_summary(dict(state.stats), state.pool), state.pool
 
 
 def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, greedy, slots,

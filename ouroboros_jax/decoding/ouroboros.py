@@ -46,11 +46,11 @@ from flax import struct
 
 from ..models import forward
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, insert_many, lookup, pool_bytes, pool_occupancy, prepare_pool
+from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import (Limits, Sequences, check_int, count_round, emit, init_sequences, init_stats,
-                     loop_config, prefill)
+from .common import (Limits, Sequences, check_int, count_round, decode_loop, emit, init_sequences,
+                     init_stats, loop_config, pool_summary, prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
 from .spec import MethodSpec
@@ -298,17 +298,13 @@ def run_ouroboros(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, li
     stats.update(draft_forwards=z, suffix_tokens_accepted=z, pool_hits=z, draft_matches=z,
                  draft_accepted=z)
     state = OuroborosState(seq, tcache, dcache, window, pool, stats)
-    state = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.seq.done),
-        partial(ouroboros_round, tparams, tconfig, dparams, dconfig, cfg, greedy, sp, limits),
-        state)
-    stats = dict(state.stats)
+    state = decode_loop(
+        partial(ouroboros_round, tparams, tconfig, dparams, dconfig, cfg, greedy, sp, limits), state)
+    stats = pool_summary(dict(state.stats), state.pool)
     rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
-    stats["pool_hit_rate"] = stats["pool_hits"] / rounds
     # paper Table 1: draft tokens agreeing with the target's own choice vs accepted, per round
     stats["match_vs_accept"] = jnp.stack([stats["draft_matches"] / rounds,
                                           stats["draft_accepted"] / rounds])
-    stats["pool_occupancy"] = pool_occupancy(state.pool)
     return state.seq, stats, state.pool
 
 

@@ -41,7 +41,8 @@ from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key
 from ..tree import chain_parents, tree_depths, tree_mask
 from .spec import MethodSpec
-from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .common import (Limits, Sequences, count_round, decode_loop, emit, init_sequences, init_stats,
+                     prefill)
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -265,7 +266,7 @@ def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, 
     state = SpeculativeState(seq, tcache, dcache, stats)
     step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, confidence, greedy,
                    accept_rule, sp, limits)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
+    state = decode_loop(step, state)
     return state.seq, state.stats
 
 

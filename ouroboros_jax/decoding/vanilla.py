@@ -11,7 +11,8 @@ from flax import struct
 from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix
 from ..sampling import SamplingParams, choose_tokens
-from .common import Limits, Sequences, count_round, emit, init_sequences, init_stats, prefill
+from .common import (Limits, Sequences, count_round, decode_loop, emit, init_sequences, init_stats,
+                     prefill)
 
 
 @struct.dataclass
@@ -52,6 +53,5 @@ def run_vanilla(params, config, prompt, prompt_lengths, limits: Limits, sp: Samp
     seq = init_sequences(prompt, prompt_lengths, slots)
     cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
     state = VanillaState(seq, cache, init_stats(prompt.shape[0], 2))
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done),
-                               partial(vanilla_step, params, config, greedy, sp, limits), state)
+    state = decode_loop(partial(vanilla_step, params, config, greedy, sp, limits), state)
     return state.seq, state.stats
