@@ -12,9 +12,6 @@ from typing import Optional
 
 from .runner import HF_PEERS, MethodRun
 
-# Small trees for --quick (tiny random models, seconds): the shapes the unit tests also compile.
-QUICK_CONFIGS = {"speculative": {"gamma": 4}, "lookahead": {"window": 4, "ngram": 4, "guesses": 4},
-                 "ouroboros": {"gamma": 4, "window": 4, "ngram": 4, "guesses": 4, "suffixes": 2}}
 ABLATION_STEPS = (  # paper Table 4, one mechanism added per step
     ("SD", dict(phrase_drafting=False, lengthening=False, recycling=False, history=False)),
     ("+phrase drafting", dict(phrase_drafting=True, lengthening=False, recycling=False,
@@ -27,12 +24,11 @@ ABLATION_STEPS = (  # paper Table 4, one mechanism added per step
 
 
 def config_types() -> dict:
-    from ..decoding.lookahead import LookaheadConfig
-    from ..decoding.ouroboros import OuroborosConfig
-    from ..decoding.speculative import SpeculativeConfig
+    """{method: its config dataclass} for every registered method that has one."""
+    from ..decoding import METHODS
 
-    return {"speculative": SpeculativeConfig, "lookahead": LookaheadConfig,
-            "ouroboros": OuroborosConfig}
+    return {name: spec.config_type for name, spec in METHODS.items()
+            if dataclasses.is_dataclass(spec.config_type)}
 
 
 def make_config(method: str, overrides: Optional[dict] = None, quick: bool = False):
@@ -40,7 +36,11 @@ def make_config(method: str, overrides: Optional[dict] = None, quick: bool = Fal
     types = config_types()
     if method not in types:
         return None
-    kw = dict(QUICK_CONFIGS.get(method, {})) if quick else {}
+    from ..decoding import METHODS
+
+    quick_cfg = METHODS[method].quick_config if quick else None
+    # --quick: the method's own small trees (tiny random models, seconds)
+    kw = dataclasses.asdict(quick_cfg()) if quick_cfg is not None else {}
     kw.update(overrides or {})
     fields = {f.name for f in dataclasses.fields(types[method])}
     bad = sorted(set(kw) - fields)

@@ -115,21 +115,14 @@ def prompt_bucket(n: int) -> int:
 def forward_sizes(method: str, config) -> tuple[int, int, int]:
     """(tokens per target forward, per draft forward, per first draft forward of a round).
 
-    Counts fixed-shape inputs as compiled: masked slots cost as much as real ones."""
-    if method == "vanilla":
-        return 1, 0, 0
-    if method == "speculative":
-        return config.gamma + 1, 1, 1
-    if method == "lookahead":
-        return (config.window + config.guesses) * (config.ngram - 1), 0, 0
-    if method == "ouroboros":
-        m = config.ngram - 1
-        k = config.suffixes if config.lengthening else 0
-        n_t = 1 + config.gamma + k * m
-        n_s = (config.window + config.guesses) * m if config.phrase_drafting else 1
-        # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches)
-        return n_t, n_s, n_s + (config.ngram if config.lengthening else 1)
-    raise ValueError(f"no forward sizes known for method {method!r}")
+    Counts fixed-shape inputs as compiled: masked slots cost as much as real ones. Each
+    method says it in its `MethodSpec.forward_sizes`."""
+    from ..decoding import METHODS
+
+    spec = METHODS.get(method)
+    if spec is None or spec.forward_sizes is None:
+        raise ValueError(f"no forward sizes known for method {method!r}")
+    return spec.forward_sizes(config)
 
 
 def predict_seconds(target_calls: int, draft_forwards: int, n_target: int, n_draft: int,

@@ -20,7 +20,8 @@ def _run_vanilla(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots
 
 METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec(run=_run_vanilla, needs_draft=False, config_type=NoConfig,
-                          default_config=lambda: None, margin=lambda cfg: 0),
+                          default_config=lambda: None, margin=lambda cfg: 0,
+                          forward_sizes=lambda cfg: (1, 0, 0)),
 }
 
 

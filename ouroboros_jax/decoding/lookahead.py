@@ -124,5 +124,10 @@ def _margin(cfg: LookaheadConfig) -> int:
     return cfg.ngram
 
 
-SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig, default_config=LookaheadConfig,
-                  margin=_margin)
+def _forward_sizes(cfg: LookaheadConfig) -> tuple[int, int, int]:
+    return (cfg.window + cfg.guesses) * (cfg.ngram - 1), 0, 0
+
+
+SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
+                  default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
+                  quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4))

@@ -325,5 +325,16 @@ def _margin(cfg: OuroborosConfig) -> int:
     return cfg.gamma + cfg.ngram + 1
 
 
-SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig, default_config=OuroborosConfig,
-                  margin=_margin)
+def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
+    m = cfg.ngram - 1
+    k = cfg.suffixes if cfg.lengthening else 0
+    n_t = 1 + cfg.gamma + k * m
+    n_s = (cfg.window + cfg.guesses) * m if cfg.phrase_drafting else 1
+    # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches)
+    return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)
+
+
+SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
+                  default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
+                  quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
+                                                       suffixes=2))

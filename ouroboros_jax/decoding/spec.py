@@ -7,7 +7,7 @@ without importing each other.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +20,10 @@ class MethodSpec:
         config_type: the method's config dataclass.
         default_config: () -> the paper's recipe (`config=None`).
         margin: config -> cache slots one round may touch past prompt + max_new_tokens.
+        forward_sizes: config -> (tokens per target forward, per draft forward, per first
+            draft forward of a round), fixed shapes as compiled (masked slots cost as much
+            as real ones); what the cost model prices. None: unknown.
+        quick_config: () -> a small config for tiny models (`bench --quick`, tests).
     """
 
     run: Callable
@@ -27,6 +31,8 @@ class MethodSpec:
     config_type: Any
     default_config: Callable[[], Any]
     margin: Callable[[Any], int]
+    forward_sizes: Optional[Callable[[Any], tuple]] = None
+    quick_config: Optional[Callable[[], Any]] = None
 
 
 class NoConfig:
