@@ -64,18 +64,14 @@ def load_pair():
 SPECULATIVE_METHODS = ("speculative", "lookahead", "ouroboros")
 
 
-def demo_config(method: str):
-    """Every method runs with config="auto": the latency probe and the pair's agreement decide
-    the trees on the machine at hand (see `decoding/auto.py`), instead of recipes written in."""
-    return "auto"
-
-
 def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int) -> dict:
     """Every method over the prompts, batch 1: each compiled on the first prompt, then, prompt
     by prompt, every method in turn (interleaved, so that load from other processes falls on
     all methods alike rather than on whichever ran during it). Two passes over the prompts;
     each (method, prompt) keeps its faster pass."""
-    kws = {m: {} if m == "vanilla" else {"draft": draft, "config": demo_config(m)} for m in methods}
+    # every method with config="auto": sized for this machine by a latency probe and the pair's
+    # agreement (decoding/auto.py), no recipe written in
+    kws = {m: {} if m == "vanilla" else {"draft": draft, "config": "auto"} for m in methods}
     res = {}
     for m in methods:
         _log(f"[demo] {m}: compiling (first call) ...")

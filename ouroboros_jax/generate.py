@@ -224,11 +224,12 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     for i, t in enumerate(token_lists):
         prompt[i, :len(t)] = t
     plens = np.array([len(t) for t in token_lists], np.int32)
+    prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
     choice = None
     if auto and method != "vanilla":
         from .decoding.auto import auto_config
 
-        choice = auto_config(method, target, draft, jnp.asarray(prompt), jnp.asarray(plens),
+        choice = auto_config(method, target, draft, prompt_j, plens_j,
                              cache_slots(P, max_new_tokens, 0, max_cache_len))
         if choice.method == "vanilla":
             spec, cfg = METHODS["vanilla"], None
@@ -242,7 +243,6 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
                              float(top_p), int(seed))
     greedy = temperature == 0.0
 
-    prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
     if mesh is not None:
         from .sharding import shard_batch, shard_model
 

@@ -35,6 +35,7 @@ def batch_throughput(target, draft, prompts: list[Prompt], methods: list[str], b
     `config`: "auto" (default) or {method: config}. Vanilla runs first at each batch size; a
     method's speedup is its tokens/s over vanilla's at the same batch. Times are wall time of
     the whole call (auto's choice included), best of `repeats` after a warm-up call."""
+    from ..decoding import METHODS
     from ..generate import generate
     from .runner import encode
 
@@ -45,13 +46,13 @@ def batch_throughput(target, draft, prompts: list[Prompt], methods: list[str], b
     for B in batch_sizes:
         batch = [ids[i % len(ids)] for i in range(B)]
         for m in ["vanilla"] + [x for x in methods if x != "vanilla"]:
+            spec = METHODS[m]
+            if spec.needs_draft and draft is None:
+                continue
             kw = {} if m == "vanilla" else {
-                "draft": draft, "config": config if isinstance(config, str) else config.get(m, "auto")}
-            if m == "speculative" or m == "ouroboros":
-                if draft is None:
-                    continue
-            else:
-                kw.pop("draft", None)
+                "config": config if isinstance(config, str) else config.get(m, "auto")}
+            if spec.needs_draft:
+                kw["draft"] = draft
             generate(target, batch, method=m, max_new_tokens=n_new, eos_token_id=eos, **kw)  # compile
             secs = float("inf")
             for _ in range(repeats):  # best of `repeats`: the least disturbed by other load

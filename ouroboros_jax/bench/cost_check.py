@@ -20,7 +20,7 @@ import json
 
 import numpy as np
 
-from .cost_model import _forward_timer, forward_sizes, predict_seconds, prompt_bucket
+from .cost_model import forward_timer, forward_sizes, predict_seconds, prompt_bucket
 
 # The small trees of the README's CPU bench.
 CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
@@ -53,14 +53,14 @@ def main(argv=None):
         n_t, n_s, n_s1 = forward_sizes(m, cfg)
         slots = cache_slots(prompt_bucket(int(np.median(plens))), a.max_new_tokens,
                             METHODS[m].margin(cfg) if cfg is not None else 0)
-        timers = {"t": _forward_timer(target, n_t, context, slots=slots)}
+        timers = {"t": forward_timer(target, n_t, context, slots=slots)}
         if n_s:
-            timers["s"] = _forward_timer(draft, n_s, context, slots=slots)
-            timers["s1"] = _forward_timer(draft, n_s1, context, slots=slots)
+            timers["s"] = forward_timer(draft, n_s, context, slots=slots)
+            timers["s1"] = forward_timer(draft, n_s1, context, slots=slots)
         for P in sorted({prompt_bucket(n) for n in plens}):
-            timers[f"pt{P}"] = _forward_timer(target, P, 0, inner=2)
+            timers[f"pt{P}"] = forward_timer(target, P, 0, inner=2)
             if n_s:
-                timers[f"ps{P}"] = _forward_timer(draft, P, 0, inner=2)
+                timers[f"ps{P}"] = forward_timer(draft, P, 0, inner=2)
 
         def gen(m=m, cfg=cfg):
             secs, tc, df = 0.0, 0, 0

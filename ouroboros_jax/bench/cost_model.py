@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from typing import Optional
 
 import numpy as np
@@ -149,39 +148,13 @@ def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards
                                   n_draft_first, prefill)
 
 
-def _forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
-    """A compiled callable running `inner` forwards of n tokens (after `context` cached tokens,
-    in a cache of `slots` slots; attention reads the blocks below `context` only) in one loop,
-    as in decoding (no dispatch per forward) -> seconds per forward."""
-    import jax
-    import jax.numpy as jnp
+def forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
+    """`models.timing.forward_timer` at batch 1, in a cache of at least `slots` slots and at
+    least the next power of two above context + n."""
+    from ..models.timing import forward_timer as timer
 
-    from ..models import forward, init_cache
-
-    cfg = model.config
     slots = max(slots or 0, 64, 1 << (context + n).bit_length())
-    cache = init_cache(cfg, 1, slots, model.dtype)
-    cache = dataclasses.replace(cache, lengths=jnp.full((1,), context, jnp.int32))
-    tokens = jnp.ones((1, n), jnp.int32)
-    pos = context + jnp.arange(n, dtype=jnp.int32)[None]
-    mask = jnp.tril(jnp.ones((n, n), bool))[None]
-
-    def body(acc, p, t, q, m, c):
-        # the input depends on the carry, so the forward cannot be hoisted out of the loop
-        t = t + (acc > 1e30).astype(jnp.int32)
-        logits = forward(p, cfg, t, q, m, c)[0]  # logits of every node, as verification needs
-        return acc + logits[0, -1, 0]
-
-    f = jax.jit(lambda p, t, q, m, c: jax.lax.fori_loop(
-        0, inner, lambda i, acc: body(acc, p, t, q, m, c), jnp.zeros((), jnp.float32)))
-    f(model.params, tokens, pos, mask, cache).block_until_ready()  # compile
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        f(model.params, tokens, pos, mask, cache).block_until_ready()
-        return (time.perf_counter() - t0) / inner
-
-    return timed
+    return timer(model, n, context, slots, batch=1, inner=inner)
 
 
 def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128,
@@ -190,15 +163,15 @@ def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128
     (in a cache of `slots` slots, as the measured runs had; by default the next power of two):
     median over `reps` rounds, every round timing every (model, size) once in turn, so that
     load from other processes spreads over all sizes alike. Compile excluded."""
-    timers = {("target", int(n)): _forward_timer(target, int(n), context, slots=slots)
+    timers = {("target", int(n)): forward_timer(target, int(n), context, slots=slots)
               for n in sorted(set(target_sizes))}
     if draft is not None:
-        timers.update({("draft", int(n)): _forward_timer(draft, int(n), context, slots=slots)
+        timers.update({("draft", int(n)): forward_timer(draft, int(n), context, slots=slots)
                        for n in sorted(set(draft_sizes)) if n > 0})
     for P in sorted(set(prefill_sizes)):  # a causal forward of the whole prompt bucket
-        timers[("target_prefill", int(P))] = _forward_timer(target, int(P), 0, inner=2)
+        timers[("target_prefill", int(P))] = forward_timer(target, int(P), 0, inner=2)
         if draft is not None:
-            timers[("draft_prefill", int(P))] = _forward_timer(draft, int(P), 0, inner=2)
+            timers[("draft_prefill", int(P))] = forward_timer(draft, int(P), 0, inner=2)
     samples: dict = {k: [] for k in timers}
     for _ in range(reps):
         for k, timed in timers.items():

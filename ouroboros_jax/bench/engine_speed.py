@@ -62,7 +62,7 @@ def _measures(pkg, target, prompts):
     for i in V512_PROMPTS:
         m[f"vanilla512_p{i}"] = gen(prompts[i], 512, eos_token_id=-1)
     for slots, ctx in FWD_CASES:
-        timed = cost_model._forward_timer(target, 1, ctx, inner=16, slots=slots)
+        timed = cost_model.forward_timer(target, 1, ctx, inner=16, slots=slots)
         m[f"fwd_{slots}_{ctx}"] = lambda timed=timed: (timed(), None)
     return m
 

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import sys
 
+from ..decoding.spec import recipe_of
 from .runner import MethodRun, run_method
 from .workloads import Prompt
 
@@ -41,13 +42,6 @@ def _cfg(cur: dict, method: str = "ouroboros"):
     k = min(cur["suffixes"], cur["window"])
     return OuroborosConfig(gamma=cur["gamma"], window=cur["window"], ngram=cur["ngram"],
                            guesses=cur["window"], suffixes=k)
-
-
-def recipe_of(cfg) -> str:
-    """`Config(field=value, ...)` over the tuned fields, evaluable back into cfg."""
-    fields = [f for f in ("gamma", "window", "ngram", "guesses", "suffixes")
-              if hasattr(cfg, f)]
-    return f"{type(cfg).__name__}(" + ", ".join(f"{f}={getattr(cfg, f)}" for f in fields) + ")"
 
 
 def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: int = 1,

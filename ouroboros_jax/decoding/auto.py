@@ -32,10 +32,10 @@ c 1.25) and only shape the choice between tree sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
-import time
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -138,33 +138,11 @@ def batch_bucket(batch: int) -> int:
 
 # ------------------------------------------------------------------------------------ latency
 def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
-    """A timer: seconds per forward of n tokens per row at `batch` rows, after slots/2 cached
-    tokens in a cache of `slots` slots, `inner` forwards in one compiled loop (as in decoding:
-    no dispatch per forward)."""
-    from ..models import forward, init_cache
+    """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
+    slots/2 cached tokens (at most slots - n) in a cache of `slots` slots."""
+    from ..models.timing import forward_timer
 
-    cfg = model.config
-    context = max(0, min(slots - n, slots // 2))
-    cache = init_cache(cfg, batch, slots, model.dtype)
-    cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
-    tokens = jnp.ones((batch, n), jnp.int32)
-    pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool))[None], (batch, n, n))
-
-    def body(i, acc, p, c):
-        t = tokens + (acc > 1e30).astype(jnp.int32)  # depends on the carry: not hoisted
-        logits = forward(p, cfg, t, pos, mask, c)[0]
-        return acc + logits[0, -1, 0]
-
-    f = jax.jit(lambda p, c: jax.lax.fori_loop(0, inner, partial(body, p=p, c=c), jnp.zeros((), jnp.float32)))
-    f(model.params, cache).block_until_ready()
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        f(model.params, cache).block_until_ready()
-        return (time.perf_counter() - t0) / inner
-
-    return timed
+    return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch, inner=inner)
 
 
 def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int = 5,
@@ -299,7 +277,7 @@ class Choice:
     tables: tuple = (None, None)  # (target, draft) latency tables the choice was made with
 
     def as_stats(self, asked: str) -> dict:
-        from ..bench.tune import recipe_of
+        from .spec import recipe_of
 
         return {"asked": asked, "method": self.method,
                 "config": recipe_of(self.config) if self.config is not None else None,
@@ -347,32 +325,21 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     from .ouroboros import OuroborosConfig
     from .speculative import SpeculativeConfig
 
-    vanilla_rate = _vanilla_rate(tt)
-    best, best_rate = None, 0.0
     if method == "speculative":
-        for g in GRID["gamma"]:
-            r = _speculative_rate(agreement, g, tt, td)
-            if r > best_rate:
-                best, best_rate = SpeculativeConfig(gamma=g), r
+        candidates = [SpeculativeConfig(gamma=g) for g in GRID["gamma"]]
     elif method == "lookahead":
-        for w in GRID["window"]:
-            for n in GRID["ngram"]:
-                r = _lookahead_rate(w, n, w, tt)
-                if r > best_rate:
-                    best, best_rate = LookaheadConfig(window=w, ngram=n, guesses=w), r
+        candidates = [LookaheadConfig(window=w, ngram=n, guesses=w)
+                      for w in GRID["window"] for n in GRID["ngram"]]
     elif method == "ouroboros":
-        for g in GRID["gamma"]:
-            for w in GRID["window"]:
-                for n in GRID["ngram"]:
-                    for k in GRID["suffixes"]:
-                        if k > w:
-                            continue
-                        r = _ouroboros_rate(agreement, g, w, n, w, k, tt, td)
-                        if r > best_rate:
-                            best, best_rate = OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w,
-                                                              suffixes=k), r
+        candidates = [OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w, suffixes=k)
+                      for g in GRID["gamma"] for w in GRID["window"] for n in GRID["ngram"]
+                      for k in GRID["suffixes"] if k <= w]
     else:
         raise ValueError(f"config='auto' knows speculative, lookahead and ouroboros, not {method!r}")
+    rates = [predicted_rate(method, c, tt, td, agreement) for c in candidates]
+    best_rate = max(rates)
+    best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
+    vanilla_rate = _vanilla_rate(tt)
     gain = best_rate / vanilla_rate
     if gain < MIN_GAIN:
         return Choice("vanilla", None, 1.0, agreement,
@@ -426,4 +393,15 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choi
         a = realised_agreement(target, draft) if use_cache else None
         if a is None:  # no speculative call has measured the pair yet: its prompts' agreement
             a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
-    return dataclasses.replace(choose(method, tt, td, a), tables=(tt, td))
+    return dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a), tables=(tt, td))
+
+
+def _frozen(table: Optional[dict]):
+    return None if table is None else tuple(sorted(table.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_memo(method, tt, td, a) -> Choice:
+    """`choose` once per (method, tables, agreement): a grid search of a few ms per call is
+    not repeated on every `generate` call once the tables and agreement have settled."""
+    return choose(method, dict(tt), None if td is None else dict(td), a)

@@ -37,3 +37,11 @@ class MethodSpec:
 
 class NoConfig:
     """Vanilla decoding has no configuration."""
+
+
+def recipe_of(cfg) -> str:
+    """`Config(field=value, ...)` over a method's tree knobs, evaluable back into cfg (what
+    `tune` prints and `stats["auto"]` reports)."""
+    fields = [f for f in ("gamma", "window", "ngram", "guesses", "suffixes")
+              if hasattr(cfg, f)]
+    return f"{type(cfg).__name__}(" + ", ".join(f"{f}={getattr(cfg, f)}" for f in fields) + ")"

@@ -254,13 +254,6 @@ def make_step(dcfg: ModelConfig, tcfg: ModelConfig, tx, kl_weight: float, ce_wei
 
 
 # ------------------------------------------------------------------------------------ agreement
-@partial(jax.jit, static_argnums=(1,))
-def _argmax_tf(params, cfg: ModelConfig, rows):
-    B, T = rows.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return jnp.argmax(forward(params, cfg, rows, pos, causal_mask(B, T))[0], axis=-1)
-
-
 def teacher_forced_matches(params, cfg: ModelConfig, prompts: list[list[int]], conts: list[list[int]],
                            pad: int = 0) -> list[np.ndarray]:
     """Per prompt, bool[len(cont)]: the model's argmax after prompt + cont[:j] equals cont[j]."""
@@ -269,7 +262,9 @@ def teacher_forced_matches(params, cfg: ModelConfig, prompts: list[list[int]], c
     rows = np.full((len(prompts), width), pad, np.int32)
     for i, (p, c) in enumerate(zip(prompts, conts)):
         rows[i, : len(p) + len(c)] = list(p) + list(c)
-    pred = np.asarray(_argmax_tf(params, cfg, jnp.asarray(rows)))
+    from ouroboros_jax.training.report import causal_argmax
+
+    pred = np.asarray(causal_argmax(params, cfg, jnp.asarray(rows)))
     return [pred[i, len(p) - 1 : len(p) - 1 + len(c)] == np.asarray(c, np.int64)
             for i, (p, c) in enumerate(zip(prompts, conts))]
 

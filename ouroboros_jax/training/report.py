@@ -67,16 +67,23 @@ def load_member(path: str | Path):
 
 
 @partial(jax.jit, static_argnums=(1,))
-def _logits(params, cfg: ModelConfig, tokens):
+def causal_logits(params, cfg: ModelConfig, tokens):
+    """Logits [B,T,V] of one uncached causal forward over tokens int32[B,T] (positions 0..T-1)."""
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     return forward(params, cfg, tokens, pos, causal_mask(B, T))[0]
 
 
 @partial(jax.jit, static_argnums=(1,))
+def causal_argmax(params, cfg: ModelConfig, tokens):
+    """int32[B,T]: the greedy next token after each position (the logits never leave the jit)."""
+    return jnp.argmax(causal_logits(params, cfg, tokens), axis=-1)
+
+
+@partial(jax.jit, static_argnums=(1,))
 def _window_stats(params, cfg: ModelConfig, windows):
     """Per-position (nats of the target token, argmax) for int32[B, T+1] windows."""
-    logits = _logits(params, cfg, windows[:, :-1])
+    logits = causal_logits(params, cfg, windows[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
     return nll, jnp.argmax(logits, axis=-1)
@@ -85,7 +92,7 @@ def _window_stats(params, cfg: ModelConfig, windows):
 @partial(jax.jit, static_argnums=(1,))
 def _next_token(params, cfg: ModelConfig, tokens, last):
     """Greedy next token after position last[b] of right-padded rows tokens[B, T]."""
-    logits = _logits(params, cfg, tokens)
+    logits = causal_logits(params, cfg, tokens)
     return jnp.argmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1)
 
 
@@ -157,7 +164,7 @@ def teacher_forced_mismatches(params, cfg, prompts, conts) -> int:
     toks = np.full((len(rows), T), PAD_ID, np.int32)
     for i, r in enumerate(rows):
         toks[i, : len(r)] = r
-    pred = np.asarray(jnp.argmax(_logits(params, cfg, jnp.asarray(toks)), axis=-1))
+    pred = np.asarray(causal_argmax(params, cfg, jnp.asarray(toks)))
     bad = 0
     for i, (p, c) in enumerate(zip(prompts, conts)):
         bad += int(np.sum(pred[i, len(p) - 1 : len(p) - 1 + len(c)] != np.asarray(c)))
