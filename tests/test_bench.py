@@ -183,6 +183,17 @@ def test_cost_model_hand_computed():
     table.draft[24] = 0.003
     assert cost_model.predict_seconds(25, 60, 11, 24, table, n_draft_first=28) == \
         pytest.approx(25 * 0.020 + 25 * 0.004 + 35 * 0.003)
+    # a round's first draft forward timed after a target forward (weights evicted) replaces
+    # the warm timing of that size, and survives the JSON round trip
+    table.draft_first = {28: 0.006}
+    again = cost_model.LatencyTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.t_draft_first(28) == pytest.approx(0.006) and again.t_draft(28) == 0.004
+    assert cost_model.predict_seconds(25, 60, 11, 24, again, n_draft_first=28) == \
+        pytest.approx(25 * 0.020 + 25 * 0.006 + 35 * 0.003)
+    # speculative's first draft forward catches up on one token the draft has not processed
+    from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+    assert cost_model.forward_sizes("speculative", SpeculativeConfig(gamma=3)) == (4, 1, 2)
 
 
 def test_weights_bound_table_hand_computed():

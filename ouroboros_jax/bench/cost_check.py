@@ -8,7 +8,8 @@ machine whose load changes by the minute that pairs a run with a latency table m
 other load. Here each repetition runs every method on the same demo prompts (batch 1, greedy,
 EOS ignored so the counts are fixed) and then times, in the same minute, the forwards that
 method used (target and draft forwards of its input sizes after the median context, in a cache
-of the run's slots, and the prefills); the ratio measured / predicted is taken per repetition
+of the run's slots, a round's first draft forward right after a target forward as it runs in a
+round (cost_model.first_draft_timer), and the prefills); the ratio measured / predicted is taken per repetition
 and the median over repetitions is reported. A ratio near 1 means the work outside the forwards
 (acceptance walk, pool, commits, the loop) is noise.
 """
@@ -20,7 +21,8 @@ import json
 
 import numpy as np
 
-from .cost_model import forward_timer, forward_sizes, predict_seconds, prompt_bucket
+from .cost_model import (LatencyTable, first_draft_timer, forward_sizes, forward_timer,
+                         predict_seconds, prompt_bucket)
 
 # The small trees of the README's CPU bench.
 CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
@@ -56,7 +58,8 @@ def main(argv=None):
         timers = {"t": forward_timer(target, n_t, context, slots=slots)}
         if n_s:
             timers["s"] = forward_timer(draft, n_s, context, slots=slots)
-            timers["s1"] = forward_timer(draft, n_s1, context, slots=slots)
+            # verification then the next round's first draft forward, as a round runs them
+            timers["ts1"] = first_draft_timer(target, n_t, draft, n_s1, context, slots=slots)
         for P in sorted({prompt_bucket(n) for n in plens}):
             timers[f"pt{P}"] = forward_timer(target, P, 0, inner=2)
             if n_s:
@@ -84,10 +87,8 @@ def main(argv=None):
             lat = {k: float(np.median([f() for _ in range(3)])) for k, f in timers.items()}
             pre = sum(lat[f"pt{prompt_bucket(n)}"] + (lat[f"ps{prompt_bucket(n)}"] if n_s else 0)
                       for n in plens)
-            from .cost_model import LatencyTable
-
-            table = LatencyTable(target={n_t: lat["t"]},
-                                 draft={n_s: lat["s"], n_s1: lat["s1"]} if n_s else {})
+            table = LatencyTable(target={n_t: lat["t"]}, draft={n_s: lat["s"]} if n_s else {},
+                                 draft_first={n_s1: lat["ts1"] - lat["t"]} if n_s else {})
             pred = predict_seconds(tc, df, n_t, n_s, table, n_s1 if n_s else None, pre)
             ratios[m].append(secs / pred)
             detail[m].append({"measured_s": secs, "predicted_s": pred, "target_calls": tc,

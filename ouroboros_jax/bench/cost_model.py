@@ -1,13 +1,18 @@
 """Cost model: predict a method's time (and speedup) from counted forwards and a latency table.
 
     time(method) ~= target_calls * t_T(n_T) + draft_forwards * t_S(n_S)
-                    (+ rounds * (t_S(n_S1) - t_S(n_S)) when a round's first draft forward is
-                     longer, n_S1: Ouroboros feeds the tokens the draft has not seen as a prefix)
+                    + rounds * (t_S1(n_S1) - t_S(n_S))   (the round's first draft forward)
                     + prefill: per call, p_T(P) (+ p_S(P) with a draft), P = prompt bucket
     predicted speedup = (vanilla prefill + vanilla_target_calls * t_T(1)) / time(method)
 
 n_T, n_S are the input lengths (tree sizes) of one target / draft forward of the method
-(`forward_sizes`); t_T(n), t_S(n) come from a `LatencyTable`: measured on this machine by
+(`forward_sizes`); n_S1 that of a round's first draft forward, which also catches the draft up on
+tokens it has not processed (speculative: 2, Ouroboros: the Jacobi tree plus an N-slot prefix).
+t_S1 is a draft forward timed right after a target forward: on a CPU the target streams its
+weights through the last-level cache and evicts the draft's, so the first draft forward of every
+round is slower than the back-to-back forwards t_S is timed on (measured on the demo pair: a
+1-token draft forward 0.64 ms alone, about 1.1 ms after a target forward). t_T(n), t_S(n) and
+t_S1(n) come from a `LatencyTable`: measured on this machine by
 timing jitted forwards of each model (`measure_latency`), or loaded from JSON written on another
 machine (e.g. a GPU) to predict what the same counts would give there. Prefill forwards (one
 per call and model) are counted when the table has prefill timings. This is the paper's eq. 5/6
@@ -37,6 +42,9 @@ class LatencyTable:
     note: str = ""
     target_prefill: dict = dataclasses.field(default_factory=dict)  # {prompt bucket P: s}
     draft_prefill: dict = dataclasses.field(default_factory=dict)
+    # {n: s} a draft forward of n tokens right after a target forward (a round's first); empty:
+    # the draft's warm timings stand in
+    draft_first: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def _lookup(table: dict, n: int) -> float:
@@ -59,6 +67,10 @@ class LatencyTable:
     def t_draft(self, n: int) -> float:
         return self._lookup(self.draft, n)
 
+    def t_draft_first(self, n: int) -> float:
+        """A round's first draft forward, after the target's (warm timing if none measured)."""
+        return self._lookup(self.draft_first or self.draft, n)
+
     def prefill_seconds(self, prompt_tokens, with_draft: bool) -> float:
         """Prefill time of calls with these prompt lengths (0 when the table has none)."""
         if not self.target_prefill:
@@ -75,7 +87,7 @@ class LatencyTable:
         j = lambda d: {str(k): v for k, v in d.items()}  # noqa: E731
         return {"target": j(self.target), "draft": j(self.draft), "context": self.context,
                 "note": self.note, "target_prefill": j(self.target_prefill),
-                "draft_prefill": j(self.draft_prefill)}
+                "draft_prefill": j(self.draft_prefill), "draft_first": j(self.draft_first)}
 
     @classmethod
     def from_json(cls, obj) -> "LatencyTable":
@@ -91,7 +103,8 @@ class LatencyTable:
         return cls(target=d(obj["target"]), draft=d(obj.get("draft")),
                    context=int(obj.get("context", 0)), note=obj.get("note", ""),
                    target_prefill=d(obj.get("target_prefill")),
-                   draft_prefill=d(obj.get("draft_prefill")))
+                   draft_prefill=d(obj.get("draft_prefill")),
+                   draft_first=d(obj.get("draft_first")))
 
 
 def weights_bound_table(target_params: int, draft_params: Optional[int]) -> LatencyTable:
@@ -128,12 +141,12 @@ def predict_seconds(target_calls: int, draft_forwards: int, n_target: int, n_dra
                     table: LatencyTable, n_draft_first: Optional[int] = None,
                     prefill: float = 0.0) -> float:
     """prefill + target_calls * t_T(n_T) + draft_forwards * t_S(n_S); with n_draft_first,
-    one draft forward per round (per target call) costs t_S(n_draft_first) instead."""
+    one draft forward per round (per target call) costs t_S1(n_draft_first) instead."""
     t = prefill + target_calls * table.t_target(n_target)
     if draft_forwards:
         t += draft_forwards * table.t_draft(n_draft)
-        if n_draft_first is not None and n_draft_first != n_draft:
-            t += min(target_calls, draft_forwards) * (table.t_draft(n_draft_first)
+        if n_draft_first is not None:
+            t += min(target_calls, draft_forwards) * (table.t_draft_first(n_draft_first)
                                                       - table.t_draft(n_draft))
     return t
 
@@ -148,26 +161,47 @@ def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards
                                   n_draft_first, prefill)
 
 
+def _slots(context: int, n: int, slots: Optional[int]) -> int:
+    """At least `slots` and at least the next power of two above context + n."""
+    return max(slots or 0, 64, 1 << (context + n).bit_length())
+
+
 def forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
-    """`models.timing.forward_timer` at batch 1, in a cache of at least `slots` slots and at
-    least the next power of two above context + n."""
+    """`models.timing.forward_timer` at batch 1, in a cache of `_slots` slots."""
     from ..models.timing import forward_timer as timer
 
-    slots = max(slots or 0, 64, 1 << (context + n).bit_length())
-    return timer(model, n, context, slots, batch=1, inner=inner)
+    return timer(model, n, context, _slots(context, n, slots), batch=1, inner=inner)
+
+
+def first_draft_timer(target, n_target: int, draft, n: int, context: int, inner: int = 8,
+                      slots: Optional[int] = None):
+    """Seconds of a target forward of n_target tokens followed by a draft forward of n (a
+    round's verification, then the next round's first draft forward), at batch 1; subtract
+    the target's own time to get t_S1(n)."""
+    from ..models.timing import sequence_timer
+
+    S = _slots(context, max(n, n_target), slots)
+    return sequence_timer([(target, n_target), (draft, n)], context, S, batch=1, inner=inner)
 
 
 def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128,
-                    reps: int = 20, prefill_sizes=(), slots: Optional[int] = None) -> LatencyTable:
+                    reps: int = 20, prefill_sizes=(), slots: Optional[int] = None,
+                    draft_first_sizes=()) -> LatencyTable:
     """Seconds per forward of each model at each input size after `context` cached tokens
     (in a cache of `slots` slots, as the measured runs had; by default the next power of two):
     median over `reps` rounds, every round timing every (model, size) once in turn, so that
-    load from other processes spreads over all sizes alike. Compile excluded."""
+    load from other processes spreads over all sizes alike. Compile excluded.
+
+    draft_first_sizes: draft sizes also timed as a round's first draft forward, right after a
+    one-token target forward (t_S1 = that pair's median minus t_T(1)'s)."""
     timers = {("target", int(n)): forward_timer(target, int(n), context, slots=slots)
-              for n in sorted(set(target_sizes))}
+              for n in sorted(set(target_sizes) | {1})}
     if draft is not None:
         timers.update({("draft", int(n)): forward_timer(draft, int(n), context, slots=slots)
                        for n in sorted(set(draft_sizes)) if n > 0})
+        timers.update({("pair", int(n)): first_draft_timer(target, 1, draft, int(n), context,
+                                                           slots=slots)
+                       for n in sorted(set(draft_first_sizes)) if n > 0})
     for P in sorted(set(prefill_sizes)):  # a causal forward of the whole prompt bucket
         timers[("target_prefill", int(P))] = forward_timer(target, int(P), 0, inner=2)
         if draft is not None:
@@ -178,8 +212,10 @@ def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128
             samples[k].append(timed())
     med = {k: float(np.median(v)) for k, v in samples.items()}
     by = lambda kind: {n: v for (m, n), v in med.items() if m == kind}  # noqa: E731
+    t1 = med[("target", 1)]
     return LatencyTable(target=by("target"), draft=by("draft"),
                         target_prefill=by("target_prefill"), draft_prefill=by("draft_prefill"),
+                        draft_first={n: max(v - t1, 0.0) for n, v in by("pair").items()},
                         context=context,
                         note=f"measured here, median of {reps} interleaved rounds, batch 1"
                              + (f", {slots} cache slots" if slots else ""))

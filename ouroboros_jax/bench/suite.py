@@ -42,7 +42,7 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
         if latency_json:
             table = LatencyTable.from_json(latency_json)
         else:
-            ts, ds = {1}, set()
+            ts, ds, ds1 = {1}, set(), set()
             for r in methods:
                 if r.kind == "oj" and r.label in results["methods"]:
                     try:
@@ -50,7 +50,8 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                     except (ValueError, AttributeError):
                         continue
                     ts.add(nt)
-                    ds.update(n for n in (ns, ns1) if n)
+                    ds.update(n for n in (ns,) if n)
+                    ds1.update(n for n in (ns1,) if n)
             # forwards timed after a cache as long as the workload's median context
             from .runner import encode
 
@@ -69,7 +70,8 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
             slots = cache_slots(prompt_bucket(plen[len(plen) // 2]),
                                 max(p.max_new_tokens for p in prompts), 1)
             table = measure_latency(target, draft, ts, ds, context=context,
-                                    reps=7 if quick else 20, prefill_sizes=buckets, slots=slots)
+                                    reps=7 if quick else 20, prefill_sizes=buckets, slots=slots,
+                                    draft_first_sizes=ds1)
         st = results["settings"]
         wb = weights_bound_table(st["target"]["params"], (st.get("draft") or {}).get("params"))
         results["cost_model"] = {"latency": table.to_json(),

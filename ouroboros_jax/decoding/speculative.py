@@ -279,5 +279,5 @@ def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
 
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
-                  forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 1),
+                  forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),
                   quick_config=lambda: SpeculativeConfig(gamma=4))

@@ -1,5 +1,12 @@
-"""Timing one model's forward by input size, as decoding runs it: the one timer the cost model,
-the engine benches and `config="auto"`'s latency probe share."""
+"""Timing forwards by input size, as decoding runs them: the one timer the cost model, the
+engine benches and `config="auto"`'s latency probe share.
+
+A forward's time depends on what ran just before it, not only on its input size: on a CPU a
+model whose weights fit in the last-level cache (the demo draft: about 13 MB of fp32 weights
+read per token, in a 32 MB L3) runs faster when it runs again and again than right after the
+target has streamed its own weights through that cache, as every decoding round does. So the
+timer takes a sequence of forwards (`sequence_timer`) and `forward_timer` is the one-forward case.
+"""
 
 from __future__ import annotations
 
@@ -13,32 +20,52 @@ from .kv_cache import init_cache
 from .llama import forward
 
 
-def forward_timer(model, n: int, context: int, slots: int, batch: int = 1, inner: int = 8):
-    """A compiled loop of `inner` forwards of n tokens per row at `batch` rows, after `context`
-    cached tokens in a cache of `slots` slots (attention reads the blocks below `context`
-    only), no dispatch per forward -> a callable returning seconds per forward (compiled here,
-    so the first timing excludes compilation)."""
-    cfg = model.config
-    cache = init_cache(cfg, batch, slots, model.dtype)
+def _inputs(model, n: int, context: int, slots: int, batch: int):
+    """(tokens, positions, causal mask, cache) of an n-token forward per row after `context`
+    cached tokens in a cache of `slots` slots."""
+    cache = init_cache(model.config, batch, slots, model.dtype)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, n), jnp.int32)
     pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool))[None], (batch, n, n))
+    return tokens, pos, mask, cache
 
-    def body(acc, p, t, q, m, c):
-        # the input depends on the carry, so the forward cannot be hoisted out of the loop
-        t = t + (acc > 1e30).astype(jnp.int32)
-        logits = forward(p, cfg, t, q, m, c)[0]  # logits of every node, as verification needs
-        return acc + logits[0, -1, 0]
 
-    # inputs are arguments, not constants, so XLA cannot fold any of the work away
-    f = jax.jit(lambda p, t, q, m, c: jax.lax.fori_loop(
-        0, inner, lambda i, acc: body(acc, p, t, q, m, c), jnp.zeros((), jnp.float32)))
-    f(model.params, tokens, pos, mask, cache).block_until_ready()  # compile
+def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int = 8):
+    """steps: [(model, n), ...] forwards run in this order -> a callable returning seconds per
+    pass over the sequence.
+
+    A compiled loop of `inner` passes; each forward takes n tokens per row at `batch` rows after
+    `context` cached tokens in a cache of `slots` slots (attention reads the blocks below
+    `context` only), with no dispatch per forward. Compiled here, so the first timing excludes
+    compilation."""
+    models = [m for m, _ in steps]
+    inputs = [_inputs(m, n, context, slots, batch) for m, n in steps]
+
+    def one_pass(acc, params, inputs):
+        for m, p, (t, q, mask, c) in zip(models, params, inputs):
+            # the input depends on the carry, so no forward can be hoisted out of the loop
+            t = t + (acc > 1e30).astype(jnp.int32)
+            logits = forward(p, m.config, t, q, mask, c)[0]  # every node's logits, as verify
+            acc = acc + logits[0, -1, 0]
+        return acc
+
+    # params and inputs are arguments, not constants, so XLA cannot fold any of the work away
+    # (a cache captured as a constant of zeros would let it drop attention over the cache)
+    f = jax.jit(lambda params, inputs: jax.lax.fori_loop(
+        0, inner, lambda i, acc: one_pass(acc, params, inputs), jnp.zeros((), jnp.float32)))
+    params = [m.params for m in models]
+    f(params, inputs).block_until_ready()  # compile
 
     def timed() -> float:
         t0 = time.perf_counter()
-        f(model.params, tokens, pos, mask, cache).block_until_ready()
+        f(params, inputs).block_until_ready()
         return (time.perf_counter() - t0) / inner
 
     return timed
+
+
+def forward_timer(model, n: int, context: int, slots: int, batch: int = 1, inner: int = 8):
+    """`sequence_timer` of one forward of n tokens per row: seconds per forward, the model's
+    weights as warm in the CPU's caches as back-to-back forwards leave them."""
+    return sequence_timer([(model, n)], context, slots, batch=batch, inner=inner)
