@@ -196,6 +196,17 @@ def test_cost_model_hand_computed():
     assert cost_model.forward_sizes("speculative", SpeculativeConfig(gamma=3)) == (4, 1, 2)
 
 
+def test_context_mix_hand_computed():
+    # prompt 100, 200 new tokens: forwards after 99 .. 298 committed tokens; blocks of 128:
+    # 99..128 (30 contexts, 1 live block), 129..256 (128, 2 blocks), 257..298 (42, 3 blocks)
+    mix = cost_model.context_mix([100], 200, block=128)
+    assert [w for _, w in mix] == pytest.approx([30 / 200, 128 / 200, 42 / 200])
+    assert [c for c, _ in mix] == [pytest.approx(113.5, abs=0.5), pytest.approx(192.5, abs=0.5),
+                                   pytest.approx(277.5, abs=0.5)]
+    # two prompts pool their contexts
+    assert sum(w for _, w in cost_model.context_mix([10, 300], 50)) == pytest.approx(1.0)
+
+
 def test_weights_bound_table_hand_computed():
     wb = cost_model.weights_bound_table(20_000_000, 5_000_000)
     # 100 vanilla forwards vs 25 target calls (tree of 11) and 60 draft forwards (of 28):

@@ -7,7 +7,9 @@ The bench's cost model (`cost_model.py`) times forwards once, after all methods 
 machine whose load changes by the minute that pairs a run with a latency table measured under
 other load. Here each repetition runs every method on the same demo prompts (batch 1, greedy,
 EOS ignored so the counts are fixed) and then times, in the same minute, the forwards that
-method used (target and draft forwards of its input sizes after the median context, in a cache
+method used (target and draft forwards of its input sizes after the contexts the run visits,
+one per number of live attention blocks and weighted by its share of the run
+(cost_model.context_mix), in a cache
 of the run's slots, a round's first draft forward right after a target forward as it runs in a
 round (cost_model.first_draft_timer), and the prefills); the ratio measured / predicted is taken per repetition
 and the median over repetitions is reported. A ratio near 1 means the work outside the forwards
@@ -21,8 +23,8 @@ import json
 
 import numpy as np
 
-from .cost_model import (LatencyTable, first_draft_timer, forward_sizes, forward_timer,
-                         predict_seconds, prompt_bucket)
+from .cost_model import (LatencyTable, context_mix, first_draft_timer, forward_sizes,
+                         forward_timer, predict_seconds, prompt_bucket)
 
 # The small trees of the README's CPU bench.
 CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
@@ -45,7 +47,7 @@ def main(argv=None):
     target, draft = oj.demo_pair("float32")
     texts = [p["text"] for p in oj.demo_prompts()[:a.prompts]]
     plens = [len(target.tokenizer(t)["input_ids"]) for t in texts]
-    context = int(np.median(plens)) + a.max_new_tokens // 2
+    mix = context_mix(plens, a.max_new_tokens)  # [(context, weight)]
     cfg_types = {"speculative": oj.SpeculativeConfig, "lookahead": oj.LookaheadConfig,
                  "ouroboros": oj.OuroborosConfig}
     methods = [m.strip() for m in a.methods.split(",")]
@@ -55,15 +57,16 @@ def main(argv=None):
         n_t, n_s, n_s1 = forward_sizes(m, cfg)
         slots = cache_slots(prompt_bucket(int(np.median(plens))), a.max_new_tokens,
                             METHODS[m].margin(cfg) if cfg is not None else 0)
-        timers = {"t": forward_timer(target, n_t, context, slots=slots)}
+        timers = {("t", c): forward_timer(target, n_t, c, slots=slots) for c, _ in mix}
         if n_s:
-            timers["s"] = forward_timer(draft, n_s, context, slots=slots)
+            timers.update({("s", c): forward_timer(draft, n_s, c, slots=slots) for c, _ in mix})
             # verification then the next round's first draft forward, as a round runs them
-            timers["ts1"] = first_draft_timer(target, n_t, draft, n_s1, context, slots=slots)
+            timers.update({("ts1", c): first_draft_timer(target, n_t, draft, n_s1, c, slots=slots)
+                           for c, _ in mix})
         for P in sorted({prompt_bucket(n) for n in plens}):
-            timers[f"pt{P}"] = forward_timer(target, P, 0, inner=2)
+            timers[(f"pt{P}", None)] = forward_timer(target, P, 0, inner=2)
             if n_s:
-                timers[f"ps{P}"] = forward_timer(draft, P, 0, inner=2)
+                timers[(f"ps{P}", None)] = forward_timer(draft, P, 0, inner=2)
 
         def gen(m=m, cfg=cfg):
             secs, tc, df = 0.0, 0, 0
@@ -84,7 +87,10 @@ def main(argv=None):
         for m in methods:
             gen, timers, (n_t, n_s, n_s1) = setups[m]
             secs, tc, df = gen()
-            lat = {k: float(np.median([f() for _ in range(3)])) for k, f in timers.items()}
+            med = {k: float(np.median([f() for _ in range(3)])) for k, f in timers.items()}
+            lat: dict = {}
+            for (kind, c), v in med.items():  # the run's contexts, by their share
+                lat[kind] = lat.get(kind, 0.0) + v * (dict(mix)[c] if c is not None else 1.0)
             pre = sum(lat[f"pt{prompt_bucket(n)}"] + (lat[f"ps{prompt_bucket(n)}"] if n_s else 0)
                       for n in plens)
             table = LatencyTable(target={n_t: lat["t"]}, draft={n_s: lat["s"]} if n_s else {},
@@ -96,7 +102,8 @@ def main(argv=None):
                                                                    for k, v in lat.items()}})
             print(f"[rep {r}] {m}: measured {secs:.3f} s, predicted {pred:.3f} s, "
                   f"ratio {secs / pred:.3f}", flush=True)
-    print(f"\n{a.prompts} demo prompts x {a.max_new_tokens} new tokens, context {context}, "
+    ctxs = ", ".join(f"{c} ({w:.0%})" for c, w in mix)
+    print(f"\n{a.prompts} demo prompts x {a.max_new_tokens} new tokens, contexts {ctxs}, "
           f"{a.reps} repetitions")
     print("| method | target calls | draft forwards | measured / predicted (median) | range |")
     print("|---|---:|---:|---:|---|")
@@ -106,7 +113,7 @@ def main(argv=None):
               f"{np.median(v):.3f} | {min(v):.3f}-{max(v):.3f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"ratios": ratios, "detail": detail, "context": context}, f, indent=2)
+            json.dump({"ratios": ratios, "detail": detail, "contexts": mix}, f, indent=2)
 
 
 if __name__ == "__main__":

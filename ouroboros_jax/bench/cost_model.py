@@ -124,6 +124,25 @@ def prompt_bucket(n: int) -> int:
     return bucket(int(n))
 
 
+def context_mix(prompt_lengths, new_tokens: int, block: Optional[int] = None) -> list:
+    """[(context, weight)]: the committed cache lengths a run's forwards see, grouped by the
+    number of live attention blocks (what attention's cost follows: models/attention.py), one
+    representative context (the group's mean) per group, weights summing to 1.
+
+    A call with prompt length p and n new tokens ignoring EOS runs its forwards after p - 1 ..
+    p + n - 2 committed tokens; a method emitting several tokens per round samples the same
+    range more sparsely, so the mix is the same for every method."""
+    from ..models.attention import BLOCK
+
+    C = block or BLOCK
+    groups: dict = {}
+    for p in prompt_lengths:
+        for ctx in range(max(int(p) - 1, 0), int(p) + int(new_tokens) - 1):
+            groups.setdefault(-(-ctx // C), []).append(ctx)
+    total = sum(len(v) for v in groups.values())
+    return [(int(round(np.mean(v))), len(v) / total) for _, v in sorted(groups.items())]
+
+
 def forward_sizes(method: str, config) -> tuple[int, int, int]:
     """(tokens per target forward, per draft forward, per first draft forward of a round).
 
