@@ -15,9 +15,9 @@ ancestor); the forward never writes the cache (see kv_cache.commit). Attention r
 cache blocks below the longest row (models/attention.py), so its cost follows the live length.
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
-    embed [V,E]; layers: attn_norm [L,E], wq [L,E,H,D], wk [L,E,K,D], wv [L,E,K,D], wo [L,H,D,E],
-    (qwen2: bq [L,H,D], bk [L,K,D], bv [L,K,D]), mlp_norm [L,E], w_gate [L,E,F], w_up [L,E,F],
-    w_down [L,F,E]; final_norm [E]; lm_head [E,V] unless embeddings are tied.
+a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
+wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
+name and layout and initializer are described once, in `params.LEAVES`.
 """
 
 from __future__ import annotations
@@ -32,42 +32,30 @@ import numpy as np
 from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
 from .kv_cache import KVCache, NewKV
+from .params import nest
 
 Params = dict
 
 
 # ------------------------------------------------------------------------------------ init
 def param_shapes(config: ModelConfig) -> dict:
-    """Shape of every parameter leaf, the one description init/abstract/sharding derive from."""
-    E, F, L, H, K, D, V = (config.hidden_size, config.intermediate_size, config.num_layers,
-                           config.num_heads, config.num_kv_heads, config.head_dim,
-                           config.vocab_size)
-    layers = {
-        "attn_norm": (L, E), "wq": (L, E, H, D), "wk": (L, E, K, D), "wv": (L, E, K, D),
-        "wo": (L, H, D, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
-        "w_down": (L, F, E),
-    }
-    if config.qkv_bias:
-        layers.update(bq=(L, H, D), bk=(L, K, D), bv=(L, K, D))
-    shapes = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
+    """Shape of every parameter leaf of the config ({..., "layers": {...}}), from the one
+    table of leaves (`params.LEAVES`)."""
+    return nest(config, lambda leaf: leaf.shape(config))
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 std: float = 0.02) -> Params:
-    """Random params (normal(0, std) matrices, unit norms, zero biases)."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    """Random params, each leaf by its table initializer: normal(0, std) matrices, unit norms,
+    zero biases. One key per leaf, split in the pytree's (sorted) leaf order."""
+    leaves, treedef = jax.tree.flatten(nest(config, lambda leaf: leaf))
     keys = jax.random.split(key, len(leaves))
     out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
+    for leaf, k in zip(leaves, keys):
+        shape = leaf.shape(config)
+        if leaf.init == "ones":
             out.append(jnp.ones(shape, dtype))
-        elif path.endswith("['bq']") or path.endswith("['bk']") or path.endswith("['bv']"):
+        elif leaf.init == "zeros":
             out.append(jnp.zeros(shape, dtype))
         else:
             out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
