@@ -1,11 +1,12 @@
 """The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
 pure function over a params pytree.
 
-Glossary (used in every einsum and shape comment of the project):
+Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
     L layers              H query heads                    K kv heads
-    G query heads per kv head (H = K * G)                  D head dim
+    J query heads per kv head (H = K * J)                  D head dim
     E embed (hidden)      F ffn (intermediate)             V vocab
+    Q positions whose logits `select` keeps
 
 `forward(params, config, tokens[B,T], positions[B,T], mask[B,T,T], cache) -> (logits, NewKV)`.
 Positions and the mask among the new tokens are inputs, so one function serves prefill, single
@@ -116,9 +117,9 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
                live_blocks=live_blocks)
     x = x + jnp.einsum("bthd,hde->bte", a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    g = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
-    u = jnp.einsum("bte,ef->btf", h, lp["w_up"])
-    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(g) * u, lp["w_down"])
+    gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
+    up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
     return x, k, v
 
 
