@@ -5,7 +5,8 @@
     out = oj.generate(target, ["def fib(n):"], draft=draft, method="ouroboros")
 
 Dimension letters, one meaning each in every shape comment and einsum of the project (a module
-docstring lists the ones it uses):
+docstring lists the ones it uses; einsums use the lower-case letters, and attention's name the
+new tokens seen as keys `o`):
 
     model     B batch rows, T new tokens of one forward (the nodes of its tree), S cache slots
               (= sequence buffer slots), L layers, H query heads, K kv heads, J query heads per

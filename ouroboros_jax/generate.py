@@ -36,10 +36,21 @@ EOS_BUCKET = 8
 
 @dataclasses.dataclass
 class GenerationOutput:
-    tokens: list[list[int]]  # new tokens per prompt (EOS included when produced)
+    """What `generate` returns.
+
+    Attributes:
+        tokens: the new tokens per prompt (EOS included when produced).
+        texts: their decoded text, None when the target has no tokenizer.
+        stats: plain-Python measures (docs/algorithm.md section 4): the loop's `Stats` as
+            `summarize_stats` names them, plus seconds, tokens_per_second and (config="auto")
+            `auto`.
+        pool: the phrase pool after the call, for methods that keep one.
+    """
+
+    tokens: list[list[int]]
     texts: Optional[list[str]]
     stats: dict[str, Any]
-    pool: Any = None  # the phrase pool after the call, for methods that keep one
+    pool: Any = None
 
 
 def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
