@@ -112,7 +112,7 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
     return commit_prefix(cache, new, prompt_lengths - 1)
 
 
-@struct.dataclass
+@struct.dataclass(kw_only=True)
 class Stats:
     """On-device counters of one decode loop, named as in docs/algorithm.md section 4.
 
@@ -144,30 +144,31 @@ class Stats:
         pool_bytes: after the loop (host int): device bytes of the pool.
     """
 
-    new_tokens: jax.Array
-    rounds: jax.Array
-    target_calls: jax.Array
-    draft_calls: jax.Array
-    draft_tokens: jax.Array
+    # Declared in name order (keyword-only): the loop carry's leaves then come in the order the
+    # former dict of counters had, so the compiled loops are the same programs.
     acceptance_histogram: jax.Array
-    drafted_tokens: Optional[jax.Array] = None
-    draft_forwards: Optional[jax.Array] = None
-    guess_tokens_accepted: Optional[jax.Array] = None
-    suffix_tokens_accepted: Optional[jax.Array] = None
-    pool_hits: Optional[jax.Array] = None
-    draft_matches: Optional[jax.Array] = None
     draft_accepted: Optional[jax.Array] = None
-    pool_hit_rate: Optional[jax.Array] = None
-    pool_occupancy: Optional[jax.Array] = None
+    draft_calls: jax.Array
+    draft_forwards: Optional[jax.Array] = None
+    draft_matches: Optional[jax.Array] = None
+    draft_tokens: jax.Array
+    drafted_tokens: Optional[jax.Array] = None
+    guess_tokens_accepted: Optional[jax.Array] = None
     match_vs_accept: Optional[jax.Array] = None
+    new_tokens: jax.Array
     pool_bytes: Optional[int] = None
+    pool_hit_rate: Optional[jax.Array] = None
+    pool_hits: Optional[jax.Array] = None
+    pool_occupancy: Optional[jax.Array] = None
+    rounds: jax.Array
+    suffix_tokens_accepted: Optional[jax.Array] = None
+    target_calls: jax.Array
 
     def to_dict(self) -> dict:
-        """{name: value} of every counter this method has (the None ones left out), sorted by
-        name as the stats always came out: what `generate.summarize_stats` reads."""
-        return {name: getattr(self, name) for name in sorted(f.name for f in
-                                                             dataclasses.fields(self))
-                if getattr(self, name) is not None}
+        """{name: value} of every counter this method has (the None ones left out), in name
+        order: what `generate.summarize_stats` reads."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
 
 
 def counter() -> jax.Array:
