@@ -3,6 +3,21 @@
     import ouroboros_jax as oj
     target, draft = oj.demo_pair()
     out = oj.generate(target, ["def fib(n):"], draft=draft, method="ouroboros")
+
+Dimension letters, one meaning each in every shape comment and einsum of the project (a module
+docstring lists the ones it uses; einsums use the lower-case letters, and attention's name the
+new tokens seen as keys `o`):
+
+    model     B batch rows, T new tokens of one forward (the nodes of its tree), S cache slots
+              (= sequence buffer slots), L layers, H query heads, K kv heads, J query heads per
+              kv head (H = K * J), D head dim, E embed (hidden), F ffn (intermediate), V vocab,
+              Z slots of one attention cache block, Q positions whose logits a forward keeps
+    decoding  P prompt width (padded), A tokens one `emit` / `commit` / accept walk handles,
+              γ gamma (draft tokens per round; `gamma` in code), W window, N n-gram size,
+              M = N - 1 phrase length, G guesses (pool phrases per key), X suffixes (branches
+              after the draft chain), C chain length, U prefix slot (tokens a model has not
+              processed yet, fed before its tree)
+    pool      R pool rows, G slots per row (= guesses), I phrases inserted at once
 """
 
 from .decoding.lookahead import LookaheadConfig

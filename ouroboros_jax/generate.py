@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .decoding import METHODS
-from .decoding.common import Limits
+from .decoding.common import Limits, Stats
 from .models.config import normalize_eos
 from .models.loading import Model
 from .sampling import SamplingParams
@@ -36,10 +36,21 @@ EOS_BUCKET = 8
 
 @dataclasses.dataclass
 class GenerationOutput:
-    tokens: list[list[int]]  # new tokens per prompt (EOS included when produced)
+    """What `generate` returns.
+
+    Attributes:
+        tokens: the new tokens per prompt (EOS included when produced).
+        texts: their decoded text, None when the target has no tokenizer.
+        stats: plain-Python measures (docs/algorithm.md section 4): the loop's `Stats` as
+            `summarize_stats` names them, plus seconds, tokens_per_second and (config="auto")
+            `auto`.
+        pool: the phrase pool after the call, for methods that keep one.
+    """
+
+    tokens: list[list[int]]
     texts: Optional[list[str]]
     stats: dict[str, Any]
-    pool: Any = None  # the phrase pool after the call, for methods that keep one
+    pool: Any = None
 
 
 def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
@@ -73,7 +84,7 @@ def default_eos_ids(model: Model) -> Optional[int | tuple]:
 
 
 def eos_array(eos, vocab_size: Optional[int] = None) -> np.ndarray:
-    """int32[E] of EOS ids padded with -1 (never a token) to a multiple of EOS_BUCKET."""
+    """int32[n_eos] of EOS ids padded with -1 (never a token) to a multiple of EOS_BUCKET."""
     ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     if vocab_size is not None:
         ids = [i for i in ids if i < vocab_size]  # an id the model cannot emit never matches
@@ -272,9 +283,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
 
 
-def summarize_stats(raw: dict, seconds: float) -> dict:
-    """Device counters -> the named measures of docs/algorithm.md section 4 (plain Python)."""
+def summarize_stats(stats: Stats, seconds: float) -> dict:
+    """A loop's counters (`decoding.common.Stats`, fetched to host) -> the named measures of
+    docs/algorithm.md section 4, a plain-Python dict: what `GenerationOutput.stats` holds."""
     s: dict[str, Any] = {}
+    raw = stats.to_dict()
     new_tokens = int(np.sum(raw["new_tokens"]))
     rounds = int(np.sum(raw["rounds"]))
     s["new_tokens"] = new_tokens

@@ -10,20 +10,23 @@ sampled output identical to vanilla sampling's for the same seed, not only equal
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class SamplingParams:
     """Dynamic sampling knobs (arrays, so changing them never recompiles).
 
-    temperature f32[]; top_k int32[] (0 = off); top_p f32[] (1 = off); seed uint32/int32[].
     Greedy decoding is a static choice made by the caller (`greedy=True`), not temperature 0
     at run time, so the greedy path carries no sort over the vocabulary.
+
+    Attributes:
+        temperature: f32[].
+        top_k: int32[] (0 = off).
+        top_p: f32[] (1 = off).
+        seed: uint32[] (or int32[]): the root of every token key (`token_key`).
     """
 
     temperature: jax.Array

@@ -11,36 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .models.config import ModelConfig
-from .models.llama import param_shapes
 from .models.loading import Model
+from .models.params import LEAVES, nest
 
-# logical names per dimension of each leaf ("layers" is the stacked scan axis)
-LOGICAL_AXES = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-    "attn_norm": ("layers", "embed"),
-    "mlp_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "q_heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "wo": ("layers", "q_heads", "head_dim", "embed"),
-    "bq": ("layers", "q_heads", "head_dim"),
-    "bk": ("layers", "kv_heads", "head_dim"),
-    "bv": ("layers", "kv_heads", "head_dim"),
-    "w_gate": ("layers", "embed", "ffn"),
-    "w_up": ("layers", "embed", "ffn"),
-    "w_down": ("layers", "ffn", "embed"),
-    # KV cache [L, B, S, K, D]
-    "cache": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
-}
+# logical names per dimension of each leaf ("layers" is the stacked scan axis): the parameters'
+# come from their one description (`models.params.LEAVES`), the KV cache's are added here
+LOGICAL_AXES = {leaf.name: leaf.axes for leaf in LEAVES}
+LOGICAL_AXES["cache"] = ("layers", "batch", "cache_slots", "kv_heads", "head_dim")  # [L,B,S,K,D]
 
 RULES = {
     "batch": "data",
@@ -77,11 +60,7 @@ def spec_for(logical: tuple, shape: tuple, mesh: Mesh) -> P:
 
 
 def param_specs(config: ModelConfig, mesh: Mesh) -> dict:
-    shapes = param_shapes(config)
-    specs = {k: spec_for(LOGICAL_AXES[k], v, mesh) for k, v in shapes.items() if k != "layers"}
-    specs["layers"] = {k: spec_for(LOGICAL_AXES[k], v, mesh)
-                       for k, v in shapes["layers"].items()}
-    return specs
+    return nest(config, lambda leaf: spec_for(leaf.axes, leaf.shape(config), mesh))
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh) -> dict:

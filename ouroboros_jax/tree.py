@@ -21,8 +21,8 @@ index bookkeeping, so callers scatter tokens in and gather predictions out by in
 instead of offset arithmetic. Layout builders are cached, so the same arguments give the very
 same (hashable) object and can be passed as static jit arguments without recompiling.
 
-Dimension letters: B batch, T new tokens, W window, N n-gram size, M = N-1 phrase length,
-G guesses (phrases per key), C chain length, K branches.
+Dimension letters (package glossary): B batch, T new tokens (tree nodes), W window, N n-gram
+size, M = N-1 phrase length, G guesses (phrases per key), C chain length, X branches.
 """
 
 from __future__ import annotations
@@ -259,16 +259,16 @@ def jacobi_tree(window: int, ngram: int, guesses: int) -> JacobiLayout:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ChainBranchLayout:
-    """A chain of C nodes off the cache, then K branches of M nodes off the chain's last node.
+    """A chain of C nodes off the cache, then X branches of M nodes off the chain's last node.
 
-    Ouroboros verification: chain = correction + gamma draft tokens, branches = K suffixes.
-    Plain speculative verification: K = 0. Lookahead verification of G guesses: C = 1, K = G.
+    Ouroboros verification: chain = correction + γ draft tokens, branches = X suffixes.
+    Plain speculative verification: X = 0. Lookahead verification of G guesses: C = 1, X = G.
 
     Fields (numpy int32, read-only):
-      chain_len C, branches K, branch_len M, size T = C + K * M.
-      parents: int32[T]; depths: int32[T] (chain i at depth i, branch k token m at depth C + m).
+      chain_len C, branches X, branch_len M, size T = C + X * M.
+      parents: int32[T]; depths: int32[T] (chain i at depth i, branch o token m at depth C + m).
       chain_index: int32[C] = 0 .. C-1.
-      branch_index: int32[K, M], branch_index[k, m] = input index of token m of branch k.
+      branch_index: int32[X, M], branch_index[o, m] = input index of token m of branch o.
     """
 
     chain_len: int
@@ -290,18 +290,18 @@ def chain_with_branches(chain_len: int, branches: int, branch_len: int) -> Chain
         )
     if branches < 0 or branch_len < 0:
         raise ValueError(f"branches and branch_len must be >= 0, got {branches}, {branch_len}")
-    c, k, m = chain_len, branches, branch_len
+    c, x, m = chain_len, branches, branch_len
     chain_index = np.arange(c)
-    branch_index = c + np.arange(k * m).reshape(k, m)
-    parents = np.concatenate([chain_parents(c), np.zeros(k * m, dtype=np.int32)]).astype(np.int64)
-    if k and m:
+    branch_index = c + np.arange(x * m).reshape(x, m)
+    parents = np.concatenate([chain_parents(c), np.zeros(x * m, dtype=np.int32)]).astype(np.int64)
+    if x and m:
         parents[branch_index[:, 0]] = c - 1
         parents[branch_index[:, 1:]] = branch_index[:, :-1]
     return ChainBranchLayout(
         chain_len=c,
-        branches=k,
+        branches=x,
         branch_len=m,
-        size=c + k * m,
+        size=c + x * m,
         parents=_frozen(parents),
         depths=_frozen(_np_depths(parents)),
         chain_index=_frozen(chain_index),

@@ -16,7 +16,7 @@ from scipy import stats as sps
 
 import ouroboros_jax as oj
 from ouroboros_jax.decoding import speculative
-from ouroboros_jax.decoding.common import Limits, init_sequences, init_stats, prefill
+from ouroboros_jax.decoding.common import Limits, counter, init_sequences, init_stats, prefill
 from ouroboros_jax.decoding.speculative import SpeculativeConfig, leviathan_accept
 from ouroboros_jax.models import forward
 from ouroboros_jax.models.llama import causal_mask
@@ -149,7 +149,7 @@ def test_draft_kv_stays_in_step_without_reforward(tiny_pair):
         init_sequences(prompt, plens, slots),
         prefill(params, config, prompt, plens, slots, jnp.float32),
         prefill(params, config, prompt, plens, slots, jnp.float32),
-        {**init_stats(2, GAMMA + 2), "drafted_tokens": jnp.zeros((), jnp.int32)})
+        init_stats(2, GAMMA + 2).replace(drafted_tokens=counter()))
     limits = Limits(max_new_tokens=jnp.asarray(2 * (GAMMA + 1) + 2, jnp.int32),
                     eos_token_id=jnp.asarray(-1, jnp.int32))
     step = jax.jit(speculative.speculative_step, static_argnums=(1, 3, 4, 5, 6, 7))

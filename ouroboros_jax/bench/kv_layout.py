@@ -19,37 +19,37 @@ import numpy as np
 
 from ..models.attention import BLOCK, _online_update
 
-L, B, S, K, D, G = 8, 1, 1024, 6, 64, 1
+L, B, S, K, D, J = 8, 1, 1024, 6, 64, 1
 
 
 def _attend(kmajor: bool, q, cache_k, cache_v, length):
-    """Every layer's blockwise attention over the cache; q [B,T,K,G,D]."""
+    """Every layer's blockwise attention over the cache; q [B,T,K,J,D]."""
     T = q.shape[1]
-    C = BLOCK
+    Z = BLOCK
     scale = 1.0 / math.sqrt(D)
-    n = (length + C - 1) // C
+    n = (length + Z - 1) // Z
 
     def layer(acc_out, l):
         def body(i, carry):
             if kmajor:
-                kb = jax.lax.dynamic_slice(cache_k, (l, 0, 0, i * C, 0), (1, B, K, C, D))[0]
-                vb = jax.lax.dynamic_slice(cache_v, (l, 0, 0, i * C, 0), (1, B, K, C, D))[0]
-                s = jnp.einsum("btkgd,bkcd->bkgtc", q, kb) * scale
-                vis = (i * C + jnp.arange(C)) < length
+                kb = jax.lax.dynamic_slice(cache_k, (l, 0, 0, i * Z, 0), (1, B, K, Z, D))[0]
+                vb = jax.lax.dynamic_slice(cache_v, (l, 0, 0, i * Z, 0), (1, B, K, Z, D))[0]
+                s = jnp.einsum("btkjd,bkzd->bkjtz", q, kb) * scale
+                vis = (i * Z + jnp.arange(Z)) < length
                 m, lsum, acc = carry
                 m_new = jnp.maximum(m, jnp.max(jnp.where(vis, s, -1e30), -1))
                 p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
                 return (m_new, lsum * corr + p.sum(-1),
-                        acc * corr[..., None] + jnp.einsum("bkgtc,bkcd->bkgtd", p, vb))
-            kb = jax.lax.dynamic_slice(cache_k, (l, 0, i * C, 0, 0), (1, B, C, K, D))[0]
-            vb = jax.lax.dynamic_slice(cache_v, (l, 0, i * C, 0, 0), (1, B, C, K, D))[0]
-            s = jnp.einsum("btkgd,bckd->bkgtc", q, kb) * scale
-            vis = (i * C + jnp.arange(C)) < length
+                        acc * corr[..., None] + jnp.einsum("bkjtz,bkzd->bkjtd", p, vb))
+            kb = jax.lax.dynamic_slice(cache_k, (l, 0, i * Z, 0, 0), (1, B, Z, K, D))[0]
+            vb = jax.lax.dynamic_slice(cache_v, (l, 0, i * Z, 0, 0), (1, B, Z, K, D))[0]
+            s = jnp.einsum("btkjd,bzkd->bkjtz", q, kb) * scale
+            vis = (i * Z + jnp.arange(Z)) < length
             return _online_update(carry, s, vis, vb)
 
-        init = (jnp.full((B, K, G, T), -1e30), jnp.zeros((B, K, G, T)),
-                jnp.zeros((B, K, G, T, D)))
+        init = (jnp.full((B, K, J, T), -1e30), jnp.zeros((B, K, J, T)),
+                jnp.zeros((B, K, J, T, D)))
         _, lsum, acc = jax.lax.fori_loop(0, n, body, init)
         return acc_out + (acc / lsum[..., None]).sum(), None
 
@@ -73,7 +73,7 @@ def main():
         ck = jnp.asarray(rs.randn(*shape).astype(np.float32))
         cv = jnp.asarray(rs.randn(*shape).astype(np.float32))
         for T in (1, 16):
-            q = jnp.asarray(rs.randn(B, T, K, G, D).astype(np.float32))
+            q = jnp.asarray(rs.randn(B, T, K, J, D).astype(np.float32))
             f = jax.jit(lambda q, ck, cv, n, km=kmajor: jax.lax.fori_loop(
                 0, 8, lambda i, a: a + _attend(km, q + a * 0, ck, cv, n), jnp.zeros(())))
             timers[(kmajor, f"attend T={T}")] = (f, (q, ck, cv, jnp.int32(512)), 8)

@@ -1,7 +1,7 @@
 """Sweeps of one Ouroboros knob at a time on a prompt sample, each against vanilla on the same
 sample in the same run (every point compiles once; compile time is excluded as in the bench).
 
-  k        suffixes K per round (paper Figure 6)
+  k        suffixes X per round (paper Figure 6)
   gamma    base draft length
   pool     pool capacity (pool_rows: keys held; shapes the starting pool, no recompile)
   history  pool reuse across prompts on/off, prompts in file order and reversed (Table 17)

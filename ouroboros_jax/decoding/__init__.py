@@ -1,8 +1,8 @@
 """Decoding methods. Each registers a `MethodSpec`; `oj.generate` dispatches on its name.
 
 A method's `run(target, draft, prompt[B,P], prompt_lengths[B], limits, sampling, config, *,
-greedy, slots, pool) -> (Sequences, stats dict, pool)` runs the whole generation as one jitted
-`lax.while_loop`. `margin(config)` is how many cache slots past prompt + max_new_tokens one
+greedy, slots, pool) -> (Sequences, `common.Stats`, pool)` runs the whole generation as one
+jitted `lax.while_loop`. `margin(config)` is how many cache slots past prompt + max_new_tokens one
 round may touch.
 """
 

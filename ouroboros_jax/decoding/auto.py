@@ -310,7 +310,7 @@ def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
     n_s = (window + guesses) * m
     c = 1 + phrase_gain(guesses, ngram) * a  # draft tokens per draft forward (phrase drafting)
     draft_forwards = gamma / c  # on average: a forward yields 1 to N-1 tokens
-    # lengthening: when the whole chain is accepted, one of K pool phrases may go on
+    # lengthening: when the whole chain is accepted, one of X pool phrases may go on
     bonus = a ** gamma * (1 - (1 - PHRASE_HIT) ** suffixes) * sum(a ** j for j in range(1, m + 1))
     tokens = expected_tokens(a, gamma) + bonus
     t_round = (draft_forwards * lookup(td, n_s) + lookup(tt, n_t)

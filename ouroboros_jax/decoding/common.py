@@ -6,7 +6,8 @@ tokens); its KV cache holds the first `lengths[b] - 1` of them. The last token i
 is the root of the next forward, whose K/V are computed then. Vanilla decoding is the one-node
 case of the same rule.
 
-Glossary: B rows, S buffer slots (= cache slots), A tokens offered to `emit` at once.
+Letters (package glossary): B rows, P prompt width, S buffer slots (= cache slots), A tokens
+offered to `emit` at once.
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from ..models.kv_cache import KVCache, commit_prefix, init_cache
 
 @struct.dataclass
 class Sequences:
-    tokens: jax.Array  # int32[B,S]: prompt then generated tokens, garbage past lengths
-    lengths: jax.Array  # int32[B]
-    prompt_lengths: jax.Array  # int32[B]
-    done: jax.Array  # bool[B]
+    """The token buffer every method's loop carries.
+
+    Attributes:
+        tokens: int32[B,S], the prompt then the generated tokens; garbage past lengths.
+        lengths: int32[B], tokens held per row; the last one is pending (not in the cache).
+        prompt_lengths: int32[B], the prompt's share of lengths.
+        done: bool[B], the row stopped (EOS emitted or max_new_tokens reached).
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+    done: jax.Array
 
     @property
     def last(self) -> jax.Array:
@@ -41,10 +51,15 @@ class Sequences:
 
 @struct.dataclass
 class Limits:
-    """Dynamic stopping rules (arrays: changing them never recompiles)."""
+    """Dynamic stopping rules (arrays: changing them never recompiles).
 
-    max_new_tokens: jax.Array  # int32[]
-    eos_token_id: jax.Array  # int32[E] (or int32[]): stop at any of these ids; -1 pads
+    Attributes:
+        max_new_tokens: int32[], the most tokens a row generates.
+        eos_token_id: int32[n_eos] (or int32[]): a row stops after any of these ids; -1 pads.
+    """
+
+    max_new_tokens: jax.Array
+    eos_token_id: jax.Array
 
 
 def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> Sequences:
@@ -97,27 +112,85 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
     return commit_prefix(cache, new, prompt_lengths - 1)
 
 
-def init_stats(batch: int, hist_bins: int) -> dict:
-    """On-device counters, named as in docs/algorithm.md section 4."""
-    z = lambda: jnp.zeros((), jnp.int32)
-    return {
-        "new_tokens": jnp.zeros((batch,), jnp.int32),
-        "rounds": jnp.zeros((batch,), jnp.int32),  # target forwards each row took part in
-        "target_calls": z(),
-        "draft_calls": z(),
-        "draft_tokens": z(),
-        "acceptance_histogram": jnp.zeros((hist_bins,), jnp.int32),
-    }
+@struct.dataclass(kw_only=True)
+class Stats:
+    """On-device counters of one decode loop, named as in docs/algorithm.md section 4.
+
+    Every method counts the first six; a method's own counters and the summaries taken after
+    its loop are None where it does not have them (None is an empty pytree: no carry cost).
+    `to_dict` gives the named counters that `generate.summarize_stats` turns into the
+    user-facing stats dict.
+
+    Attributes:
+        new_tokens: int32[B], tokens each row received (EOS included, nothing after it).
+        rounds: int32[B], target forwards each row took part in (rows not yet done).
+        target_calls: int32[], target forwards of the loop (prefill excluded).
+        draft_calls: int32[], draft forwards (Ouroboros: summed over the rows taking part).
+        draft_tokens: int32[], draft tokens those forwards produced (c = draft_tokens /
+            draft_calls).
+        acceptance_histogram: int32[bins], rounds by the number of tokens a row kept.
+        drafted_tokens: speculative, int32[]: tokens proposed (adaptive drafting proposes
+            fewer than gamma).
+        draft_forwards: Ouroboros, int32[]: batch draft forwards.
+        guess_tokens_accepted: lookahead, int32[]: tokens accepted from pool guesses.
+        suffix_tokens_accepted: Ouroboros, int32[]: tokens accepted from pool branches.
+        pool_hits: lookahead and Ouroboros, int32[]: row rounds whose key had a pool phrase.
+        draft_matches: Ouroboros, int32[]: chain draft tokens equal to the target's choice.
+        draft_accepted: Ouroboros, int32[]: chain draft tokens accepted.
+        pool_hit_rate: after the loop (`pool_summary`), f32[]: pool_hits / rounds.
+        pool_occupancy: after the loop, int32[]: filled pool slots.
+        match_vs_accept: after Ouroboros' loop, f32[2]: draft_matches and draft_accepted per
+            round (paper Table 1).
+        pool_bytes: after the loop (host int): device bytes of the pool.
+    """
+
+    # Declared in name order (keyword-only): the loop carry's leaves then come in the order the
+    # former dict of counters had, so the compiled loops are the same programs.
+    acceptance_histogram: jax.Array
+    draft_accepted: Optional[jax.Array] = None
+    draft_calls: jax.Array
+    draft_forwards: Optional[jax.Array] = None
+    draft_matches: Optional[jax.Array] = None
+    draft_tokens: jax.Array
+    drafted_tokens: Optional[jax.Array] = None
+    guess_tokens_accepted: Optional[jax.Array] = None
+    match_vs_accept: Optional[jax.Array] = None
+    new_tokens: jax.Array
+    pool_bytes: Optional[int] = None
+    pool_hit_rate: Optional[jax.Array] = None
+    pool_hits: Optional[jax.Array] = None
+    pool_occupancy: Optional[jax.Array] = None
+    rounds: jax.Array
+    suffix_tokens_accepted: Optional[jax.Array] = None
+    target_calls: jax.Array
+
+    def to_dict(self) -> dict:
+        """{name: value} of every counter this method has (the None ones left out), in name
+        order: what `generate.summarize_stats` reads."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
 
 
-def count_round(stats: dict, live: jax.Array, kept: jax.Array) -> dict:
+def counter() -> jax.Array:
+    """A fresh int32[] counter, for a method's own `Stats` fields."""
+    return jnp.zeros((), jnp.int32)
+
+
+def init_stats(batch: int, hist_bins: int) -> Stats:
+    """Zeroed common counters (a method adds its own with `.replace(name=counter())`)."""
+    return Stats(new_tokens=jnp.zeros((batch,), jnp.int32), rounds=jnp.zeros((batch,), jnp.int32),
+                 target_calls=counter(), draft_calls=counter(), draft_tokens=counter(),
+                 acceptance_histogram=jnp.zeros((hist_bins,), jnp.int32))
+
+
+def count_round(stats: Stats, live: jax.Array, kept: jax.Array) -> Stats:
     """Adds one target forward: live bool[B] (rows not finished before it), kept int32[B]."""
-    bins = stats["acceptance_histogram"].shape[0]
-    hist = stats["acceptance_histogram"].at[jnp.clip(kept, 0, bins - 1)].add(
+    bins = stats.acceptance_histogram.shape[0]
+    hist = stats.acceptance_histogram.at[jnp.clip(kept, 0, bins - 1)].add(
         live.astype(jnp.int32))
-    return {**stats, "new_tokens": stats["new_tokens"] + kept,
-            "rounds": stats["rounds"] + live.astype(jnp.int32),
-            "target_calls": stats["target_calls"] + 1, "acceptance_histogram": hist}
+    return stats.replace(new_tokens=stats.new_tokens + kept,
+                         rounds=stats.rounds + live.astype(jnp.int32),
+                         target_calls=stats.target_calls + 1, acceptance_histogram=hist)
 
 
 def check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
@@ -142,12 +215,11 @@ def decode_loop(step, state):
     return jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
 
 
-def pool_summary(stats: dict, pool) -> dict:
+def pool_summary(stats: Stats, pool) -> Stats:
     """Stats of a pool-keeping method after its loop: pool_hit_rate (rounds whose key had a
     phrase / rounds) and pool_occupancy."""
     from ..pool import pool_occupancy
 
-    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
-    return {**stats, "pool_hit_rate": stats["pool_hits"] / rounds,
-            "pool_occupancy": pool_occupancy(pool)}
-
+    rounds = jnp.maximum(jnp.sum(stats.rounds), 1)
+    return stats.replace(pool_hit_rate=stats.pool_hits / rounds,
+                         pool_occupancy=pool_occupancy(pool))

@@ -5,7 +5,7 @@ forward over a fixed-size tree (`tree.jacobi_tree(W, N, G)`):
 
   [ last | level0: W-1 | level1 .. level(N-2): W each | guesses: G x (N-1) ]
 
-optionally preceded by a causal prefix of up to P tokens that the model has not processed yet
+optionally preceded by a causal prefix of up to U tokens that the model has not processed yet
 (Ouroboros feeds the target's accepted/corrected tokens that way; rows fill the slot with
 their own counts, the rest is masked invalid). After the forward:
 
@@ -24,8 +24,8 @@ n-grams shifted; deterministic, no host randomness. During the first N-2 steps t
 hold start tokens, so no n-gram is harvested yet (warm-up); pool guesses are verified from the
 first step, since a pool carried over from earlier calls is already useful then.
 
-Glossary: B rows, W window, N n-gram size, M = N-1, G guesses, P prefix slot, T tree nodes,
-Q tokens one step can emit (= N), V vocab.
+Letters (package glossary): B rows, W window, N n-gram size, M = N-1, G guesses, U prefix slot,
+T tree nodes, Q nodes whose logits are kept, A tokens one step can emit (= N), V vocab.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.
     """One forward of a static tree after the cache, with an optional causal prefix.
 
     tokens int32[B,T], parents/depths static int[T] (roots have parent -1), valid bool[B,T],
-    select static int[Q] (tree nodes whose logits are needed). prefix int32[B,P] with
+    select static int[Q] (tree nodes whose logits are needed). prefix int32[B,U] with
     prefix_count int32[B]: the first prefix_count[b] prefix tokens are real and form a chain
     after the cache; the tree's roots hang off the prefix. Returns (logits f32[B,Q,V],
-    NewKV over all P+T nodes (prefix first), positions int32[B,Q] of the selected nodes).
+    NewKV over all U+T nodes (prefix first), positions int32[B,Q] of the selected nodes).
     """
     B, T = tokens.shape
     base = cache.lengths[:, None]
@@ -96,16 +96,16 @@ def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.
         pos = base + jnp.asarray(depths)[None]
         sel = np.asarray(select)
     else:
-        P = prefix.shape[1]
+        U = prefix.shape[1]
         parents = np.asarray(parents)
-        all_parents = np.concatenate([chain_parents(P),
-                                      np.where(parents < 0, P - 1, parents + P)]).astype(np.int32)
-        a = jnp.arange(P, dtype=jnp.int32)[None]
+        all_parents = np.concatenate([chain_parents(U),
+                                      np.where(parents < 0, U - 1, parents + U)]).astype(np.int32)
+        a = jnp.arange(U, dtype=jnp.int32)[None]
         pc = prefix_count.astype(jnp.int32)[:, None]
         all_tokens = jnp.concatenate([prefix, tokens], axis=1)
         all_valid = jnp.concatenate([a < pc, valid], axis=1)
         pos = jnp.concatenate([base + a, base + pc + jnp.asarray(depths)[None]], axis=1)
-        sel = np.asarray(select) + P
+        sel = np.asarray(select) + U
     mask = tree_mask(all_parents, all_valid)
     sel_b = jnp.broadcast_to(jnp.asarray(sel, jnp.int32)[None], (B, len(sel)))
     logits, new = forward(params, config, all_tokens, pos, mask, cache, select=sel_b)
@@ -115,23 +115,34 @@ def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.
 def commit_with_prefix(cache: KVCache, new: NewKV, prefix_slot: int, prefix_count: jax.Array,
                        path: jax.Array, path_count: jax.Array) -> KVCache:
     """Commits the first prefix_count[b] prefix nodes, then the first path_count[b] tree nodes
-    of path int32[B,Q] (tree indices). prefix_slot is the static P of the forward (0: none)."""
-    B, Q = path.shape
-    P = prefix_slot
-    a = jnp.arange(P + Q, dtype=jnp.int32)[None]
+    of path int32[B,A] (tree indices). prefix_slot is the static U of the forward (0: none)."""
+    B, A = path.shape
+    U = prefix_slot
+    a = jnp.arange(U + A, dtype=jnp.int32)[None]
     pc = prefix_count.astype(jnp.int32)[:, None]
-    from_path = jnp.take_along_axis(path, jnp.clip(a - pc, 0, Q - 1), axis=1) + P
+    from_path = jnp.take_along_axis(path, jnp.clip(a - pc, 0, A - 1), axis=1) + U
     idx = jnp.where(a < pc, a, from_path)
     return commit(cache, new, idx, prefix_count + path_count)
 
 
 @struct.dataclass
 class JacobiResult:
-    acc: Accepted  # path in tree indices [B, N], tokens [B, N], count [B] (1 + matched)
-    new: NewKV  # K/V of all P + T nodes of the forward
+    """What one `jacobi_step` produced (nothing of it committed yet).
+
+    Attributes:
+        acc: the walk along the best guess: path in tree indices [B, A = N], tokens [B, N],
+            count [B] (1 + matched guess tokens).
+        new: K/V of all U + T nodes of the forward (prefix first).
+        window: the window moved on by one step (rows not active: unchanged).
+        pool: the pool with this step's harvested n-grams inserted.
+        guess_found: bool[B], at least one pool guess existed for `last`.
+    """
+
+    acc: Accepted
+    new: NewKV
     window: JacobiWindow
     pool: PhrasePool
-    guess_found: jax.Array  # bool[B]: at least one pool guess existed for `last`
+    guess_found: jax.Array
 
 
 def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: JacobiWindow,

@@ -2,6 +2,8 @@
 the Jacobi window and verifies up to G pool n-grams keyed by its pending token, one target
 forward per step, the whole loop on device.
 
+Letters (package glossary): B rows, W window, N n-gram size, G guesses, R pool rows.
+
 Greedy output equals vanilla's token for token; sampled output equals vanilla sampling's for
 the same seed (keys fold (row, position); the walk only ever emits the target's own choice).
 """
@@ -21,8 +23,8 @@ from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import (Limits, Sequences, check_int, count_round, decode_loop, emit, init_sequences,
-                     init_stats, loop_config, pool_summary, prefill)
+from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
+                     init_sequences, init_stats, loop_config, pool_summary, prefill)
 from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
 from .spec import MethodSpec
 
@@ -62,21 +64,38 @@ class LookaheadState:
         window: the target's Jacobi window (W columns, N-1 levels) rolled forward every step.
         pool: the n-gram pool (keyed by a token, phrases of N-1 tokens), fed by the window's
             harvested n-grams and looked up with the pending token.
-        stats: on-device counters.
+        stats: the on-device counters (`common.Stats`), with guess_tokens_accepted and
+            pool_hits.
     """
 
     seq: Sequences
     cache: KVCache
     window: JacobiWindow
     pool: PhrasePool
-    stats: dict
+    stats: Stats
 
 
 def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
                    limits: Limits, state: LookaheadState) -> LookaheadState:
-    """One lookahead step: one target forward over the Jacobi window and up to G pool phrases
-    keyed by the pending token (`jacobi_tree` layout); the accept walk over the phrases; the
-    window advances one Jacobi step and its n-grams go into the pool."""
+    """One lookahead step (docs/algorithm.md section 1), one target forward.
+
+    The target forwards its Jacobi window and up to G pool phrases keyed by the pending token
+    (`jacobi_tree` layout, T = (W + G) * (N - 1) nodes); the accept walk follows the best
+    phrase (1 to N tokens emitted per row); the window advances one Jacobi step and its
+    n-grams go into the pool.
+
+    Args:
+        params, config: the target's params and (static) config.
+        cfg: the (static) LookaheadConfig: window W, ngram N, guesses G.
+        greedy: static; True takes the target's argmax, False draws with `sp`.
+        sp: SamplingParams (temperature, top-k, top-p, seed); keys fold (row, position).
+        limits: Limits (max_new_tokens, EOS ids) applied by `emit`.
+        state: the loop carry before the step.
+
+    Returns:
+        The LookaheadState after the step: seq with the emitted tokens, cache with the accepted
+        path committed, window moved on, pool with the harvested n-grams, stats counting it.
+    """
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     seq = state.seq
     live = ~seq.done
@@ -86,28 +105,27 @@ def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: Sampl
     seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits)
     cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
     stats = count_round(state.stats, live, kept)
-    stats = {**stats,
-             "guess_tokens_accepted": stats["guess_tokens_accepted"]
-             + jnp.sum(jnp.maximum(jnp.minimum(res.acc.count, kept) - 1, 0)),
-             "pool_hits": stats["pool_hits"] + jnp.sum(live & res.guess_found)}
+    stats = stats.replace(
+        guess_tokens_accepted=stats.guess_tokens_accepted
+        + jnp.sum(jnp.maximum(jnp.minimum(res.acc.count, kept) - 1, 0)),
+        pool_hits=stats.pool_hits + jnp.sum(live & res.guess_found))
     return LookaheadState(seq, cache, res.window, res.pool, stats)
 
 
 @partial(jax.jit, static_argnames=("config", "cfg", "slots", "greedy"))
 def run_lookahead(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams,
                   pool: PhrasePool, *, cfg: LookaheadConfig, slots: int, greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences, stats dict, pool)."""
+    """prompt int32[B,P] right-padded -> (Sequences, Stats, pool)."""
     B = prompt.shape[0]
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     params = unstack_layers(params)
     seq = init_sequences(prompt, prompt_lengths, slots)
     cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
-    stats = init_stats(B, cfg.ngram + 1)
-    stats["guess_tokens_accepted"] = jnp.zeros((), jnp.int32)
-    stats["pool_hits"] = jnp.zeros((), jnp.int32)
+    stats = init_stats(B, cfg.ngram + 1).replace(guess_tokens_accepted=counter(),
+                                                  pool_hits=counter())
     state = LookaheadState(seq, cache, init_window(layout, prompt, prompt_lengths), pool, stats)
     state = decode_loop(partial(lookahead_step, params, config, cfg, greedy, sp, limits), state)
-    return state.seq, pool_summary(dict(state.stats), state.pool), state.pool
+    return state.seq, pool_summary(state.stats, state.pool), state.pool
 
 
 def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, greedy, slots,
@@ -117,8 +135,7 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, gree
     seq, stats, pool = run_lookahead(target.params, target.config, prompt, plens, limits, sp,
                                      pool, cfg=loop_config(cfg),
                                      slots=slots, greedy=greedy)
-    stats = {**stats, "pool_bytes": pool_bytes(pool)}
-    return seq, stats, pool
+    return seq, stats.replace(pool_bytes=pool_bytes(pool)), pool
 
 
 def _margin(cfg: LookaheadConfig) -> int:

@@ -7,12 +7,12 @@ One round (one target forward), rows b of the batch:
 
  1. Draft (mechanism 1). The draft's cache holds a prefix of the sequence; the tokens it has not
     processed (accepted/corrected by the target last round, at most N of them) ride as a causal
-    prefix of its first forward of the round: a fixed P = N slot, `prefix_count[b]` valid, the
+    prefix of its first forward of the round: a fixed U = N slot, `prefix_count[b]` valid, the
     rest masked invalid. The draft then runs lookahead steps (`jacobi.jacobi_step`, its window
-    and the pool persist across rounds) until every live row holds gamma new tokens d_1..d_g
+    and the pool persist across rounds) until every live row holds γ new tokens d_1..d_γ
     (overshoot truncated). With phrase_drafting off it drafts one token per forward instead.
- 2. Lengthen (mechanism 2). Up to K pool phrases keyed by d_g become K branches after the chain
-    `last, d_1 .. d_g` (`tree.chain_with_branches(1+g, K, N-1)`); missing ones are masked.
+ 2. Lengthen (mechanism 2). Up to X pool phrases keyed by d_γ become X branches after the chain
+    `last, d_1 .. d_γ` (`tree.chain_with_branches(1+γ, X, N-1)`); missing ones are masked.
  3. One target forward over the tree; `accept_walk` (exact for greedy; for sampling every
     candidate is deterministic, keys fold (row, position)); `commit_path` writes the accepted
     path's K/V. The draft's cache is rolled back (by length) to what the target confirmed.
@@ -21,16 +21,17 @@ One round (one target forward), rows b of the batch:
       stored only when every step of it is backed by the draft (d_{t+1} == v_t for t = i ..
       i+M-2), i.e. it reaches M = N-1 target tokens inside the chain;
     - unused branches, when the whole chain was accepted (their prefix valid for the target):
-      branch o's T-corrected version (v at d_g, v at its first M-1 nodes) is inserted under
-      d_g. The pool has no delete, so "replace" = insert as newest; the stale phrase ages out
-      (the lookup of K newest sees the corrected versions first).
+      branch o's T-corrected version (v at d_γ, v at its first M-1 nodes) is inserted under
+      d_γ. The pool has no delete, so "replace" = insert as newest; the stale phrase ages out
+      (the lookup of X newest sees the corrected versions first).
  5. History (mechanism 4): `pool=` in, `out.pool` back; history=False starts empty.
 
 Stats (docs/algorithm.md section 4; draft counters are per row: `draft_calls` = sum over rows of
 draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
 excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
 
-Glossary: B rows, g gamma, W window, N n-gram, M = N-1, G guesses, K suffixes, P prefix slot.
+Letters (package glossary): B rows, γ gamma (`gamma` in code), W window, N n-gram, M = N-1,
+G guesses, X suffixes (`x` in code), U prefix slot, T tree nodes.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import (Limits, Sequences, check_int, count_round, decode_loop, emit, init_sequences,
-                     init_stats, loop_config, pool_summary, prefill)
+from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
+                     init_sequences, init_stats, loop_config, pool_summary, prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
 from .spec import MethodSpec
@@ -59,11 +60,11 @@ from .verify import Accepted, accept_walk, commit_path
 
 @dataclasses.dataclass(frozen=True)
 class OuroborosConfig:
-    """gamma (draft tokens per round), window W, ngram N (phrases have N-1 tokens), guesses G
-    (pool phrases per key, verified by the draft per step), suffixes K (<= G, branches per
-    round), pool_rows (None: min(V, 65536)), and the four ablation switches.
+    """gamma γ (draft tokens per round), window W, ngram N (phrases have N-1 tokens), guesses G
+    (pool phrases per key, verified by the draft per step), suffixes X (<= G, branches per
+    round), pool_rows R (None: min(V, 65536)), and the four ablation switches.
 
-    Defaults are the paper's code recipe (gamma 10-12 -> 12, W 20, N 7, K 3) with G = W as in
+    Defaults are the paper's code recipe (gamma 10-12 -> 12, W 20, N 7, X 3) with G = W as in
     the reference. On a 2-core CPU smaller trees (e.g. W 8, N 5, G 8) may run faster.
     """
 
@@ -105,8 +106,8 @@ class OuroborosState:
         pool: the phrase pool shared by drafting (phrases the draft verifies), lengthening
             (branches after the chain) and recycling (verified phrases go back in); it
             persists across calls when `history` is on.
-        stats: on-device counters, plus suffix_tokens_accepted, pool_hits, draft_matches,
-            draft_accepted.
+        stats: the on-device counters (`common.Stats`), with draft_forwards,
+            suffix_tokens_accepted, pool_hits, draft_matches and draft_accepted.
     """
 
     seq: Sequences
@@ -114,7 +115,7 @@ class OuroborosState:
     dcache: KVCache
     window: JacobiWindow
     pool: PhrasePool
-    stats: dict
+    stats: Stats
 
 
 def _greedy(logits, positions):
@@ -142,57 +143,57 @@ def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool,
 
 
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
-    """Mechanism 1: -> (d int32[B, gamma], dcache, window, pool, stats)."""
+    """Mechanism 1: -> (d int32[B,γ], dcache, window, pool, stats)."""
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
-    g, n = cfg.gamma, cfg.ngram
+    gamma, n = cfg.gamma, cfg.ngram
     # Catch-up bound: a fully accepted chain + branch leaves at most 1 + (N-1) tokens the draft
     # has not processed; without branches at most the target's bonus token.
-    P = n if cfg.lengthening else 1
-    buf = g + n - 1
+    U = n if cfg.lengthening else 1
+    buf = gamma + n - 1
     dlen = dcache.lengths
-    pc = jnp.clip(seq.lengths - 1 - dlen, 0, P)
-    pidx = jnp.clip(dlen[:, None] + jnp.arange(P, dtype=jnp.int32)[None], 0, S - 1)
+    pc = jnp.clip(seq.lengths - 1 - dlen, 0, U)
+    pidx = jnp.clip(dlen[:, None] + jnp.arange(U, dtype=jnp.int32)[None], 0, S - 1)
     prefix = jnp.take_along_axis(seq.tokens, pidx, axis=1)
     rows = jnp.arange(B)[:, None]
 
     def step(carry, first: bool):
         dcache, window, pool, dbuf, nd, last, stats = carry
-        active = live & (nd < g)
+        active = live & (nd < gamma)
         acc, new, window, pool = _draft_forward(
             dparams, dconfig, cfg, dcache, window, pool, last, active,
             prefix if first else None, pc if first else None)
         cnt = jnp.where(active, acc.count, 0)
-        dcache = commit_with_prefix(dcache, new, P if first else 0,
+        dcache = commit_with_prefix(dcache, new, U if first else 0,
                                     pc if first else jnp.zeros_like(cnt), acc.path, cnt)
         q = jnp.arange(acc.tokens.shape[1], dtype=jnp.int32)[None]
         slot = jnp.where(q < cnt[:, None], nd[:, None] + q, buf)
         dbuf = dbuf.at[rows, slot].set(acc.tokens, mode="drop")
         newest = jnp.take_along_axis(acc.tokens, jnp.maximum(acc.count - 1, 0)[:, None], 1)[:, 0]
         last = jnp.where(active, newest, last)
-        stats = {**stats,
-                 "draft_calls": stats["draft_calls"] + jnp.sum(active, dtype=jnp.int32),
-                 "draft_tokens": stats["draft_tokens"] + jnp.sum(jnp.minimum(cnt, g - nd)),
-                 "draft_forwards": stats["draft_forwards"] + 1}
+        stats = stats.replace(
+            draft_calls=stats.draft_calls + jnp.sum(active, dtype=jnp.int32),
+            draft_tokens=stats.draft_tokens + jnp.sum(jnp.minimum(cnt, gamma - nd)),
+            draft_forwards=stats.draft_forwards + 1)
         return dcache, window, pool, dbuf, nd + cnt, last, stats
 
     carry = (dcache, state.window, state.pool, jnp.zeros((B, buf), jnp.int32),
              jnp.zeros((B,), jnp.int32), seq.last, state.stats)
     carry = step(carry, True)
-    carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < g)),
+    carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < gamma)),
                                lambda c: step(c, False), carry)
     dcache, window, pool, dbuf, _, _, stats = carry
-    return dbuf[:, :g], dcache, window, pool, stats
+    return dbuf[:, :gamma], dcache, window, pool, stats
 
 
 def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, matched, live):
     """Mechanism 3 (see module docstring). tokens/choices int32[B,T] of the target tree,
-    found bool[B,K] branch validity, matched int32[B] chain draft tokens accepted."""
-    g, m = cfg.gamma, cfg.ngram - 1
+    found bool[B,X] branch validity, matched int32[B] chain draft tokens accepted."""
+    gamma, m = cfg.gamma, cfg.ngram - 1
     B = tokens.shape[0]
     keys, phrases, valid = [], [], []
-    ok = tokens[:, 1:1 + g] == choices[:, :g]  # ok[:, t]: d_{t+1} == v_t
-    n_keys = g - m + 1  # keys d_1 .. d_{g-m+1}: their M-token phrase stays inside the chain
+    ok = tokens[:, 1:1 + gamma] == choices[:, :gamma]  # ok[:, t]: d_{t+1} == v_t
+    n_keys = gamma - m + 1  # keys d_1 .. d_{γ-M+1}: their M-token phrase stays inside the chain
     if n_keys > 0:
         i = np.arange(1, n_keys + 1)
         keys.append(tokens[:, i])
@@ -201,19 +202,19 @@ def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, 
             jnp.ones((B, n_keys), bool)
         valid.append(backed & (jnp.asarray(i)[None] > matched[:, None]) & live[:, None])
     if cfg.lengthening:
-        k = cfg.suffixes
-        lay = chain_with_branches(1 + g, k, m)
+        x = cfg.suffixes
+        lay = chain_with_branches(1 + gamma, x, m)
         bi = lay.branch_index
         corrected = jnp.concatenate(
-            [jnp.broadcast_to(choices[:, g][:, None, None], (B, k, 1)),
-             choices[:, bi[:, :m - 1].reshape(-1)].reshape(B, k, m - 1)], axis=2)
-        entered = acc.count - 1 > g
-        used = jnp.where(entered, (acc.path[:, min(g + 1, acc.path.shape[1] - 1)] - (1 + g)) // m,
-                         -1)
-        unused = jnp.arange(k)[None] != used[:, None]
-        keys.append(jnp.broadcast_to(tokens[:, g][:, None], (B, k)))
+            [jnp.broadcast_to(choices[:, gamma][:, None, None], (B, x, 1)),
+             choices[:, bi[:, :m - 1].reshape(-1)].reshape(B, x, m - 1)], axis=2)
+        entered = acc.count - 1 > gamma
+        first_past = acc.path[:, min(gamma + 1, acc.path.shape[1] - 1)]  # first node past the chain
+        used = jnp.where(entered, (first_past - (1 + gamma)) // m, -1)
+        unused = jnp.arange(x)[None] != used[:, None]
+        keys.append(jnp.broadcast_to(tokens[:, gamma][:, None], (B, x)))
         phrases.append(corrected)
-        valid.append(found & unused & (matched == g)[:, None] & live[:, None])
+        valid.append(found & unused & (matched == gamma)[:, None] & live[:, None])
     if not keys:
         return pool
     keys = jnp.concatenate(keys, 1).reshape(-1)
@@ -224,29 +225,46 @@ def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, 
 
 def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, greedy: bool,
                     sp: SamplingParams, limits: Limits, state: OuroborosState) -> OuroborosState:
-    """One Ouroboros round (docs/algorithm.md section 2): the draft drafts gamma tokens phrase
-    by phrase (`_draft_phase`); the chain is lengthened with up to K pool phrases keyed by its
-    last token; one target forward scores the tree; the accept walk picks the path; target
-    cache, draft cache and pool are brought up to date (recycling verified phrases)."""
+    """One Ouroboros round (docs/algorithm.md section 2), one target forward.
+
+    The draft drafts γ tokens phrase by phrase (`_draft_phase`); the chain [last, d_1..d_γ] is
+    lengthened with up to X pool phrases keyed by d_γ (T = 1 + γ + X*M nodes); one target
+    forward scores the tree; the accept walk picks the path; the target cache commits it, the
+    draft cache is rolled back to what the target confirmed and the pool recycles verified
+    phrases. Rows already done take part in the shapes but change nothing.
+
+    Args:
+        tparams, tconfig: the target's params and (static) config.
+        dparams, dconfig: the draft's.
+        cfg: the (static) OuroborosConfig: γ, W, N, G, X and the four mechanism switches.
+        greedy: static; True takes the target's argmax, False draws with `sp`.
+        sp: SamplingParams (temperature, top-k, top-p, seed); keys fold (row, position).
+        limits: Limits (max_new_tokens, EOS ids) applied by `emit`.
+        state: the loop carry before the round.
+
+    Returns:
+        The OuroborosState after the round: seq with up to γ + 1 (+ M from a branch) new tokens
+        per row, tcache/dcache/window/pool updated, stats counting the round.
+    """
     seq = state.seq
     B = seq.tokens.shape[0]
-    g, m = cfg.gamma, cfg.ngram - 1
+    gamma, m = cfg.gamma, cfg.ngram - 1
     live = ~seq.done
     L = seq.lengths
 
     d, dcache, window, pool, stats = _draft_phase(dparams, dconfig, cfg, state, live)
 
-    # -- lengthen: chain (last, d_1..d_g) + K branches keyed by d_g
-    k = cfg.suffixes if cfg.lengthening else 0
-    lay = chain_with_branches(1 + g, k, m)
+    # -- lengthen: chain (last, d_1..d_γ) + X branches keyed by d_γ
+    x = cfg.suffixes if cfg.lengthening else 0
+    lay = chain_with_branches(1 + gamma, x, m)
     chain = jnp.concatenate([seq.last[:, None], d], axis=1)
-    if k:
-        branches, found = lookup(pool, d[:, g - 1], k)  # [B,K,M], [B,K]
+    if x:
+        branches, found = lookup(pool, d[:, gamma - 1], x)  # [B,X,M], [B,X]
         tokens = jnp.concatenate([chain, branches.reshape(B, -1)], axis=1)
-        valid = jnp.concatenate([jnp.ones((B, 1 + g), bool), jnp.repeat(found, m, axis=1)], 1)
+        valid = jnp.concatenate([jnp.ones((B, 1 + gamma), bool), jnp.repeat(found, m, axis=1)], 1)
     else:
         found = jnp.zeros((B, 0), bool)
-        tokens, valid = chain, jnp.ones((B, 1 + g), bool)
+        tokens, valid = chain, jnp.ones((B, 1 + gamma), bool)
 
     # -- one target forward, accept, commit
     pos = state.tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
@@ -258,7 +276,7 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
     tcache = commit_path(state.tcache, new, acc, kept)
 
     # -- the draft keeps only what the target confirmed (rollback = a length)
-    matched = jnp.minimum(acc.count - 1, g)  # chain draft tokens accepted
+    matched = jnp.minimum(acc.count - 1, gamma)  # chain draft tokens accepted
     dcache = dcache.replace(lengths=jnp.minimum(dcache.lengths,
                                                 jnp.minimum(L + matched, seq.lengths - 1)))
 
@@ -268,15 +286,15 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
     # -- stats
     stats = count_round(stats, live, kept)
     q = jnp.arange(acc.path.shape[1] - 1)[None]
-    from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > g)
+    from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > gamma)
     lv = live.astype(jnp.int32)
-    stats = {**stats,
-             "suffix_tokens_accepted": stats["suffix_tokens_accepted"]
-             + jnp.sum(from_branch, dtype=jnp.int32),
-             "pool_hits": stats["pool_hits"] + jnp.sum(lv * jnp.any(found, axis=1)),
-             "draft_matches": stats["draft_matches"]
-             + jnp.sum(lv[:, None] * (tokens[:, 1:1 + g] == choices[:, :g])),
-             "draft_accepted": stats["draft_accepted"] + jnp.sum(lv * matched)}
+    stats = stats.replace(
+        suffix_tokens_accepted=stats.suffix_tokens_accepted
+        + jnp.sum(from_branch, dtype=jnp.int32),
+        pool_hits=stats.pool_hits + jnp.sum(lv * jnp.any(found, axis=1)),
+        draft_matches=stats.draft_matches
+        + jnp.sum(lv[:, None] * (tokens[:, 1:1 + gamma] == choices[:, :gamma])),
+        draft_accepted=stats.draft_accepted + jnp.sum(lv * matched))
     return OuroborosState(seq, tcache, dcache, window, pool, stats)
 
 
@@ -284,28 +302,27 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
 def run_ouroboros(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
                   sp: SamplingParams, pool: PhrasePool, *, cfg: OuroborosConfig, slots: int,
                   greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences, stats dict, pool)."""
+    """prompt int32[B,P] right-padded -> (Sequences, Stats, pool)."""
     B = prompt.shape[0]
-    g, m = cfg.gamma, cfg.ngram - 1
-    k = cfg.suffixes if cfg.lengthening else 0
+    gamma, m = cfg.gamma, cfg.ngram - 1
+    x = cfg.suffixes if cfg.lengthening else 0
     tparams, dparams = unstack_layers(tparams), unstack_layers(dparams)
     seq = init_sequences(prompt, prompt_lengths, slots)
     tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
     dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
     window = init_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), prompt,
                          prompt_lengths)
-    stats = init_stats(B, 2 + g + (m if k else 0))
-    z = jnp.zeros((), jnp.int32)
-    stats.update(draft_forwards=z, suffix_tokens_accepted=z, pool_hits=z, draft_matches=z,
-                 draft_accepted=z)
+    stats = init_stats(B, 2 + gamma + (m if x else 0)).replace(
+        draft_forwards=counter(), suffix_tokens_accepted=counter(), pool_hits=counter(),
+        draft_matches=counter(), draft_accepted=counter())
     state = OuroborosState(seq, tcache, dcache, window, pool, stats)
     state = decode_loop(
         partial(ouroboros_round, tparams, tconfig, dparams, dconfig, cfg, greedy, sp, limits), state)
-    stats = pool_summary(dict(state.stats), state.pool)
-    rounds = jnp.maximum(jnp.sum(stats["rounds"]), 1)
+    stats = pool_summary(state.stats, state.pool)
+    rounds = jnp.maximum(jnp.sum(stats.rounds), 1)
     # paper Table 1: draft tokens agreeing with the target's own choice vs accepted, per round
-    stats["match_vs_accept"] = jnp.stack([stats["draft_matches"] / rounds,
-                                          stats["draft_accepted"] / rounds])
+    stats = stats.replace(match_vs_accept=jnp.stack([stats.draft_matches / rounds,
+                                                     stats.draft_accepted / rounds]))
     return state.seq, stats, state.pool
 
 
@@ -317,8 +334,7 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, gree
                                      prompt, plens, limits, sp, pool,
                                      cfg=loop_config(cfg), slots=slots,
                                      greedy=greedy)
-    stats = {**stats, "pool_bytes": pool_bytes(pool)}
-    return seq, stats, pool
+    return seq, stats.replace(pool_bytes=pool_bytes(pool)), pool
 
 
 def _margin(cfg: OuroborosConfig) -> int:
@@ -328,8 +344,8 @@ def _margin(cfg: OuroborosConfig) -> int:
 
 def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
     m = cfg.ngram - 1
-    k = cfg.suffixes if cfg.lengthening else 0
-    n_t = 1 + cfg.gamma + k * m
+    x = cfg.suffixes if cfg.lengthening else 0
+    n_t = 1 + cfg.gamma + x * m
     n_s = (cfg.window + cfg.guesses) * m if cfg.phrase_drafting else 1
     # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches)
     return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)

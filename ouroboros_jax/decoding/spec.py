@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 class MethodSpec:
     """Attributes:
         run: (target, draft, prompt[B,P], prompt_lengths[B], limits, sampling, config, *,
-            greedy, slots, pool) -> (Sequences, stats dict, pool): the whole generation, one
+            greedy, slots, pool) -> (Sequences, `common.Stats`, pool): the whole generation, one
             jitted while_loop.
         needs_draft: whether the method needs a draft model.
         config_type: the method's config dataclass.

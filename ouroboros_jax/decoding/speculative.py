@@ -24,7 +24,7 @@ logits at the pending token (for rows already caught up, the second token is ign
 Random keys (sampling): `token_key(seed, row, position)` folded with a purpose constant, so the
 draft's draws, the uniform accept tests and the target's residual/bonus draw never share a key.
 
-Glossary: B rows, γ (`gamma`) draft tokens per round, V vocab, S cache slots.
+Letters (package glossary): B rows, γ (`gamma`) draft tokens per round, V vocab, S cache slots.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key
 from ..tree import chain_parents, tree_depths, tree_mask
 from .spec import MethodSpec
-from .common import (Limits, Sequences, count_round, decode_loop, emit, init_sequences, init_stats,
-                     prefill)
+from .common import (Limits, Sequences, Stats, count_round, counter, decode_loop, emit,
+                     init_sequences, init_stats, prefill)
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -82,14 +82,14 @@ class SpeculativeState:
         tcache: the target's KV cache (lengths - 1 tokens).
         dcache: the draft's KV cache (lengths - 1, or lengths - 2 after a fully accepted round:
             the draft then catches up on one token in its next first forward).
-        stats: on-device counters, plus `drafted_tokens` (tokens proposed; adaptive drafting
-            proposes fewer than gamma).
+        stats: the on-device counters (`common.Stats`), with `drafted_tokens` (tokens
+            proposed; adaptive drafting proposes fewer than gamma).
     """
 
     seq: Sequences
     tcache: KVCache  # target: lengths - 1 tokens
     dcache: KVCache  # draft: lengths - 1 or lengths - 2 tokens (see the module docstring)
-    stats: dict
+    stats: Stats
 
 
 def round_keys(sp: SamplingParams, positions: jax.Array) -> jax.Array:
@@ -186,12 +186,12 @@ def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
     tokens = [d1..da, y], count = a+1, where a = accepted drafts and y the residual
     (a < drafted) or bonus (a = drafted) draw.
     """
-    B, G = drafts.shape
-    slot_g = jnp.arange(G, dtype=jnp.int32)[None]
-    proposed = jnp.ones((B, G), bool) if drafted is None else slot_g < drafted[:, None]
-    logp_d = jnp.take_along_axis(logp[:, :G], drafts[..., None], -1)[..., 0]
+    B, gamma = drafts.shape
+    slot_d = jnp.arange(gamma, dtype=jnp.int32)[None]
+    proposed = jnp.ones((B, gamma), bool) if drafted is None else slot_d < drafted[:, None]
+    logp_d = jnp.take_along_axis(logp[:, :gamma], drafts[..., None], -1)[..., 0]
     logq_d = jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0]
-    u = jax.vmap(jax.vmap(jax.random.uniform))(_fold(keys[:, :G], ACCEPT_KEY))
+    u = jax.vmap(jax.vmap(jax.random.uniform))(_fold(keys[:, :gamma], ACCEPT_KEY))
     accept = (jnp.log(u) < logp_d - logq_d) & proposed  # u < p/q; p >= q always accepts
     a = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
     # residual max(p - q, 0) at the first rejection; q = 0 after the last draft gives the bonus
@@ -205,10 +205,10 @@ def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
     logr = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)), -jnp.inf)
     key_a = _fold(jnp.take_along_axis(keys, a[:, None], 1), TARGET_KEY)[:, 0]
     y = jax.vmap(jax.random.categorical)(key_a, logr).astype(jnp.int32)
-    slot = jnp.arange(G + 1, dtype=jnp.int32)[None]
+    slot = jnp.arange(gamma + 1, dtype=jnp.int32)[None]
     drafts_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     tokens = jnp.where(slot == a[:, None], y[:, None], drafts_pad)
-    path = jnp.broadcast_to(slot, (B, G + 1))
+    path = jnp.broadcast_to(slot, (B, gamma + 1))
     return Accepted(path=path, tokens=tokens, count=a + 1)
 
 
@@ -242,9 +242,10 @@ def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, confidence:
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)
     stats = count_round(state.stats, live, kept)
-    stats = {**stats, "draft_calls": stats["draft_calls"] + forwards,
-             "draft_tokens": stats["draft_tokens"] + forwards,
-             "drafted_tokens": stats["drafted_tokens"] + jnp.sum(jnp.where(live, drafted, 0))}
+    stats = stats.replace(draft_calls=stats.draft_calls + forwards,
+                          draft_tokens=stats.draft_tokens + forwards,
+                          drafted_tokens=stats.drafted_tokens
+                          + jnp.sum(jnp.where(live, drafted, 0)))
     return SpeculativeState(seq, tcache, dcache, stats)
 
 
@@ -253,7 +254,7 @@ def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, confidence:
 def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
                     sp: SamplingParams, *, gamma: int, slots: int, greedy: bool,
                     accept_rule=leviathan_accept, confidence: float = 0.0):
-    """prompt int32[B,P] right-padded -> (Sequences with S = slots, stats dict).
+    """prompt int32[B,P] right-padded -> (Sequences with S = slots, Stats).
 
     slots must leave γ+1 slots past prompt + max_new_tokens. accept_rule (static) is the
     sampling acceptance function, `leviathan_accept`; tests pass deliberately wrong rules to
@@ -263,7 +264,7 @@ def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, 
     seq = init_sequences(prompt, prompt_lengths, slots)
     tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
     dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
-    stats = {**init_stats(prompt.shape[0], gamma + 2), "drafted_tokens": jnp.zeros((), jnp.int32)}
+    stats = init_stats(prompt.shape[0], gamma + 2).replace(drafted_tokens=counter())
     state = SpeculativeState(seq, tcache, dcache, stats)
     step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, confidence, greedy,
                    accept_rule, sp, limits)

@@ -11,8 +11,8 @@ from flax import struct
 from ..models import forward, unstack_layers
 from ..models.kv_cache import KVCache, commit_prefix
 from ..sampling import SamplingParams, choose_tokens
-from .common import (Limits, Sequences, count_round, decode_loop, emit, init_sequences, init_stats,
-                     prefill)
+from .common import (Limits, Sequences, Stats, count_round, decode_loop, emit, init_sequences,
+                     init_stats, prefill)
 
 
 @struct.dataclass
@@ -23,12 +23,12 @@ class VanillaState:
         seq: the token buffer (prompt + emitted tokens, lengths, done flags); its last token
             per row is the pending one, not yet in the cache.
         cache: the target's KV cache, holding every token but the pending one (lengths - 1).
-        stats: on-device counters (`common.init_stats`; names as in docs/algorithm.md section 4).
+        stats: the on-device counters (`common.Stats`, the common ones only).
     """
 
     seq: Sequences
     cache: KVCache
-    stats: dict
+    stats: Stats
 
 
 def vanilla_step(params, config, greedy: bool, sp: SamplingParams, limits: Limits,
@@ -49,7 +49,7 @@ def vanilla_step(params, config, greedy: bool, sp: SamplingParams, limits: Limit
 @partial(jax.jit, static_argnames=("config", "slots", "greedy"))
 def run_vanilla(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams, *,
                 slots: int, greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences with S = slots, stats dict)."""
+    """prompt int32[B,P] right-padded -> (Sequences with S = slots, Stats)."""
     params = unstack_layers(params)
     seq = init_sequences(prompt, prompt_lengths, slots)
     cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)

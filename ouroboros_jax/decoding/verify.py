@@ -8,7 +8,8 @@ stop. Every token emitted is the target's own choice given an accepted prefix, s
 equals vanilla's exactly, and with deterministic candidates sampled output is distributed as
 vanilla's (identical for the same seed, since keys depend only on row and position).
 
-Glossary: B rows, T tree nodes, Q = max depth + 1 (most tokens one walk can emit).
+Letters (package glossary): B rows, T tree nodes, A = max depth + 1 (most tokens one walk can
+emit).
 """
 
 from __future__ import annotations
@@ -23,9 +24,19 @@ from ..models.kv_cache import KVCache, NewKV, commit
 
 @struct.dataclass
 class Accepted:
-    path: jax.Array  # int32[B,Q]: node indices, path[:,0] = 0 (root); valid up to count
-    tokens: jax.Array  # int32[B,Q]: emitted tokens, tokens[:, i] = choices at path[:, i]
-    count: jax.Array  # int32[B]: tokens emitted = matched nodes + 1 (the bonus/correction)
+    """The outcome of one accept walk per row.
+
+    Attributes:
+        path: int32[B,A], the tree indices of the walked nodes, path[:, 0] = 0 (the root);
+            valid up to count (0 after).
+        tokens: int32[B,A], the emitted tokens: tokens[:, i] = the model's choice after
+            path[:, i] (the matched children's tokens, then the bonus/correction).
+        count: int32[B], tokens emitted = matched nodes + 1.
+    """
+
+    path: jax.Array
+    tokens: jax.Array
+    count: jax.Array
 
 
 def max_depth(parents: np.ndarray) -> int:
@@ -44,7 +55,7 @@ def accept_walk(parents: np.ndarray, node_tokens: jax.Array, node_valid: jax.Arr
     """
     parents = np.asarray(parents)
     T = len(parents)
-    Q = max_depth(parents) + 1
+    A = max_depth(parents) + 1
     child_of = jnp.asarray(parents[None, :] == np.arange(T)[:, None])  # [T(parent), T(child)]
     B = node_tokens.shape[0]
 
@@ -58,9 +69,9 @@ def accept_walk(parents: np.ndarray, node_tokens: jax.Array, node_valid: jax.Arr
         path = path.at[:, i + 1].set(jnp.where(found, nxt, 0))
         return cur, found, path, count + found.astype(jnp.int32)
 
-    path = jnp.zeros((B, Q), jnp.int32)
+    path = jnp.zeros((B, A), jnp.int32)
     init = (jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool), path, jnp.ones((B,), jnp.int32))
-    _, _, path, count = jax.lax.fori_loop(0, Q - 1, descend, init)
+    _, _, path, count = jax.lax.fori_loop(0, A - 1, descend, init)
     tokens = jnp.take_along_axis(choices, path, 1)
     return Accepted(path=path, tokens=tokens, count=count)
 

@@ -1,7 +1,8 @@
 """Attention kernels of the forward, and the one seam where a backend picks its kernel.
 
-Glossary as in llama.py: B rows, T new tokens, S cache slots, L layers, H query heads, K kv heads,
-G = H / K query heads per kv head, D head dim; C slots of one cache block.
+Letters as in the package glossary (`ouroboros_jax/__init__.py`): B rows, T new tokens, S cache
+slots, L layers, H query heads, K kv heads, J = H / K query heads per kv head, D head dim, Z slots
+of one cache block (einsums write the new tokens as keys `o`).
 
 Every kernel computes the same thing: grouped-query attention of T new tokens over the committed
 cache slots `s < cache_len[b]` (everyone's ancestor) and over each other through `mask[B,T,T]`,
@@ -10,7 +11,7 @@ with an optional sliding window, scores and softmax in fp32. Kernels take the wh
 slicing (copying) all S slots of every layer.
 
 - `blockwise` (the default): an online softmax (fp32 running max, sum and output) over cache
-  blocks of C slots, visiting only blocks below the longest live row (a `fori_loop` whose trip
+  blocks of Z slots, visiting only blocks below the longest live row (a `fori_loop` whose trip
   count is a traced value), then over the new tokens. Its cost follows the live length, not the
   padded cache size, so a large `max_new_tokens` that is never reached costs nothing.
 - `dense`: softmax over all S slots at once (the reference; reads every padded slot).
@@ -36,8 +37,8 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def _scores(qg, k, scale):
-    """qg [B,T,K,G,D], k [B,C,K,D] -> fp32 scores [B,K,G,T,C]."""
-    return jnp.einsum("btkgd,bckd->bkgtc", qg, k.astype(qg.dtype),
+    """qg [B,T,K,J,D], k [B,Z,K,D] -> fp32 scores [B,K,J,T,Z]."""
+    return jnp.einsum("btkjd,bzkd->bkjtz", qg, k.astype(qg.dtype),
                       preferred_element_type=_F32) * scale
 
 
@@ -49,7 +50,7 @@ def _new_token_visibility(positions, mask, window):
 
 
 def _cache_visibility(positions, cache_len, slot, window):
-    """slot int[C] -> bool[B,T or 1,C]: the slot is committed (and inside the window)."""
+    """slot int[Z] -> bool[B,T or 1,Z]: the slot is committed (and inside the window)."""
     vis = slot[None, None, :] < cache_len[:, None, None]
     if window is not None:
         vis = vis & (positions[:, :, None] - slot[None, None, :] < window)
@@ -71,7 +72,7 @@ def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_le
     s_new = jnp.where(_new_token_visibility(positions, mask, window)[:, None, None], s_new, _NEG)
     if cache_k is None:
         p = jax.nn.softmax(s_new, axis=-1)
-        out = jnp.einsum("bkgtu,bukd->btkgd", p.astype(v_new.dtype), v_new)
+        out = jnp.einsum("bkjto,bokd->btkjd", p.astype(v_new.dtype), v_new)
         return out.reshape(B, T, H, D)
     ck = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
     cv = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
@@ -80,29 +81,29 @@ def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_le
     s_cache = jnp.where(vis[:, None, None], _scores(qg, ck, scale), _NEG)
     p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
     p_cache, p_new = p[..., :S].astype(v_new.dtype), p[..., S:].astype(v_new.dtype)
-    out = (jnp.einsum("bkgts,bskd->btkgd", p_cache, cv.astype(v_new.dtype))
-           + jnp.einsum("bkgtu,bukd->btkgd", p_new, v_new))
+    out = (jnp.einsum("bkjts,bskd->btkjd", p_cache, cv.astype(v_new.dtype))
+           + jnp.einsum("bkjto,bokd->btkjd", p_new, v_new))
     return out.reshape(B, T, H, D)
 
 
 def _online_update(carry, s, vis, v):
-    """One online-softmax step. carry (m [B,K,G,T], l [B,K,G,T], acc [B,K,G,T,D]) fp32;
-    s fp32 [B,K,G,T,C]; vis bool broadcastable to s; v [B,C,K,D]."""
+    """One online-softmax step. carry (m [B,K,J,T], l [B,K,J,T], acc [B,K,J,T,D]) fp32;
+    s fp32 [B,K,J,T,Z]; vis bool broadcastable to s; v [B,Z,K,D]."""
     m, l, acc = carry
     m_new = jnp.maximum(m, jnp.max(jnp.where(vis, s, _NEG), axis=-1))
     # masked scores contribute exactly 0, also while nothing is visible yet (m_new = _NEG)
     p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v.dtype), v,
+    acc = acc * corr[..., None] + jnp.einsum("bkjtz,bzkd->bkjtd", p.astype(v.dtype), v,
                                              preferred_element_type=_F32)
     return m_new, l, acc
 
 
 def live_block_count(cache_len, num_slots: int, block: int = BLOCK):
     """int32[]: cache blocks holding any committed slot of any row (the loop's trip count)."""
-    C = min(block, num_slots)
-    return (jnp.max(cache_len).astype(jnp.int32) + C - 1) // C
+    Z = min(block, num_slots)
+    return (jnp.max(cache_len).astype(jnp.int32) + Z - 1) // Z
 
 
 def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, layer,
@@ -117,31 +118,31 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
                                window)
     B, T, H, D = q.shape
     K = k_new.shape[2]
-    G = H // K
+    J = H // K
     S = cache_k.shape[2]
-    C = min(block, S)
-    assert S % C == 0, f"cache slots ({S}) must be a multiple of the block ({C})"
-    qg = q.reshape(B, T, K, G, D)
+    Z = min(block, S)
+    assert S % Z == 0, f"cache slots ({S}) must be a multiple of the block ({Z})"
+    qg = q.reshape(B, T, K, J, D)
     scale = 1.0 / math.sqrt(D)
     if live_blocks is None:
         live_blocks = live_block_count(cache_len, S, block)
-    live_blocks = jnp.minimum(live_blocks, S // C)
+    live_blocks = jnp.minimum(live_blocks, S // Z)
 
     def body(i, carry):
-        start = i * C
+        start = i * Z
         idx = (layer, 0, start, 0, 0)
-        kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, C, K, D))[0]
-        vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, C, K, D))[0]
-        vis = _cache_visibility(positions, cache_len, start + jnp.arange(C), window)
+        kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, Z, K, D))[0]
+        vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, Z, K, D))[0]
+        vis = _cache_visibility(positions, cache_len, start + jnp.arange(Z), window)
         return _online_update(carry, _scores(qg, kb, scale), vis[:, None, None], vb)
 
-    init = (jnp.full((B, K, G, T), _NEG, _F32), jnp.zeros((B, K, G, T), _F32),
-            jnp.zeros((B, K, G, T, D), _F32))
+    init = (jnp.full((B, K, J, T), _NEG, _F32), jnp.zeros((B, K, J, T), _F32),
+            jnp.zeros((B, K, J, T, D), _F32))
     carry = jax.lax.fori_loop(0, live_blocks, body, init)
     vis_new = _new_token_visibility(positions, mask, window)[:, None, None]
     _, l, acc = _online_update(carry, _scores(qg, k_new, scale), vis_new, v_new)
     out = acc / l[..., None]  # l > 0: every new token sees itself
-    return jnp.einsum("bkgtd->btkgd", out).reshape(B, T, H, D).astype(q.dtype)
+    return jnp.einsum("bkjtd->btkjd", out).reshape(B, T, H, D).astype(q.dtype)
 
 
 KERNELS: dict[str, Callable] = {"blockwise": blockwise_attention, "dense": dense_attention}

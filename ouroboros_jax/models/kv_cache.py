@@ -1,7 +1,7 @@
 """A fixed-size, padded KV cache with per-row lengths.
 
-Glossary: L layers, B batch rows, S cache slots, T new tokens of one forward, A tokens committed
-by one `commit`, K kv heads, D head dim.
+Letters (package glossary): L layers, B batch rows, S cache slots, T new tokens of one forward,
+A tokens committed by one `commit`, K kv heads, D head dim.
 
 Slot `s` of row `b` holds the token at absolute position `s`; slots `>= lengths[b]` are garbage and
 invisible to attention. Rolling back is therefore just lowering a length, and a forward never
@@ -19,9 +19,17 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, D]
-    v: jax.Array  # [L, B, S, K, D]
-    lengths: jax.Array  # int32[B]: committed tokens per row
+    """A model's committed keys and values.
+
+    Attributes:
+        k: [L, B, S, K, D] keys, slot s = position s; garbage at s >= lengths.
+        v: [L, B, S, K, D] values, likewise.
+        lengths: int32[B], committed tokens per row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
 
     @property
     def num_slots(self) -> int:
@@ -30,10 +38,15 @@ class KVCache:
 
 @struct.dataclass
 class NewKV:
-    """K/V of the T tokens of one forward, not yet part of any cache."""
+    """K/V of the T tokens of one forward, not yet part of any cache.
 
-    k: jax.Array  # [L, B, T, K, D]
-    v: jax.Array  # [L, B, T, K, D]
+    Attributes:
+        k: [L, B, T, K, D] keys of the new tokens, in input order.
+        v: [L, B, T, K, D] values, likewise.
+    """
+
+    k: jax.Array
+    v: jax.Array
 
 
 def init_cache(config, batch: int, slots: int, dtype=jnp.float32) -> KVCache:

@@ -1,11 +1,12 @@
 """The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
 pure function over a params pytree.
 
-Glossary (used in every einsum and shape comment of the project):
+Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
     L layers              H query heads                    K kv heads
-    G query heads per kv head (H = K * G)                  D head dim
+    J query heads per kv head (H = K * J)                  D head dim
     E embed (hidden)      F ffn (intermediate)             V vocab
+    Q positions whose logits `select` keeps
 
 `forward(params, config, tokens[B,T], positions[B,T], mask[B,T,T], cache) -> (logits, NewKV)`.
 Positions and the mask among the new tokens are inputs, so one function serves prefill, single
@@ -16,9 +17,9 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth;
 `unstack_layers` splits a small model's layers for decoding loops, see there):
-    embed [V,E]; layers: attn_norm [L,E], wq [L,E,H,D], wk [L,E,K,D], wv [L,E,K,D], wo [L,H,D,E],
-    (qwen2: bq [L,H,D], bk [L,K,D], bv [L,K,D]), mlp_norm [L,E], w_gate [L,E,F], w_up [L,E,F],
-    w_down [L,F,E]; final_norm [E]; lm_head [E,V] unless embeddings are tied.
+a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
+wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
+name and layout and initializer are described once, in `params.LEAVES`.
 """
 
 from __future__ import annotations
@@ -33,42 +34,30 @@ import numpy as np
 from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
 from .kv_cache import KVCache, NewKV
+from .params import nest
 
 Params = dict
 
 
 # ------------------------------------------------------------------------------------ init
 def param_shapes(config: ModelConfig) -> dict:
-    """Shape of every parameter leaf, the one description init/abstract/sharding derive from."""
-    E, F, L, H, K, D, V = (config.hidden_size, config.intermediate_size, config.num_layers,
-                           config.num_heads, config.num_kv_heads, config.head_dim,
-                           config.vocab_size)
-    layers = {
-        "attn_norm": (L, E), "wq": (L, E, H, D), "wk": (L, E, K, D), "wv": (L, E, K, D),
-        "wo": (L, H, D, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
-        "w_down": (L, F, E),
-    }
-    if config.qkv_bias:
-        layers.update(bq=(L, H, D), bk=(L, K, D), bv=(L, K, D))
-    shapes = {"embed": (V, E), "layers": layers, "final_norm": (E,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
+    """Shape of every parameter leaf of the config ({..., "layers": {...}}), from the one
+    table of leaves (`params.LEAVES`)."""
+    return nest(config, lambda leaf: leaf.shape(config))
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 std: float = 0.02) -> Params:
-    """Random params (normal(0, std) matrices, unit norms, zero biases)."""
-    shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    """Random params, each leaf by its table initializer: normal(0, std) matrices, unit norms,
+    zero biases. One key per leaf, split in the pytree's (sorted) leaf order."""
+    leaves, treedef = jax.tree.flatten(nest(config, lambda leaf: leaf))
     keys = jax.random.split(key, len(leaves))
     out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
+    for leaf, k in zip(leaves, keys):
+        shape = leaf.shape(config)
+        if leaf.init == "ones":
             out.append(jnp.ones(shape, dtype))
-        elif path.endswith("['bq']") or path.endswith("['bk']") or path.endswith("['bv']"):
+        elif leaf.init == "zeros":
             out.append(jnp.zeros(shape, dtype))
         else:
             out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
@@ -129,9 +118,9 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
                live_blocks=live_blocks)
     x = x + jnp.einsum("bthd,hde->bte", a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    g = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
-    u = jnp.einsum("bte,ef->btf", h, lp["w_up"])
-    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(g) * u, lp["w_down"])
+    gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
+    up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
     return x, k, v
 
 

@@ -22,23 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .llama import Params, param_shapes
+from .llama import Params
+from .params import LEAVES, Leaf, leaves_of, nest
 
-# HF name inside a layer -> (our leaf, transform from the HF [out, in] layout to ours)
-_LAYER_KEYS = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk",
-    "self_attn.v_proj.bias": "bv",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -59,40 +45,6 @@ class Model:
     @property
     def dtype(self):
         return self.params["embed"].dtype
-
-
-def _hf_to_ours(leaf: str, w: np.ndarray, c: ModelConfig) -> np.ndarray:
-    E, H, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    if leaf == "wq":
-        return w.T.reshape(E, H, D)
-    if leaf in ("wk", "wv"):
-        return w.T.reshape(E, K, D)
-    if leaf == "wo":
-        return w.T.reshape(H, D, E)
-    if leaf == "bq":
-        return w.reshape(H, D)
-    if leaf in ("bk", "bv"):
-        return w.reshape(K, D)
-    if leaf in ("w_gate", "w_up", "w_down"):
-        return w.T
-    return w
-
-
-def _ours_to_hf(leaf: str, w: np.ndarray) -> np.ndarray:
-    if leaf in ("wq", "wk", "wv"):
-        return w.reshape(w.shape[0], -1).T
-    if leaf == "wo":
-        return w.reshape(-1, w.shape[-1]).T
-    if leaf in ("bq", "bk", "bv"):
-        return w.reshape(-1)
-    if leaf in ("w_gate", "w_up", "w_down"):
-        return w.T
-    return w
-
-
-def _hf_shape(leaf: str, ours: tuple) -> tuple:
-    """The HF tensor shape corresponding to one layer's slice of our leaf."""
-    return _ours_to_hf(leaf, np.empty(ours, np.int8)).shape
 
 
 def read_config(path: str) -> ModelConfig:
@@ -149,14 +101,20 @@ def _read_tensors(files: list[str]):
             raise ValueError(f"{fn}: corrupt or truncated safetensors file ({e})") from None
 
 
+def _hf_names(config: ModelConfig) -> dict[str, Leaf]:
+    """HF tensor name -> its leaf, for every tensor the config implies (table order)."""
+    return {leaf.hf_name(i): leaf for leaf in leaves_of(config)
+            for i in (range(config.num_layers) if leaf.per_layer else (None,))}
+
+
 def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
-    """Reads every tensor of the checkpoint into our stacked layout, strictly."""
-    shapes = param_shapes(config)
+    """Reads every tensor of the checkpoint into our stacked layout, strictly: the tensors are
+    exactly those the config implies (`params.LEAVES`), each once, each of its HF shape."""
     L = config.num_layers
-    layer_slices: dict[str, list] = {k: [None] * L for k in shapes["layers"]}
-    top: dict[str, Optional[np.ndarray]] = {k: None for k in shapes if k != "layers"}
-    top_names = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-                 "lm_head.weight": "lm_head"}
+    names = _hf_names(config)
+    skipped = {leaf.hf for leaf in LEAVES
+               if leaf.ignored_when_absent and not leaf.present(config)}
+    got: dict[str, Optional[np.ndarray]] = dict.fromkeys(names)
     np_dtype = jnp.dtype(dtype)
 
     for fn, key, w in _read_tensors(_weight_files(path)):
@@ -166,49 +124,27 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
             raise ValueError(f"{fn}: tensor {key} has dtype {w.dtype}; only floating-point "
                              "checkpoints are supported (quantized or integer weights would be "
                              "cast into wrong values)")
-        if key == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # some tied checkpoints store the shared matrix twice
-        if key in top_names:
-            leaf = top_names[key]
-            want = shapes[leaf]
-            got = w.T if leaf == "lm_head" else w
-            if tuple(got.shape) != tuple(want):
-                raise ValueError(f"{fn}: tensor {key} has shape {tuple(w.shape)}, config "
-                                 f"implies {tuple(want[::-1]) if leaf == 'lm_head' else want}")
-            if top[leaf] is not None:
-                raise ValueError(f"{fn}: tensor {key} appears more than once")
-            top[leaf] = got.astype(np_dtype)
-            continue
-        parts = key.split(".")
-        if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
-            try:
-                i = int(parts[2])
-            except ValueError:
-                i = -1
-            sub = ".".join(parts[3:])
-            if 0 <= i < L and sub in _LAYER_KEYS and _LAYER_KEYS[sub] in layer_slices:
-                leaf = _LAYER_KEYS[sub]
-                want = _hf_shape(leaf, shapes["layers"][leaf][1:])
-                if tuple(w.shape) != tuple(want):
-                    raise ValueError(f"{fn}: tensor {key} has shape {tuple(w.shape)}, config "
-                                     f"implies {tuple(want)}")
-                if layer_slices[leaf][i] is not None:
-                    raise ValueError(f"{fn}: tensor {key} appears more than once")
-                layer_slices[leaf][i] = _hf_to_ours(leaf, w, config).astype(np_dtype)
-                continue
-        raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a {config.model_type} "
-                         f"model with {L} layers as configured)")
+        if key in skipped:
+            continue  # e.g. some tied checkpoints store the shared matrix twice
+        if key not in names:
+            raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a "
+                             f"{config.model_type} model with {L} layers as configured)")
+        leaf = names[key]
+        want = leaf.hf_shape(config)
+        if tuple(w.shape) != want:
+            raise ValueError(f"{fn}: tensor {key} has shape {tuple(w.shape)}, config "
+                             f"implies {want}")
+        if got[key] is not None:
+            raise ValueError(f"{fn}: tensor {key} appears more than once")
+        got[key] = leaf.from_hf(w, config).astype(np_dtype)
 
-    missing = [n for n, leaf in top_names.items() if leaf in top and top[leaf] is None]
-    for leaf, slices in layer_slices.items():
-        hf = next(k for k, v in _LAYER_KEYS.items() if v == leaf)
-        missing += [f"model.layers.{i}.{hf}" for i, s in enumerate(slices) if s is None]
+    missing = [k for k, v in got.items() if v is None]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{path}: checkpoint lacks tensor(s) {missing[:5]}{more}")
-    params = {k: jnp.asarray(v) for k, v in top.items()}
-    params["layers"] = {k: jnp.asarray(np.stack(v)) for k, v in layer_slices.items()}
-    return params
+    return nest(config, lambda leaf: jnp.asarray(
+        np.stack([got[leaf.hf_name(i)] for i in range(L)]) if leaf.per_layer
+        else got[leaf.hf_name()]))
 
 
 def load_tokenizer(path: str):
@@ -298,15 +234,14 @@ def save_hf_checkpoint(out_dir: str, config: ModelConfig, params: Params,
 
     os.makedirs(out_dir, exist_ok=True)
     cast = (lambda x: np.asarray(x).astype(jnp.dtype(dtype))) if dtype else np.asarray
-    tensors = {"model.embed_tokens.weight": cast(params["embed"]),
-               "model.norm.weight": cast(params["final_norm"])}
-    if not config.tie_word_embeddings:
-        tensors["lm_head.weight"] = np.ascontiguousarray(cast(params["lm_head"]).T)
-    for leaf, stacked in params["layers"].items():
-        hf = next(k for k, v in _LAYER_KEYS.items() if v == leaf)
-        arr = cast(stacked)
-        for i in range(config.num_layers):
-            tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(_ours_to_hf(leaf, arr[i]))
+    tensors = {}
+    for leaf in leaves_of(config):
+        if leaf.per_layer:
+            arr = cast(params["layers"][leaf.name])
+            for i in range(config.num_layers):
+                tensors[leaf.hf_name(i)] = np.ascontiguousarray(leaf.to_hf(arr[i]))
+        else:
+            tensors[leaf.hf_name()] = np.ascontiguousarray(leaf.to_hf(cast(params[leaf.name])))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     d = config.to_hf_dict()
     d["torch_dtype"] = str(jnp.dtype(dtype)) if dtype else str(params["embed"].dtype)

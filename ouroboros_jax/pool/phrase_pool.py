@@ -27,33 +27,42 @@ Stamps are unique among filled slots (each write takes a fresh clock value), so 
 and "oldest" are always well defined. The int32 clock wraps after 2**31 - 1 writes (~50 million
 decode steps at 40 inserts per step); `clear_pool` resets it.
 
-Dimension letters: R pool rows, G slots (phrases per key) per row, M phrase length, P inserts
-in one batch, V vocabulary.
+Dimension letters (package glossary): R pool rows, G slots (phrases per key) per row, M phrase
+length, I phrases inserted in one batch, V vocabulary.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 DEFAULT_MAX_ROWS = 65536
 EVICTION_POLICIES = ("lru", "fifo")
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class PhrasePool:
-    """Pytree of the pool's arrays (see module docstring); sizes and policy are static."""
+    """Pytree of the pool's arrays (see module docstring); sizes and policy are static.
 
-    keys: jax.Array  # int32[R, G]
-    phrases: jax.Array  # int32[R, G, M]
-    stamps: jax.Array  # int32[R, G]
-    clock: jax.Array  # int32[]
-    vocab_size: int = dataclasses.field(metadata=dict(static=True))
-    policy: str = dataclasses.field(default="lru", metadata=dict(static=True))
+    Attributes:
+        keys: int32[R, G], the key token held by each slot, -1 when empty.
+        phrases: int32[R, G, M], the continuation tokens of each slot.
+        stamps: int32[R, G], recency clock value at the last insert/refresh; 0 = empty slot.
+        clock: int32[], the last stamp handed out.
+        vocab_size: V (static): keys and phrase tokens must lie in [0, V).
+        policy: "lru" or "fifo" (static), see `EVICTION_POLICIES`.
+    """
+
+    keys: jax.Array
+    phrases: jax.Array
+    stamps: jax.Array
+    clock: jax.Array
+    vocab_size: int = struct.field(pytree_node=False)
+    policy: str = struct.field(pytree_node=False, default="lru")
 
     @property
     def rows(self) -> int:
@@ -66,9 +75,6 @@ class PhrasePool:
     @property
     def phrase_len(self) -> int:
         return self.phrases.shape[2]
-
-
-jax.tree_util.register_dataclass(PhrasePool)
 
 
 def init_pool(
@@ -179,8 +185,7 @@ def insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
 
     clock = pool.clock + write.astype(jnp.int32)
     # Writing the old values back when not writing keeps one code path with fixed shapes.
-    return dataclasses.replace(
-        pool,
+    return pool.replace(
         keys=pool.keys.at[row, slot].set(jnp.where(write, key, row_keys[slot])),
         phrases=pool.phrases.at[row, slot].set(jnp.where(write, phrase, row_phrases[slot])),
         stamps=pool.stamps.at[row, slot].set(jnp.where(write, clock, row_stamps[slot])),
@@ -189,7 +194,7 @@ def insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
 
 
 def insert_many(pool: PhrasePool, keys, phrases, valid=None) -> PhrasePool:
-    """Insert P phrases in order: keys int32[P], phrases int32[P, M], valid bool[P] (default all).
+    """Insert I phrases in order: keys int32[I], phrases int32[I, M], valid bool[I] (default all).
 
     Sequential (lax.scan over `insert`) rather than one scatter, so duplicates and row
     collisions inside one batch behave exactly like successive inserts.
@@ -202,7 +207,7 @@ def insert_many(pool: PhrasePool, keys, phrases, valid=None) -> PhrasePool:
     p = keys.shape
     if keys.ndim != 1 or phrases.shape != (*p, pool.phrase_len) or valid.shape != p:
         raise ValueError(
-            f"insert_many wants keys [P], phrases [P, {pool.phrase_len}], valid [P]; got "
+            f"insert_many wants keys [I], phrases [I, {pool.phrase_len}], valid [I]; got "
             f"{keys.shape}, {phrases.shape}, {valid.shape}"
         )
 

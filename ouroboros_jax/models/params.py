@@ -1,0 +1,175 @@
+"""Every parameter leaf of the decoder, described once.
+
+`LEAVES` is the one table: each `Leaf` names its logical axes (from which its shape follows, and
+which `sharding.RULES` map onto a mesh), its Hugging Face tensor name and layout, its
+initializer and whether a config has it at all. Everything else derives from it:
+`llama.param_shapes` and `llama.init_params`, `sharding.LOGICAL_AXES` (the parameter part),
+the strict loader and `save_hf_checkpoint` (`loading.py`).
+
+Per-layer leaves carry the stacked "layers" axis first (the forward scans over it); their HF
+name has an `{i}` for the layer index and their HF layout describes one layer's slice.
+
+HF layouts (what transformers stores, from ours):
+    "same"     the same array (embeddings, norms);
+    "flat"     one vector (q/k/v biases: [H,D] -> [H*D]);
+    "linear"   a torch Linear weight [out, in]: ours is [in dims..., out dims...], its first
+               `hf_in_dims` dimensions (after "layers") being the input side, so HF holds
+               `ours.reshape(prod(in), prod(out)).T` (wq [E,H,D] -> [H*D, E], wo [H,D,E] ->
+               [E, H*D], lm_head [E,V] -> [V,E]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+
+from .config import ModelConfig
+
+# logical axis -> its size in a config (letters as in llama.py's glossary)
+AXIS_SIZES: dict[str, Callable[[ModelConfig], int]] = {
+    "vocab": lambda c: c.vocab_size,  # V
+    "embed": lambda c: c.hidden_size,  # E
+    "ffn": lambda c: c.intermediate_size,  # F
+    "layers": lambda c: c.num_layers,  # L
+    "q_heads": lambda c: c.num_heads,  # H
+    "kv_heads": lambda c: c.num_kv_heads,  # K
+    "head_dim": lambda c: c.head_dim,  # D
+}
+
+HF_LAYOUTS = ("same", "flat", "linear")
+INITS = ("normal", "ones", "zeros")
+
+
+def _always(config: ModelConfig) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter leaf.
+
+    Attributes:
+        name: its key in the params pytree (in `params["layers"]` when per-layer).
+        axes: logical axis names of its dimensions ("layers" first when per-layer); the shape
+            is their sizes in the config (`AXIS_SIZES`), the sharding their `RULES`.
+        hf: the Hugging Face tensor name, with `{i}` for the layer index when per-layer.
+        hf_layout: "same", "flat" or "linear" (see the module docstring).
+        hf_in_dims: for "linear", how many of the (per-layer) dimensions are the input side.
+        init: "normal" (normal(0, std)), "ones" or "zeros".
+        present: config -> whether the config has this leaf (qkv biases, untied lm_head).
+        ignored_when_absent: a checkpoint may still hold the tensor when the config lacks the
+            leaf; it is then skipped instead of refused (tied checkpoints that store the shared
+            matrix twice).
+    """
+
+    name: str
+    axes: tuple[str, ...]
+    hf: str
+    hf_layout: str = "same"
+    hf_in_dims: int = 1
+    init: str = "normal"
+    present: Callable[[ModelConfig], bool] = _always
+    ignored_when_absent: bool = False
+
+    def __post_init__(self):
+        assert self.hf_layout in HF_LAYOUTS and self.init in INITS, self
+        assert all(a in AXIS_SIZES for a in self.axes), self
+        assert self.per_layer == ("{i}" in self.hf), self
+
+    @property
+    def per_layer(self) -> bool:
+        return self.axes[0] == "layers"
+
+    def shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """The full shape (with the stacked layers axis when per-layer)."""
+        return tuple(AXIS_SIZES[a](config) for a in self.axes)
+
+    def slice_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """The shape of one HF tensor's worth of it: one layer's slice when per-layer."""
+        return self.shape(config)[1:] if self.per_layer else self.shape(config)
+
+    def hf_name(self, layer: int | None = None) -> str:
+        return self.hf.format(i=layer) if self.per_layer else self.hf
+
+    def hf_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """The shape transformers stores (one layer's tensor when per-layer)."""
+        ours = self.slice_shape(config)
+        if self.hf_layout == "linear":
+            return (math.prod(ours[self.hf_in_dims:]), math.prod(ours[:self.hf_in_dims]))
+        if self.hf_layout == "flat":
+            return (math.prod(ours),)
+        return ours
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        """Our array (one layer's slice when per-layer) -> the HF tensor."""
+        if self.hf_layout == "linear":
+            return w.reshape(math.prod(w.shape[:self.hf_in_dims]), -1).T
+        if self.hf_layout == "flat":
+            return w.reshape(-1)
+        return w
+
+    def from_hf(self, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+        """The HF tensor (shape already checked against `hf_shape`) -> our (slice) array."""
+        shape = self.slice_shape(config)
+        return (w.T if self.hf_layout == "linear" else w).reshape(shape)
+
+
+def _has_bias(config: ModelConfig) -> bool:
+    return config.qkv_bias
+
+
+def _untied(config: ModelConfig) -> bool:
+    return not config.tie_word_embeddings
+
+
+_LAYER = "model.layers.{i}."
+
+# The one table. Order: as transformers lists a model's tensors (and as `missing` names them).
+LEAVES: tuple[Leaf, ...] = (
+    Leaf("embed", ("vocab", "embed"), "model.embed_tokens.weight"),
+    Leaf("final_norm", ("embed",), "model.norm.weight", init="ones"),
+    Leaf("lm_head", ("embed", "vocab"), "lm_head.weight", "linear", present=_untied,
+         ignored_when_absent=True),
+    Leaf("attn_norm", ("layers", "embed"), _LAYER + "input_layernorm.weight", init="ones"),
+    Leaf("wq", ("layers", "embed", "q_heads", "head_dim"), _LAYER + "self_attn.q_proj.weight",
+         "linear"),
+    Leaf("wk", ("layers", "embed", "kv_heads", "head_dim"), _LAYER + "self_attn.k_proj.weight",
+         "linear"),
+    Leaf("wv", ("layers", "embed", "kv_heads", "head_dim"), _LAYER + "self_attn.v_proj.weight",
+         "linear"),
+    Leaf("wo", ("layers", "q_heads", "head_dim", "embed"), _LAYER + "self_attn.o_proj.weight",
+         "linear", hf_in_dims=2),
+    Leaf("bq", ("layers", "q_heads", "head_dim"), _LAYER + "self_attn.q_proj.bias", "flat",
+         init="zeros", present=_has_bias),
+    Leaf("bk", ("layers", "kv_heads", "head_dim"), _LAYER + "self_attn.k_proj.bias", "flat",
+         init="zeros", present=_has_bias),
+    Leaf("bv", ("layers", "kv_heads", "head_dim"), _LAYER + "self_attn.v_proj.bias", "flat",
+         init="zeros", present=_has_bias),
+    Leaf("mlp_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
+         init="ones"),
+    Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear"),
+    Leaf("w_up", ("layers", "embed", "ffn"), _LAYER + "mlp.up_proj.weight", "linear"),
+    Leaf("w_down", ("layers", "ffn", "embed"), _LAYER + "mlp.down_proj.weight", "linear"),
+)
+
+LEAF_BY_NAME: dict[str, Leaf] = {leaf.name: leaf for leaf in LEAVES}
+assert len(LEAF_BY_NAME) == len(LEAVES)
+
+
+def leaves_of(config: ModelConfig) -> tuple[Leaf, ...]:
+    """The leaves this config has, in table order."""
+    return tuple(leaf for leaf in LEAVES if leaf.present(config))
+
+
+def nest(config: ModelConfig, value: Callable[[Leaf], object]) -> dict:
+    """The params-shaped dict {top-level leaves..., "layers": {per-layer leaves...}} holding
+    value(leaf) for every leaf of the config."""
+    out: dict = {}
+    layers: dict = {}
+    for leaf in leaves_of(config):
+        (layers if leaf.per_layer else out)[leaf.name] = value(leaf)
+    out["layers"] = layers
+    return out
