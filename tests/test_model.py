@@ -8,7 +8,7 @@ import torch
 
 import ouroboros_jax as oj
 from ouroboros_jax.models import (causal_mask, commit, commit_prefix, forward, init_cache,
-                                  rollback, unstack_layers)
+                                  rollback)
 
 from conftest import make_hf_model
 
@@ -68,24 +68,6 @@ def test_prefill_then_decode_equals_full_forward(tiny_target):
         steps.append(lg)
     chex.assert_shape(steps[1:], (2, 1, m.config.vocab_size))
     chex.assert_trees_all_close(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
-
-
-def test_unstacked_layers_equal_the_scan(tiny_target):
-    """Decoding loops run small models with one weight dict per layer (unrolled); the logits
-    and the new K/V are the scan's (to rounding), and a model over the size limit stays stacked."""
-    m = tiny_target
-    flat = unstack_layers(m.params)
-    assert isinstance(flat["layers"], tuple) and len(flat["layers"]) == m.config.num_layers
-    assert unstack_layers(m.params, max_bytes=0) is m.params
-    T = 12
-    toks = jnp.asarray(np.random.RandomState(2).randint(0, 97, size=(2, T)))
-    pos = jnp.broadcast_to(jnp.arange(T) + 5, (2, T))
-    cache = init_cache(m.config, 2, 64)
-    cache = commit_prefix(cache, forward(m.params, m.config, toks[:, :5], pos[:, :5] - 5,
-                                         causal_mask(2, 5))[1], jnp.full((2,), 5))
-    a = forward(m.params, m.config, toks, pos, causal_mask(2, T), cache)
-    b = forward(flat, m.config, toks, pos, causal_mask(2, T), cache)
-    chex.assert_trees_all_close(a, b, rtol=1e-4, atol=1e-4)  # same math, other fusions
 
 
 def test_gathered_commit_equals_one_by_one(tiny_target):

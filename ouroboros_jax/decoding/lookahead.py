@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models import unstack_layers
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
@@ -118,7 +117,6 @@ def run_lookahead(params, config, prompt, prompt_lengths, limits: Limits, sp: Sa
     """prompt int32[B,P] right-padded -> (Sequences, Stats, pool)."""
     B = prompt.shape[0]
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
-    params = unstack_layers(params)
     seq = init_sequences(prompt, prompt_lengths, slots)
     cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
     stats = init_stats(B, cfg.ngram + 1).replace(guess_tokens_accepted=counter(),

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..models import forward, unstack_layers
+from ..models import forward
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
@@ -306,7 +306,6 @@ def run_ouroboros(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, li
     B = prompt.shape[0]
     gamma, m = cfg.gamma, cfg.ngram - 1
     x = cfg.suffixes if cfg.lengthening else 0
-    tparams, dparams = unstack_layers(tparams), unstack_layers(dparams)
     seq = init_sequences(prompt, prompt_lengths, slots)
     tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
     dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models import forward, unstack_layers
+from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key
 from ..tree import chain_parents, tree_depths, tree_mask
@@ -260,7 +260,6 @@ def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, 
     sampling acceptance function, `leviathan_accept`; tests pass deliberately wrong rules to
     show the distribution test has the power to reject them.
     """
-    tparams, dparams = unstack_layers(tparams), unstack_layers(dparams)
     seq = init_sequences(prompt, prompt_lengths, slots)
     tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
     dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models import forward, unstack_layers
+from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix
 from ..sampling import SamplingParams, choose_tokens
 from .common import (Limits, Sequences, Stats, count_round, decode_loop, emit, init_sequences,
@@ -50,7 +50,6 @@ def vanilla_step(params, config, greedy: bool, sp: SamplingParams, limits: Limit
 def run_vanilla(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams, *,
                 slots: int, greedy: bool):
     """prompt int32[B,P] right-padded -> (Sequences with S = slots, Stats)."""
-    params = unstack_layers(params)
     seq = init_sequences(prompt, prompt_lengths, slots)
     cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
     state = VanillaState(seq, cache, init_stats(prompt.shape[0], 2))

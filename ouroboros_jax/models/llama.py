@@ -15,8 +15,7 @@ token decoding, Jacobi windows and verification trees alike. Every committed cac
 ancestor); the forward never writes the cache (see kv_cache.commit). Attention reads only the
 cache blocks below the longest row (models/attention.py), so its cost follows the live length.
 
-Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth;
-`unstack_layers` splits a small model's layers for decoding loops, see there):
+Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
 wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
 name and layout and initializer are described once, in `params.LEAVES`.
@@ -149,48 +148,14 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         return x, (k, v)
 
     # the cache is not scanned over: each layer's kernel reads its own live blocks from it
-    if isinstance(params["layers"], tuple):  # one dict per layer (`unstack_layers`): unrolled
-        ks, vs = [], []
-        for i, lp in enumerate(params["layers"]):
-            x, (k, v) = step(x, (lp, jnp.int32(i)))
-            ks.append(k)
-            vs.append(v)
-        ks, vs = jnp.stack(ks), jnp.stack(vs)
-    else:
-        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-        x, (ks, vs) = jax.lax.scan(step, x, (params["layers"], layers))
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    x, (ks, vs) = jax.lax.scan(step, x, (params["layers"], layers))
     if select is not None:
         x = jnp.take_along_axis(x, select[..., None], axis=1)
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
     return logits, NewKV(k=ks, v=vs)
-
-
-# Stacked layer weights up to this size are split per layer for decoding loops (see below).
-UNSTACK_BYTES = 16 << 20
-
-
-def unstack_layers(params: Params, max_bytes: int = UNSTACK_BYTES) -> Params:
-    """params with `layers` as a tuple of per-layer dicts when the stacked layer weights take
-    at most `max_bytes` (else unchanged); `forward` then runs the layers unrolled.
-
-    Why: scanning over stacked weights slices (copies) every weight of a layer out of its
-    [L, ...] array at every forward, since XLA:CPU's dot cannot read a slice in place. For a
-    model whose weights stay in the CPU's caches (a small draft) that copy is a large part of a
-    forward (demo draft, 1 token: 0.37 -> 0.23 ms measured); for a large one, reading the
-    weights from memory dominates either way and unrolling would only grow the compile. Done
-    once per call, outside the decoding loop (the split costs one copy of the layer weights).
-    """
-    layers = params["layers"]
-    if isinstance(layers, tuple):
-        return params
-    leaves = jax.tree.leaves(layers)
-    if sum(x.size * x.dtype.itemsize for x in leaves) > max_bytes:
-        return params
-    L = leaves[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers)
-                                      for i in range(L))}
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:

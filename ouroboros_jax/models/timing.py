@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .kv_cache import init_cache
-from .llama import forward, unstack_layers
+from .llama import forward
 
 
 def _inputs(model, n: int, context: int, slots: int, batch: int):
@@ -54,7 +54,7 @@ def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int =
     # (a cache captured as a constant of zeros would let it drop attention over the cache)
     f = jax.jit(lambda params, inputs: jax.lax.fori_loop(
         0, inner, lambda i, acc: one_pass(acc, params, inputs), jnp.zeros((), jnp.float32)))
-    params = [unstack_layers(m.params) for m in models]  # as the decoding loops run them
+    params = [m.params for m in models]
     f(params, inputs).block_until_ready()  # compile
 
     def timed() -> float:
