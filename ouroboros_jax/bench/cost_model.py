@@ -8,11 +8,11 @@
 n_T, n_S are the input lengths (tree sizes) of one target / draft forward of the method
 (`forward_sizes`); n_S1 that of a round's first draft forward, which also catches the draft up on
 tokens it has not processed (speculative: 2, Ouroboros: the Jacobi tree plus an N-slot prefix).
-t_S1 is a draft forward timed right after a target forward: on a CPU the target streams its
-weights through the last-level cache and evicts the draft's, so the first draft forward of every
-round is slower than the back-to-back forwards t_S is timed on (measured on the demo pair: a
-1-token draft forward 0.64 ms alone, about 1.1 ms after a target forward). t_T(n), t_S(n) and
-t_S1(n) come from a `LatencyTable`: measured on this machine by
+t_S1 is a draft forward timed right after a target forward: on a CPU the target streams its weights
+through the last-level cache and evicts the draft's, so the first draft forward of every round is
+slower than the back-to-back forwards t_S is timed on (measured on the demo pair: a 1-token draft
+forward 0.51 ms back to back, 0.75 ms right after a target forward). t_T(n), t_S(n) and t_S1(n)
+come from a `LatencyTable`: measured on this machine by
 timing jitted forwards of each model (`measure_latency`), or loaded from JSON written on another
 machine (e.g. a GPU) to predict what the same counts would give there. Prefill forwards (one
 per call and model) are counted when the table has prefill timings. This is the paper's eq. 5/6
