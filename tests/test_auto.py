@@ -50,6 +50,23 @@ def test_steep_cpu_latency_gives_small_trees():
     assert sd.method == "speculative" and 2 <= sd.config.gamma <= 6
 
 
+def test_each_method_describes_its_own_auto_grid():
+    # the candidates come from the method's MethodSpec, so a registered method is sized by auto
+    # with nothing added to auto.py; vanilla has no knobs and is refused by name
+    from ouroboros_jax.decoding import METHODS
+
+    grid = {"gamma": (2, 5), "window": (3,), "ngram": (4,), "suffixes": (1, 4)}
+    assert [c.gamma for c in METHODS["speculative"].auto_grid(grid)] == [2, 5]
+    assert [(c.window, c.guesses) for c in METHODS["lookahead"].auto_grid(grid)] == [(3, 3)]
+    assert [(c.gamma, c.suffixes) for c in METHODS["ouroboros"].auto_grid(grid)] == [(2, 1), (5, 1)]
+    best = auto.choose("speculative", CPU_T, CPU_D, 0.75)
+    assert best.predicted_speedup == pytest.approx(
+        auto.predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)
+        / auto.predicted_rate("speculative", None, CPU_T, CPU_D, 0.75))
+    with pytest.raises(ValueError, match="knows lookahead, ouroboros, speculative, not 'vanilla'"):
+        auto.choose("vanilla", CPU_T, None, None)
+
+
 def test_speculation_turned_off_where_it_cannot_pay():
     # low agreement: the draft's forwards cost more than the tokens they win
     low = auto.choose("speculative", CPU_T, CPU_D, 0.1)

@@ -29,7 +29,7 @@ def register(name: str, spec: MethodSpec) -> None:
     METHODS[name] = spec
 
 
-# Method modules import only `.spec`, never this registry: no import cycle.
+# Method modules import `.spec` (and auto's rates), never this registry: no import cycle.
 from .lookahead import SPEC as _LOOKAHEAD  # noqa: E402
 from .ouroboros import SPEC as _OUROBOROS  # noqa: E402
 from .speculative import SPEC as _SPECULATIVE  # noqa: E402

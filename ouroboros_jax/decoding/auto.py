@@ -286,17 +286,17 @@ class Choice:
                 "reason": self.reason}
 
 
-def _vanilla_rate(tt):
+def vanilla_rate(tt):
     return 1.0 / (lookup(tt, 1) * (1 + VANILLA_OVERHEAD))
 
 
-def _speculative_rate(a, gamma, tt, td):
+def speculative_rate(a, gamma, tt, td):
     t_round = (gamma * lookup(td, 1) + lookup(tt, gamma + 1)
                + (ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * gamma) * lookup(tt, 1))
     return expected_tokens(a, gamma) / t_round
 
 
-def _lookahead_rate(window, ngram, guesses, tt):
+def lookahead_rate(window, ngram, guesses, tt):
     n_t = (window + guesses) * (ngram - 1)
     tokens = 1 + phrase_gain(guesses, ngram)
     # measured: a lookahead round costs no more than the probe's forward of its size (its pool
@@ -304,7 +304,7 @@ def _lookahead_rate(window, ngram, guesses, tt):
     return tokens / lookup(tt, n_t)
 
 
-def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
+def ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
     m = ngram - 1
     n_t = 1 + gamma + suffixes * m
     n_s = (window + guesses) * m
@@ -320,27 +320,15 @@ def _ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
 
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
-    {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN."""
-    from .lookahead import LookaheadConfig
-    from .ouroboros import OuroborosConfig
-    from .speculative import SpeculativeConfig
-
-    if method == "speculative":
-        candidates = [SpeculativeConfig(gamma=g) for g in GRID["gamma"]]
-    elif method == "lookahead":
-        candidates = [LookaheadConfig(window=w, ngram=n, guesses=w)
-                      for w in GRID["window"] for n in GRID["ngram"]]
-    elif method == "ouroboros":
-        candidates = [OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w, suffixes=k)
-                      for g in GRID["gamma"] for w in GRID["window"] for n in GRID["ngram"]
-                      for k in GRID["suffixes"] if k <= w]
-    else:
-        raise ValueError(f"config='auto' knows speculative, lookahead and ouroboros, not {method!r}")
-    rates = [predicted_rate(method, c, tt, td, agreement) for c in candidates]
+    {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN. The
+    candidates and their predicted rates are the method's own (`MethodSpec.auto_grid`,
+    `MethodSpec.auto_rate`) over `GRID`."""
+    spec = _spec(method)
+    candidates = spec.auto_grid(GRID)
+    rates = [spec.auto_rate(c, agreement, tt, td) for c in candidates]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
-    vanilla_rate = _vanilla_rate(tt)
-    gain = best_rate / vanilla_rate
+    gain = best_rate / vanilla_rate(tt)
     if gain < MIN_GAIN:
         return Choice("vanilla", None, 1.0, agreement,
                       f"no {method} setting is predicted to beat vanilla here (best {gain:.2f}x): "
@@ -351,12 +339,20 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
 def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float]) -> float:
     """Predicted tokens/s of one config (vanilla's when cfg is None)."""
     if cfg is None:
-        return _vanilla_rate(tt)
-    if method == "speculative":
-        return _speculative_rate(a, cfg.gamma, tt, td)
-    if method == "lookahead":
-        return _lookahead_rate(cfg.window, cfg.ngram, cfg.guesses, tt)
-    return _ouroboros_rate(a, cfg.gamma, cfg.window, cfg.ngram, cfg.guesses, cfg.suffixes, tt, td)
+        return vanilla_rate(tt)
+    return _spec(method).auto_rate(cfg, a, tt, td)
+
+
+def _spec(method: str):
+    """The registered MethodSpec of a method `config="auto"` can size."""
+    # imported here: the registry imports the method modules, which import this module's rates
+    from . import METHODS
+
+    spec = METHODS.get(method)
+    if spec is None or spec.auto_grid is None:
+        known = sorted(m for m, s in METHODS.items() if s.auto_grid is not None)
+        raise ValueError(f"config='auto' knows {', '.join(known)}, not {method!r}")
+    return spec
 
 
 # Choices already made in this process, by (method, models, batch bucket, cache size): a new

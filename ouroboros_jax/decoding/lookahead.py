@@ -25,6 +25,7 @@ from ..tree import jacobi_tree
 from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
                      init_sequences, init_stats, loop_config, pool_summary, prefill)
 from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
+from .auto import lookahead_rate
 from .spec import MethodSpec
 
 
@@ -147,4 +148,9 @@ def _forward_sizes(cfg: LookaheadConfig) -> tuple[int, int, int]:
 
 SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
                   default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
-                  quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4))
+                  quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4),
+                  # G = W: as many pool guesses as window columns (the paper's setting)
+                  auto_grid=lambda grid: [LookaheadConfig(window=w, ngram=n, guesses=w)
+                                          for w in grid["window"] for n in grid["ngram"]],
+                  auto_rate=lambda cfg, a, tt, td: lookahead_rate(cfg.window, cfg.ngram,
+                                                                  cfg.guesses, tt))

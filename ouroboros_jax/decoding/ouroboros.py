@@ -54,6 +54,7 @@ from .common import (Limits, Sequences, Stats, check_int, count_round, counter, 
                      init_sequences, init_stats, loop_config, pool_summary, prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
+from .auto import ouroboros_rate
 from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
@@ -350,7 +351,19 @@ def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
     return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)
 
 
+def _auto_grid(grid: dict) -> list:
+    # G = W as in the paper; X suffixes never more than the window's columns
+    return [OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w, suffixes=x)
+            for g in grid["gamma"] for w in grid["window"] for n in grid["ngram"]
+            for x in grid["suffixes"] if x <= w]
+
+
+def _auto_rate(cfg: OuroborosConfig, a, tt, td) -> float:
+    return ouroboros_rate(a, cfg.gamma, cfg.window, cfg.ngram, cfg.guesses, cfg.suffixes, tt, td)
+
+
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
-                                                       suffixes=2))
+                                                       suffixes=2),
+                  auto_grid=_auto_grid, auto_rate=_auto_rate)

@@ -24,6 +24,10 @@ class MethodSpec:
             draft forward of a round), fixed shapes as compiled (masked slots cost as much
             as real ones); what the cost model prices. None: unknown.
         quick_config: () -> a small config for tiny models (`bench --quick`, tests).
+        auto_grid: knob grid {"gamma": (...), "window": ..., "ngram": ..., "suffixes": ...}
+            -> the configs `config="auto"` chooses among (decoding/auto.py). None: no auto.
+        auto_rate: (config, agreement or None, target latencies {n: s}, draft latencies or
+            None) -> predicted tokens/s of one config (auto's cost model).
     """
 
     run: Callable
@@ -33,6 +37,8 @@ class MethodSpec:
     margin: Callable[[Any], int]
     forward_sizes: Optional[Callable[[Any], tuple]] = None
     quick_config: Optional[Callable[[], Any]] = None
+    auto_grid: Optional[Callable[[dict], list]] = None
+    auto_rate: Optional[Callable[..., float]] = None
 
 
 class NoConfig:

@@ -40,6 +40,7 @@ from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key
 from ..tree import chain_parents, tree_depths, tree_mask
+from .auto import speculative_rate
 from .spec import MethodSpec
 from .common import (Limits, Sequences, Stats, count_round, counter, decode_loop, emit,
                      init_sequences, init_stats, prefill)
@@ -281,4 +282,6 @@ def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
                   forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),
-                  quick_config=lambda: SpeculativeConfig(gamma=4))
+                  quick_config=lambda: SpeculativeConfig(gamma=4),
+                  auto_grid=lambda grid: [SpeculativeConfig(gamma=g) for g in grid["gamma"]],
+                  auto_rate=lambda cfg, a, tt, td: speculative_rate(a, cfg.gamma, tt, td))
