@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.attention import BLOCK, _online_update
+from ..models.attention import BLOCK, online_update
 
 L, B, S, K, D, J = 8, 1, 1024, 6, 64, 1
 
@@ -46,7 +46,7 @@ def _attend(kmajor: bool, q, cache_k, cache_v, length):
             vb = jax.lax.dynamic_slice(cache_v, (l, 0, i * Z, 0, 0), (1, B, Z, K, D))[0]
             s = jnp.einsum("btkjd,bzkd->bkjtz", q, kb) * scale
             vis = (i * Z + jnp.arange(Z)) < length
-            return _online_update(carry, s, vis, vb)
+            return online_update(carry, s, vis, vb)
 
         init = (jnp.full((B, K, J, T), -1e30), jnp.zeros((B, K, J, T)),
                 jnp.zeros((B, K, J, T, D)))

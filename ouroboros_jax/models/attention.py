@@ -86,7 +86,7 @@ def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_le
     return out.reshape(B, T, H, D)
 
 
-def _online_update(carry, s, vis, v):
+def online_update(carry, s, vis, v):
     """One online-softmax step. carry (m [B,K,J,T], l [B,K,J,T], acc [B,K,J,T,D]) fp32;
     s fp32 [B,K,J,T,Z]; vis bool broadcastable to s; v [B,Z,K,D]."""
     m, l, acc = carry
@@ -134,13 +134,13 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
         kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, Z, K, D))[0]
         vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, Z, K, D))[0]
         vis = _cache_visibility(positions, cache_len, start + jnp.arange(Z), window)
-        return _online_update(carry, _scores(qg, kb, scale), vis[:, None, None], vb)
+        return online_update(carry, _scores(qg, kb, scale), vis[:, None, None], vb)
 
     init = (jnp.full((B, K, J, T), _NEG, _F32), jnp.zeros((B, K, J, T), _F32),
             jnp.zeros((B, K, J, T, D), _F32))
     carry = jax.lax.fori_loop(0, live_blocks, body, init)
     vis_new = _new_token_visibility(positions, mask, window)[:, None, None]
-    _, l, acc = _online_update(carry, _scores(qg, k_new, scale), vis_new, v_new)
+    _, l, acc = online_update(carry, _scores(qg, k_new, scale), vis_new, v_new)
     out = acc / l[..., None]  # l > 0: every new token sees itself
     return jnp.einsum("bkjtd->btkjd", out).reshape(B, T, H, D).astype(q.dtype)
 
