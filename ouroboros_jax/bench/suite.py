@@ -136,7 +136,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="comma list: vanilla, speculative, lookahead, ouroboros, ablation, "
                         f"peers, {', '.join(HF_PEERS)} (default {DEFAULT_METHODS})")
     p.add_argument("--config", action="append", metavar="METHOD=JSON",
-                   help="""config fields, e.g. ouroboros='{"gamma": 8, "window": 10}'""")
+                   help="""config fields over the method's paper recipe (the bench's default, unlike
+                   generate's config="auto": on a CPU pass small trees, e.g. what `tune` or
+                   stats["auto"] report), e.g. ouroboros='{"gamma": 8, "window": 10}'""")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
     p.add_argument("--settle", type=float, default=None,
