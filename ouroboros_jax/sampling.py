@@ -83,3 +83,10 @@ def choose_tokens(logits: jax.Array, positions: jax.Array, sp: SamplingParams | 
     keys = jax.vmap(jax.vmap(lambda r, p: token_key(sp.seed, r, p)))(rows, positions)
     draw = jax.vmap(jax.vmap(lambda k, lp: jax.random.categorical(k, lp)))
     return draw(keys, logp).astype(jnp.int32)
+
+
+def token_probability(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """logits [B,Q,V], tokens int32[B,Q] -> f32[B,Q]: the plain softmax probability of each
+    token (a greedy draft's confidence in its own choice, for adaptive drafting)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.exp(jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0])

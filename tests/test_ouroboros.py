@@ -59,7 +59,8 @@ def test_config_validation():
     assert OuroborosConfig() == OuroborosConfig(gamma=12, window=20, ngram=7, guesses=20,
                                                 suffixes=3)
     for field, bad in [("gamma", 0), ("window", 0), ("ngram", 2), ("guesses", 0),
-                       ("suffixes", 0), ("pool_rows", 0), ("lengthening", 1), ("history", None)]:
+                       ("suffixes", 0), ("pool_rows", 0), ("lengthening", 1), ("history", None),
+                       ("confidence", 1.0), ("confidence", -0.1), ("confidence", True)]:
         with pytest.raises(ValueError, match=rf"OuroborosConfig\.{field}"):
             OuroborosConfig(**{field: bad})
     with pytest.raises(ValueError, match="suffixes"):
@@ -84,6 +85,52 @@ def test_greedy_equals_vanilla_100_prompts(tiny_pair, prompts100, which):
         assert s["suffix_tokens_accepted"] > 0
     else:
         assert s["eta"] < 1.5
+
+
+# ----------------------------------------------------------------------------- adaptive drafting
+
+
+@pytest.mark.parametrize("phrase_drafting", [True, False])
+def test_adaptive_greedy_equals_vanilla_and_drafts_less(tiny_target, noisy_draft, random_prompts,
+                                                        phrase_drafting):
+    """Rows stop drafting below the confidence threshold (random tiny models are rarely sure,
+    so chains get cut): the tokens stay vanilla's, the draft drafts fewer tokens, and every
+    round still drafts at least one token per live row."""
+    prompts = random_prompts[:12] + REPEAT
+    kw = dict(max_new_tokens=24, eos_token_id=-1)
+    ref = oj.generate(tiny_target, prompts, **kw).tokens
+    cfg = dataclasses.replace(CFG, phrase_drafting=phrase_drafting)
+    fixed = ouro(tiny_target, noisy_draft, prompts, cfg, **kw)
+    out = ouro(tiny_target, noisy_draft, prompts, dataclasses.replace(cfg, confidence=0.9), **kw)
+    assert fixed.tokens == ref and out.tokens == ref
+    check_stats(out.stats, len(prompts))
+    s, f = out.stats, fixed.stats
+    drafted = round(s["c"] * s["draft_calls"])  # draft tokens (c = tokens per row-forward)
+    assert drafted < round(f["c"] * f["draft_calls"])
+    assert s["draft_calls"] <= f["draft_calls"]
+    assert drafted >= sum(s["acceptance_histogram"])  # >= 1 per live row and round
+    assert s["draft_matches"] <= drafted
+
+
+def test_adaptive_self_draft_keeps_whole_chains(tiny_target):
+    """The target as its own draft at a tiny threshold: no chain is cut, so the run is the
+    fixed-gamma run, counters and all (branches included)."""
+    kw = dict(max_new_tokens=24, eos_token_id=-1)
+    fixed = ouro(tiny_target, tiny_target, REPEAT, **kw)
+    out = ouro(tiny_target, tiny_target, REPEAT, dataclasses.replace(CFG, confidence=1e-9), **kw)
+    assert out.tokens == fixed.tokens
+    for k in ("c", "draft_calls", "suffix_tokens_accepted", "acceptance_histogram"):
+        assert out.stats[k] == fixed.stats[k], k
+
+
+def test_adaptive_sampling_identical_to_vanilla_same_seed(tiny_target, noisy_draft):
+    """Sampling with cut chains: the target's draw at every position is keyed by (row,
+    position), so lossless means the very tokens of vanilla sampling with the same seed."""
+    kw = dict(max_new_tokens=32, eos_token_id=-1, temperature=0.7, top_k=30, top_p=0.95,
+              seed=5)
+    ref = oj.generate(tiny_target, REPEAT, **kw).tokens
+    out = ouro(tiny_target, noisy_draft, REPEAT, dataclasses.replace(CFG, confidence=0.5), **kw)
+    assert out.tokens == ref
 
 
 def test_batch4_and_batch1_different_lengths(tiny_target, noisy_draft, random_prompts):

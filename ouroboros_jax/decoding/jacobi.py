@@ -40,6 +40,7 @@ from flax import struct
 from ..models import forward
 from ..models.kv_cache import KVCache, NewKV, commit
 from ..pool import PhrasePool, insert_many, lookup
+from ..sampling import token_probability
 from ..tree import JacobiLayout, chain_parents, tree_mask
 from .verify import Accepted, accept_walk
 
@@ -136,6 +137,8 @@ class JacobiResult:
         window: the window moved on by one step (rows not active: unchanged).
         pool: the pool with this step's harvested n-grams inserted.
         guess_found: bool[B], at least one pool guess existed for `last`.
+        confidence: f32[B, N], the model's softmax probability of each walked token
+            (`acc.tokens`), or None unless asked for (adaptive drafting).
     """
 
     acc: Accepted
@@ -143,13 +146,14 @@ class JacobiResult:
     window: JacobiWindow
     pool: PhrasePool
     guess_found: jax.Array
+    confidence: Optional[jax.Array] = None
 
 
 def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: JacobiWindow,
                 pool: PhrasePool, last: jax.Array, active: jax.Array,
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
-                prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None
-                ) -> JacobiResult:
+                prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
+                with_confidence: bool = False) -> JacobiResult:
     """One lookahead step of rows `active` (bool[B]); inactive rows keep window and pool.
 
     last int32[B]: the pending token (root), at position cache.lengths (+ prefix_count).
@@ -157,6 +161,7 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     (positions = where the chosen token lands): argmax for a greedy draft, `choose_tokens` for
     the target. Window predictions always use argmax (they are only candidates).
     Nothing is committed here: the caller commits `acc.path` (see `commit_with_prefix`).
+    with_confidence (static): also return the model's probability of each walked token.
     """
     B = last.shape[0]
     w, n, g = layout.window, layout.ngram, layout.guesses
@@ -184,6 +189,7 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     preds = jnp.argmax(logits[:, 1:1 + w], axis=-1).astype(jnp.int32)  # [B,W]
     verify = np.concatenate([[0], np.arange(1 + w, len(select))])
     choices = choose(logits[:, verify], pos[:, verify] + 1)  # [B, 1 + G*M]
+    conf = token_probability(logits[:, verify], choices) if with_confidence else None
 
     # -- accept along the best guess: the walk over [last, that guess] (a chain of N nodes)
     c0 = choices[:, :1]
@@ -200,12 +206,19 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
         cch = jnp.concatenate([c0, bch], 1)
         cvalid = jnp.concatenate([jnp.ones((B, 1), bool), jnp.repeat(bfound, m, 1)], 1)
         acc = accept_walk(chain_parents(n), ctok, cvalid, cch)
+        if conf is not None:  # along the best guess, then along the walked path
+            cconf = jnp.concatenate(
+                [conf[:, :1],
+                 jnp.take_along_axis(conf[:, 1:].reshape(B, g, m), best[:, None, None], 1)[:, 0]],
+                1)
+            conf = jnp.take_along_axis(cconf, acc.path, 1)
         tree_of = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                                    jnp.asarray(gi, jnp.int32)[best]], 1)  # [B,N]
         path = jnp.take_along_axis(tree_of, acc.path, 1)
     else:
         acc = accept_walk(chain_parents(1), last[:, None], jnp.ones((B, 1), bool), c0)
         path = acc.path
+        conf = None if conf is None else conf[:, :1]
     acc = acc.replace(path=path)
 
     # -- harvest each column's n-gram: key, level1..level(N-2), new prediction
@@ -219,4 +232,4 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     grid = jnp.where(active[:, None, None], moved, window.grid)
     window = JacobiWindow(grid=grid, steps=window.steps + active.astype(jnp.int32))
     return JacobiResult(acc=acc, new=new, window=window, pool=pool,
-                        guess_found=jnp.any(found, axis=1))
+                        guess_found=jnp.any(found, axis=1), confidence=conf)

@@ -48,7 +48,7 @@ from flax import struct
 from ..models import forward
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
-from ..sampling import SamplingParams, choose_tokens
+from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
                      init_sequences, init_stats, loop_config, pool_summary, prefill)
@@ -67,6 +67,14 @@ class OuroborosConfig:
 
     Defaults are the paper's code recipe (gamma 10-12 -> 12, W 20, N 7, X 3) with G = W as in
     the reference. On a 2-core CPU smaller trees (e.g. W 8, N 5, G 8) may run faster.
+
+    confidence: adaptive drafting. A row stops drafting after a draft token whose probability
+    under the draft's softmax is below `confidence` (the rest of that forward's phrase is
+    dropped); the round's draft forwards end when every row has stopped or holds gamma tokens.
+    The target still scores the fixed tree; a row's undrafted chain slots are masked out, and
+    its pool branches too (they hang after d_gamma). 0 (default) drafts gamma tokens. The rule
+    looks only at the draft's own (greedy) choices, fixed before verification, so greedy output
+    stays vanilla's and sampling stays lossless.
     """
 
     gamma: int = 12
@@ -79,6 +87,7 @@ class OuroborosConfig:
     lengthening: bool = True
     recycling: bool = True
     history: bool = True
+    confidence: float = 0.0
 
     def __post_init__(self):
         check_int(self, "gamma", 1)
@@ -88,6 +97,10 @@ class OuroborosConfig:
         check_int(self, "suffixes", 1, self.guesses)
         if self.pool_rows is not None:
             check_int(self, "pool_rows", 1)
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
+                or not 0.0 <= self.confidence < 1.0:
+            raise ValueError("OuroborosConfig.confidence must be a number in [0, 1), got "
+                             f"{self.confidence!r}")
         for name in ("phrase_drafting", "lengthening", "recycling", "history"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
@@ -129,22 +142,26 @@ _ZERO = np.array([0], np.int32)
 
 def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool, last, active,
                    prefix=None, prefix_count=None):
-    """One draft forward -> (Accepted in tree indices, NewKV, window, pool)."""
+    """One draft forward -> (Accepted in tree indices, NewKV, window, pool, confidence f32[B,A]
+    of acc.tokens or None when cfg.confidence is 0)."""
     B = last.shape[0]
+    adaptive = cfg.confidence > 0
     if cfg.phrase_drafting:
         layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
         res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
-                          prefix=prefix, prefix_count=prefix_count)
-        return res.acc, res.new, res.window, res.pool
+                          prefix=prefix, prefix_count=prefix_count, with_confidence=adaptive)
+        return res.acc, res.new, res.window, res.pool, res.confidence
     logits, new, _ = tree_forward(dparams, dconfig, dcache, last[:, None], _ONE, _ZERO,
                                   jnp.ones((B, 1), bool), _ZERO, prefix, prefix_count)
-    acc = Accepted(path=jnp.zeros((B, 1), jnp.int32), tokens=_greedy(logits, None),
+    tok = _greedy(logits, None)
+    acc = Accepted(path=jnp.zeros((B, 1), jnp.int32), tokens=tok,
                    count=jnp.ones((B,), jnp.int32))
-    return acc, new, window, pool
+    return acc, new, window, pool, token_probability(logits, tok) if adaptive else None
 
 
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
-    """Mechanism 1: -> (d int32[B,γ], dcache, window, pool, stats)."""
+    """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
+    row earlier; slots past it hold garbage), dcache, window, pool, stats)."""
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
@@ -159,37 +176,45 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
     rows = jnp.arange(B)[:, None]
 
     def step(carry, first: bool):
-        dcache, window, pool, dbuf, nd, last, stats = carry
-        active = live & (nd < gamma)
-        acc, new, window, pool = _draft_forward(
+        dcache, window, pool, dbuf, nd, last, going, stats = carry
+        active = live & (nd < gamma) & going
+        acc, new, window, pool, conf = _draft_forward(
             dparams, dconfig, cfg, dcache, window, pool, last, active,
             prefix if first else None, pc if first else None)
         cnt = jnp.where(active, acc.count, 0)
+        if conf is not None:  # adaptive: keep up to the first token below the threshold
+            a = jnp.arange(conf.shape[1], dtype=jnp.int32)[None]
+            low = (conf < cfg.confidence) & (a < cnt[:, None])
+            first_low = jnp.min(jnp.where(low, a, conf.shape[1]), axis=1)
+            cnt = jnp.minimum(cnt, first_low + 1)
+            going = going & ~jnp.any(low, axis=1)
         dcache = commit_with_prefix(dcache, new, U if first else 0,
                                     pc if first else jnp.zeros_like(cnt), acc.path, cnt)
         q = jnp.arange(acc.tokens.shape[1], dtype=jnp.int32)[None]
         slot = jnp.where(q < cnt[:, None], nd[:, None] + q, buf)
         dbuf = dbuf.at[rows, slot].set(acc.tokens, mode="drop")
-        newest = jnp.take_along_axis(acc.tokens, jnp.maximum(acc.count - 1, 0)[:, None], 1)[:, 0]
+        newest = jnp.take_along_axis(acc.tokens, jnp.maximum(cnt - 1, 0)[:, None], 1)[:, 0]
         last = jnp.where(active, newest, last)
         stats = stats.replace(
             draft_calls=stats.draft_calls + jnp.sum(active, dtype=jnp.int32),
             draft_tokens=stats.draft_tokens + jnp.sum(jnp.minimum(cnt, gamma - nd)),
             draft_forwards=stats.draft_forwards + 1)
-        return dcache, window, pool, dbuf, nd + cnt, last, stats
+        return dcache, window, pool, dbuf, nd + cnt, last, going, stats
 
     carry = (dcache, state.window, state.pool, jnp.zeros((B, buf), jnp.int32),
-             jnp.zeros((B,), jnp.int32), seq.last, state.stats)
+             jnp.zeros((B,), jnp.int32), seq.last, jnp.ones((B,), bool), state.stats)
     carry = step(carry, True)
-    carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < gamma)),
+    carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < gamma) & c[6]),
                                lambda c: step(c, False), carry)
-    dcache, window, pool, dbuf, _, _, stats = carry
-    return dbuf[:, :gamma], dcache, window, pool, stats
+    dcache, window, pool, dbuf, nd, _, _, stats = carry
+    return dbuf[:, :gamma], jnp.minimum(nd, gamma), dcache, window, pool, stats
 
 
-def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, matched, live):
+def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, matched, live,
+             drafted):
     """Mechanism 3 (see module docstring). tokens/choices int32[B,T] of the target tree,
-    found bool[B,X] branch validity, matched int32[B] chain draft tokens accepted."""
+    found bool[B,X] branch validity, matched int32[B] chain draft tokens accepted, drafted
+    int32[B] chain slots the draft filled (γ unless adaptive drafting stopped it)."""
     gamma, m = cfg.gamma, cfg.ngram - 1
     B = tokens.shape[0]
     keys, phrases, valid = [], [], []
@@ -201,7 +226,9 @@ def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, 
         phrases.append(choices[:, i[:, None] + np.arange(m)[None]])  # [B, n_keys, M]
         backed = jnp.all(ok[:, i[:, None] + np.arange(m - 1)[None]], axis=2) if m > 1 else \
             jnp.ones((B, n_keys), bool)
-        valid.append(backed & (jnp.asarray(i)[None] > matched[:, None]) & live[:, None])
+        # the phrase's last target token follows chain node i + M - 1, which must be drafted
+        inside = jnp.asarray(i + m - 1)[None] <= drafted[:, None]
+        valid.append(backed & inside & (jnp.asarray(i)[None] > matched[:, None]) & live[:, None])
     if cfg.lengthening:
         x = cfg.suffixes
         lay = chain_with_branches(1 + gamma, x, m)
@@ -253,19 +280,23 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
     live = ~seq.done
     L = seq.lengths
 
-    d, dcache, window, pool, stats = _draft_phase(dparams, dconfig, cfg, state, live)
+    d, drafted, dcache, window, pool, stats = _draft_phase(dparams, dconfig, cfg, state, live)
+    # chain slots the draft filled (all of them unless adaptive drafting stopped the row)
+    in_chain = jnp.arange(gamma, dtype=jnp.int32)[None] < drafted[:, None]  # [B,γ]
 
     # -- lengthen: chain (last, d_1..d_γ) + X branches keyed by d_γ
     x = cfg.suffixes if cfg.lengthening else 0
     lay = chain_with_branches(1 + gamma, x, m)
     chain = jnp.concatenate([seq.last[:, None], d], axis=1)
+    chain_valid = jnp.concatenate([jnp.ones((B, 1), bool), in_chain], axis=1)
     if x:
         branches, found = lookup(pool, d[:, gamma - 1], x)  # [B,X,M], [B,X]
+        found = found & (drafted == gamma)[:, None]  # branches hang after d_γ
         tokens = jnp.concatenate([chain, branches.reshape(B, -1)], axis=1)
-        valid = jnp.concatenate([jnp.ones((B, 1 + gamma), bool), jnp.repeat(found, m, axis=1)], 1)
+        valid = jnp.concatenate([chain_valid, jnp.repeat(found, m, axis=1)], 1)
     else:
         found = jnp.zeros((B, 0), bool)
-        tokens, valid = chain, jnp.ones((B, 1 + gamma), bool)
+        tokens, valid = chain, chain_valid
 
     # -- one target forward, accept, commit
     pos = state.tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
@@ -282,7 +313,7 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
                                                 jnp.minimum(L + matched, seq.lengths - 1)))
 
     if cfg.recycling:
-        pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live)
+        pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live, drafted)
 
     # -- stats
     stats = count_round(stats, live, kept)
@@ -294,7 +325,7 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
         + jnp.sum(from_branch, dtype=jnp.int32),
         pool_hits=stats.pool_hits + jnp.sum(lv * jnp.any(found, axis=1)),
         draft_matches=stats.draft_matches
-        + jnp.sum(lv[:, None] * (tokens[:, 1:1 + gamma] == choices[:, :gamma])),
+        + jnp.sum(lv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
         draft_accepted=stats.draft_accepted + jnp.sum(lv * matched))
     return OuroborosState(seq, tcache, dcache, window, pool, stats)
 

@@ -38,7 +38,7 @@ from flax import struct
 
 from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
-from ..sampling import SamplingParams, process_logits, token_key
+from ..sampling import SamplingParams, process_logits, token_key, token_probability
 from ..tree import chain_parents, tree_depths, tree_mask
 from .auto import speculative_rate
 from .spec import MethodSpec
@@ -117,8 +117,9 @@ def _draw(logits: jax.Array, keys, sp: SamplingParams, greedy: bool):
 def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool) -> jax.Array:
     """Probability the draft gave its own token: logits [B,T,V], drafts int32[B,T] -> f32[B,T]
     (from logq, the distribution drawn from, when sampling; the plain softmax when greedy)."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if greedy else logq
-    return jnp.exp(jnp.take_along_axis(lp, drafts[..., None], -1)[..., 0])
+    if greedy:
+        return token_probability(logits, drafts)
+    return jnp.exp(jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0])
 
 
 def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
