@@ -62,6 +62,7 @@ def bench_run(tiny_pair, tmp_path_factory):
               "--max-new-tokens", "8",
               "--methods", "vanilla,speculative,lookahead,ouroboros,perturbed,not-a-method,"
                            "peers", "--sweep", "pool", "--sweep", "history", "--sweep", "length",
+              "--sweep", "confidence",
               "--out", str(d / "out")])
     finally:
         del METHODS["perturbed"]
@@ -127,13 +128,15 @@ def test_quick_bench_json_has_every_field(bench_run):
         "on, file order", "off, file order", "on, reversed", "off, reversed"]
     assert [p["value"] for p in sw["length"]["points"]] == [8, 16]
     assert sw["length"]["points"][0]["new_tokens"] == 3 * 8  # --ignore-eos: full length
+    assert [p["value"] for p in sw["confidence"]["points"]] == [0.0, 0.5]
     # prompts sized so that every call (second turns included) shares one compiled shape
     assert all(m[k]["recompiled_calls"] == 0 for k in ("vanilla", "ouroboros"))
     for s in sw.values():
         for p in s["points"]:
             assert p["identical"] is True and p["tokens_per_second"] > 0
     for f in ("results.md", "speedup_by_task.png", "acceptance_hist.png", "pool_growth.png",
-              "sweep_pool.png", "sweep_history.png", "sweep_length.png"):
+              "sweep_pool.png", "sweep_history.png", "sweep_length.png",
+              "sweep_confidence.png"):
         assert os.path.getsize(out / f) > 0, f
     md = (out / "results.md").read_text()
     assert "| ouroboros |" in md and "| hf-assisted |" in md

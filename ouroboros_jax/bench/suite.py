@@ -150,7 +150,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="time forwards here and predict speedups from the counted forwards")
     p.add_argument("--latency-json", help="latency table from another machine (cost model)")
     p.add_argument("--sweep", action="append", default=[],
-                   help="k, gamma, pool, history, length, or all (repeatable)")
+                   help="k, gamma, pool, history, length, confidence, or all (repeatable)")
     p.add_argument("--sweep-prompts", type=int, help="prompts per task in sweeps")
     p.add_argument("--batch-sizes", metavar="B1,B2,...",
                    help="instead of the suite: throughput of each method (config=auto) at these "

@@ -6,6 +6,7 @@ sample in the same run (every point compiles once; compile time is excluded as i
   pool     pool capacity (pool_rows: keys held; shapes the starting pool, no recompile)
   history  pool reuse across prompts on/off, prompts in file order and reversed (Table 17)
   length   generation length (Table 15)
+  confidence  adaptive drafting threshold (0 = fixed chains of gamma)
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from .configs import make_config
 from .runner import MethodRun, run_bench
 from .workloads import Prompt, with_length
 
-SWEEPS = ("k", "gamma", "pool", "history", "length")
+SWEEPS = ("k", "gamma", "pool", "history", "length", "confidence")
 VALUES = {"k": [1, 2, 3, 4, 5], "gamma": [2, 4, 8, 12], "pool": [16, 256, 4096, None],
-          "length": [64, 128, 256, 512]}
-QUICK_VALUES = {"k": [1, 2], "gamma": [2, 4], "pool": [4, None], "length": [8, 16]}
+          "length": [64, 128, 256, 512], "confidence": [0.0, 0.2, 0.4, 0.6]}
+QUICK_VALUES = {"k": [1, 2], "gamma": [2, 4], "pool": [4, None], "length": [8, 16],
+                "confidence": [0.0, 0.5]}
+# sweeps over one OuroborosConfig field: sweep name -> field
+FIELDS = {"k": "suffixes", "gamma": "gamma", "pool": "pool_rows", "confidence": "confidence"}
 
 
 def _point(value, s: dict, van_tps: Optional[float]) -> dict:
@@ -47,8 +51,8 @@ def sweep(name: str, target, draft, prompts: list[Prompt], *, quick: bool = Fals
     values = list(values or (QUICK_VALUES if quick else VALUES).get(name, []))
     kw = dict(ignore_eos=ignore_eos, progress=False, log=log)
     points = []
-    if name in ("k", "gamma", "pool"):
-        field = {"k": "suffixes", "gamma": "gamma", "pool": "pool_rows"}[name]
+    if name in FIELDS:
+        field = FIELDS[name]
         runs = []
         for v in values:
             extra = {field: v}
