@@ -202,6 +202,14 @@ def check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be an integer {rng}, got {v!r}")
 
 
+def check_fraction(obj, name: str) -> None:
+    """Config validation: obj.<name> must be a number (not a bool) in [0, 1); else a ValueError
+    naming the config class and field."""
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+        raise ValueError(f"{type(obj).__name__}.{name} must be a number in [0, 1), got {v!r}")
+
+
 def loop_config(cfg):
     """A pool-keeping method's config as its compiled loop sees it: `history` and `pool_rows`
     only shape the starting pool (`pool.prepare_pool`), so they are normalized away and toggling

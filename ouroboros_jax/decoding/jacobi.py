@@ -189,7 +189,6 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     preds = jnp.argmax(logits[:, 1:1 + w], axis=-1).astype(jnp.int32)  # [B,W]
     verify = np.concatenate([[0], np.arange(1 + w, len(select))])
     choices = choose(logits[:, verify], pos[:, verify] + 1)  # [B, 1 + G*M]
-    conf = token_probability(logits[:, verify], choices) if with_confidence else None
 
     # -- accept along the best guess: the walk over [last, that guess] (a chain of N nodes)
     c0 = choices[:, :1]
@@ -206,19 +205,19 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
         cch = jnp.concatenate([c0, bch], 1)
         cvalid = jnp.concatenate([jnp.ones((B, 1), bool), jnp.repeat(bfound, m, 1)], 1)
         acc = accept_walk(chain_parents(n), ctok, cvalid, cch)
-        if conf is not None:  # along the best guess, then along the walked path
-            cconf = jnp.concatenate(
-                [conf[:, :1],
-                 jnp.take_along_axis(conf[:, 1:].reshape(B, g, m), best[:, None, None], 1)[:, 0]],
-                1)
-            conf = jnp.take_along_axis(cconf, acc.path, 1)
+        conf = None
+        if with_confidence:  # softmax only over the N nodes of the best guess's chain
+            nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                                     1 + best[:, None] * m + jnp.arange(m)[None]], 1)  # [B,N]
+            chain_logits = jnp.take_along_axis(logits[:, verify], nodes[:, :, None], 1)
+            conf = jnp.take_along_axis(token_probability(chain_logits, cch), acc.path, 1)
         tree_of = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                                    jnp.asarray(gi, jnp.int32)[best]], 1)  # [B,N]
         path = jnp.take_along_axis(tree_of, acc.path, 1)
     else:
         acc = accept_walk(chain_parents(1), last[:, None], jnp.ones((B, 1), bool), c0)
         path = acc.path
-        conf = None if conf is None else conf[:, :1]
+        conf = token_probability(logits[:, :1], c0) if with_confidence else None
     acc = acc.replace(path=path)
 
     # -- harvest each column's n-gram: key, level1..level(N-2), new prediction

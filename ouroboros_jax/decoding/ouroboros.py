@@ -50,8 +50,9 @@ from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
-                     init_sequences, init_stats, loop_config, pool_summary, prefill)
+from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_round, counter,
+                     decode_loop, emit, init_sequences, init_stats, loop_config, pool_summary,
+                     prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
 from .auto import ouroboros_rate
@@ -97,10 +98,7 @@ class OuroborosConfig:
         check_int(self, "suffixes", 1, self.guesses)
         if self.pool_rows is not None:
             check_int(self, "pool_rows", 1)
-        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
-                or not 0.0 <= self.confidence < 1.0:
-            raise ValueError("OuroborosConfig.confidence must be a number in [0, 1), got "
-                             f"{self.confidence!r}")
+        check_fraction(self, "confidence")
         for name in ("phrase_drafting", "lengthening", "recycling", "history"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OuroborosConfig.{name} must be a bool, got "

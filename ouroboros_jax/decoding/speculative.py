@@ -42,8 +42,8 @@ from ..sampling import SamplingParams, process_logits, token_key, token_probabil
 from ..tree import chain_parents, tree_depths, tree_mask
 from .auto import speculative_rate
 from .spec import MethodSpec
-from .common import (Limits, Sequences, Stats, count_round, counter, decode_loop, emit,
-                     init_sequences, init_stats, prefill)
+from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_round, counter,
+                     decode_loop, emit, init_sequences, init_stats, prefill)
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -67,11 +67,8 @@ class SpeculativeConfig:
     confidence: float = 0.0
 
     def __post_init__(self):
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be an integer >= 1, got {self.gamma!r}")
-        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) \
-                or not 0.0 <= self.confidence < 1.0:
-            raise ValueError(f"confidence must be a number in [0, 1), got {self.confidence!r}")
+        check_int(self, "gamma", 1)
+        check_fraction(self, "confidence")
 
 
 @struct.dataclass
