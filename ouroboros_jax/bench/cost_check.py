@@ -39,6 +39,14 @@ def main(argv=None):
     ap.add_argument("--methods", default="vanilla,speculative,lookahead,ouroboros")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    for name in ("reps", "prompts", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    unknown = [m for m in a.methods.split(",") if m.strip() not in
+               ("vanilla", "speculative", "lookahead", "ouroboros")]
+    if unknown:
+        ap.error(f"--methods: unknown method(s) {', '.join(unknown)}; choose from vanilla, "
+                 "speculative, lookahead, ouroboros")
 
     import ouroboros_jax as oj
     from ouroboros_jax.decoding import METHODS
