@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,8 @@ from ..tree import jacobi_tree
 from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
                      init_sequences, init_stats, loop_config, pool_summary, prefill)
 from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
-from .auto import lookahead_rate
+from .cost import RoundModel, phrase_gain
+from .knobs import GUESSES, NGRAM, WINDOW, KnobSpace
 from .spec import MethodSpec
 
 
@@ -43,6 +44,8 @@ class LookaheadConfig:
     guesses: int = 15
     pool_rows: Optional[int] = None
     history: bool = True
+
+    KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(WINDOW, NGRAM, GUESSES))
 
     def __post_init__(self):
         check_int(self, "window", 1)
@@ -146,11 +149,13 @@ def _forward_sizes(cfg: LookaheadConfig) -> tuple[int, int, int]:
     return (cfg.window + cfg.guesses) * (cfg.ngram - 1), 0, 0
 
 
+def _round_model(cfg: LookaheadConfig, a) -> RoundModel:
+    # measured: a lookahead round costs no more than the probe's forward of its size (its pool
+    # work overlaps the forward's), so no overhead term; no draft, so no agreement
+    return RoundModel(tokens=1 + phrase_gain(cfg.guesses, cfg.ngram))
+
+
 SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
                   default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
                   quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4),
-                  # G = W: as many pool guesses as window columns (the paper's setting)
-                  auto_grid=lambda grid: [LookaheadConfig(window=w, ngram=n, guesses=w)
-                                          for w in grid["window"] for n in grid["ngram"]],
-                  auto_rate=lambda cfg, a, tt, td: lookahead_rate(cfg.window, cfg.ngram,
-                                                                  cfg.guesses, tt))
+                  round_model=_round_model)

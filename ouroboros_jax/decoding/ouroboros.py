@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,9 @@ from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_
                      prefill)
 from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
                      tree_forward)
-from .auto import ouroboros_rate
+from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
+                   expected_tokens, phrase_gain)
+from .knobs import GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace, Switch
 from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
@@ -89,6 +91,11 @@ class OuroborosConfig:
     recycling: bool = True
     history: bool = True
     confidence: float = 0.0
+
+    KNOBS: ClassVar[KnobSpace] = KnobSpace(
+        knobs=(GAMMA, WINDOW, NGRAM, GUESSES, SUFFIXES),
+        switches=(Switch("phrase_drafting", "phrase drafting"), Switch("lengthening", "lengthening"),
+                  Switch("recycling", "recycling"), Switch("history", "history")))
 
     def __post_init__(self):
         check_int(self, "gamma", 1)
@@ -380,19 +387,17 @@ def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
     return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)
 
 
-def _auto_grid(grid: dict) -> list:
-    # G = W as in the paper; X suffixes never more than the window's columns
-    return [OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w, suffixes=x)
-            for g in grid["gamma"] for w in grid["window"] for n in grid["ngram"]
-            for x in grid["suffixes"] if x <= w]
-
-
-def _auto_rate(cfg: OuroborosConfig, a, tt, td) -> float:
-    return ouroboros_rate(a, cfg.gamma, cfg.window, cfg.ngram, cfg.guesses, cfg.suffixes, tt, td)
+def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
+    c = 1 + phrase_gain(cfg.guesses, cfg.ngram) * a  # draft tokens per draft forward (phrase drafting)
+    draft_forwards = cfg.gamma / c  # on average: a forward yields 1 to N-1 tokens
+    return RoundModel(
+        tokens=expected_tokens(a, cfg.gamma) + branch_gain(a, cfg.gamma, cfg.suffixes, cfg.ngram),
+        draft_forwards=draft_forwards,
+        overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + POOL_OVERHEAD)
 
 
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
                                                        suffixes=2),
-                  auto_grid=_auto_grid, auto_rate=_auto_rate)
+                  round_model=_round_model)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from . import cost
+
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
@@ -24,10 +26,12 @@ class MethodSpec:
             draft forward of a round), fixed shapes as compiled (masked slots cost as much
             as real ones); what the cost model prices. None: unknown.
         quick_config: () -> a small config for tiny models (`bench --quick`, tests).
-        auto_grid: knob grid {"gamma": (...), "window": ..., "ngram": ..., "suffixes": ...}
-            -> the configs `config="auto"` chooses among (decoding/auto.py). None: no auto.
-        auto_rate: (config, agreement or None, target latencies {n: s}, draft latencies or
-            None) -> predicted tokens/s of one config (auto's cost model).
+        round_model: (config, agreement or None) -> `cost.RoundModel` (expected tokens,
+            draft forwards and overhead per round): with `forward_sizes`, what the cost model
+            (decoding/cost.py) prices. None: the method has no `config="auto"`.
+
+    The knobs `config="auto"` searches, and everything else that enumerates configs, come from
+    the config class's `KNOBS` (decoding/knobs.py).
     """
 
     run: Callable
@@ -37,17 +41,22 @@ class MethodSpec:
     margin: Callable[[Any], int]
     forward_sizes: Optional[Callable[[Any], tuple]] = None
     quick_config: Optional[Callable[[], Any]] = None
-    auto_grid: Optional[Callable[[dict], list]] = None
-    auto_rate: Optional[Callable[..., float]] = None
+    round_model: Optional[Callable[..., Any]] = None
+
+    @property
+    def knobs(self):
+        """The config class's `knobs.KnobSpace`, or None (vanilla has no knobs)."""
+        return getattr(self.config_type, "KNOBS", None)
+
+    def auto_grid(self, values: Optional[dict] = None) -> list:
+        """The configs `config="auto"` chooses among: the knob space's grid over `values`
+        ({knob: values}, default each knob's auto values)."""
+        return self.knobs.grid(self.config_type, values)
+
+    def rate(self, cfg, agreement, tt: dict, td: Optional[dict]) -> float:
+        """Predicted tokens/s of one config from latency tables (decoding/cost.py)."""
+        return cost.rate(self.forward_sizes(cfg), self.round_model(cfg, agreement), tt, td)
 
 
 class NoConfig:
     """Vanilla decoding has no configuration."""
-
-
-def recipe_of(cfg) -> str:
-    """`Config(field=value, ...)` over a method's tree knobs, evaluable back into cfg (what
-    `tune` prints and `stats["auto"]` reports)."""
-    fields = [f for f in ("gamma", "window", "ngram", "guesses", "suffixes")
-              if hasattr(cfg, f)]
-    return f"{type(cfg).__name__}(" + ", ".join(f"{f}={getattr(cfg, f)}" for f in fields) + ")"

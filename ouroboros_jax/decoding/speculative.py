@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,8 @@ from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key, token_probability
 from ..tree import chain_parents, tree_depths, tree_mask
-from .auto import speculative_rate
+from .cost import DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, expected_tokens
+from .knobs import GAMMA, KnobSpace
 from .spec import MethodSpec
 from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_round, counter,
                      decode_loop, emit, init_sequences, init_stats, prefill)
@@ -65,6 +67,8 @@ class SpeculativeConfig:
 
     gamma: int = 4
     confidence: float = 0.0
+
+    KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(GAMMA,))
 
     def __post_init__(self):
         check_int(self, "gamma", 1)
@@ -277,9 +281,14 @@ def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
     return seq, stats, pool
 
 
+def _round_model(cfg: SpeculativeConfig, a: float) -> RoundModel:
+    # gamma one-token draft forwards, each with its sampling and cache commit
+    return RoundModel(tokens=expected_tokens(a, cfg.gamma), draft_forwards=cfg.gamma,
+                      overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * cfg.gamma)
+
+
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
                   forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),
                   quick_config=lambda: SpeculativeConfig(gamma=4),
-                  auto_grid=lambda grid: [SpeculativeConfig(gamma=g) for g in grid["gamma"]],
-                  auto_rate=lambda cfg, a, tt, td: speculative_rate(a, cfg.gamma, tt, td))
+                  round_model=_round_model)
