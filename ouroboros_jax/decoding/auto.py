@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import forward
+from ..models import causal_mask, forward
 from ..models.timing import forward_timer
 from . import METHODS
 from .cost import agreement_from_eta, vanilla_rate
@@ -158,7 +158,7 @@ def _agreement_counts(tparams, tcfg, dparams, dcfg, prompt, plens):
     """(positions where both models' argmax agree, positions) over the real prompt tokens."""
     B, P = prompt.shape
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((P, P), bool)), (B, P, P))
+    mask = causal_mask(B, P)
     t = jnp.argmax(forward(tparams, tcfg, prompt, pos, mask)[0], axis=-1)
     d = jnp.argmax(forward(dparams, dcfg, prompt, pos, mask)[0], axis=-1)
     real = jnp.arange(P)[None, :] < plens[:, None]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models import forward
+from ..models import causal_mask, forward
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
 
 
@@ -105,7 +105,7 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
     """
     B, P = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((P, P), bool)), (B, P, P))
+    mask = causal_mask(B, P)
     cache = init_cache(config, B, slots, cache_dtype)
     _, new = forward(params, config, prompt, positions, mask, cache=None,
                      select=jnp.zeros((B, 1), jnp.int32))
