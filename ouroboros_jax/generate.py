@@ -236,6 +236,13 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         prompt[i, :len(t)] = t
     plens = np.array([len(t) for t in token_lists], np.int32)
     prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
+    if mesh is not None:
+        # placed before auto: its probe must time (and key) the models as this call runs them
+        from .sharding import shard_batch, shard_model
+
+        target = shard_model(target, mesh)
+        draft = shard_model(draft, mesh) if draft is not None else None
+        prompt_j, plens_j = shard_batch(prompt_j, mesh), shard_batch(plens_j, mesh)
     choice = None
     if auto and method != "vanilla":
         from .decoding.auto import auto_config
@@ -253,13 +260,6 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     sp = SamplingParams.make(float(temperature) if temperature > 0 else 1.0, min(int(top_k), V),
                              float(top_p), int(seed))
     greedy = temperature == 0.0
-
-    if mesh is not None:
-        from .sharding import shard_batch, shard_model
-
-        target = shard_model(target, mesh)
-        draft = shard_model(draft, mesh) if draft is not None else None
-        prompt_j, plens_j = shard_batch(prompt_j, mesh), shard_batch(plens_j, mesh)
 
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,

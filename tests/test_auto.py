@@ -184,3 +184,20 @@ def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_p
     assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
     third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
     assert third.method == "vanilla"
+
+
+def test_sharded_call_probes_and_keys_the_sharded_model(tiny_pair, tmp_path, monkeypatch):
+    """With mesh= and config="auto", the latency probe times the model as the call runs it
+    (placed on the mesh) and keys the table by that placement, not by the unsharded copy."""
+    from ouroboros_jax.sharding import make_mesh, shard_model
+
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    mesh = make_mesh(1, 2)
+    oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative", mesh=mesh,
+                max_new_tokens=4)
+    keys = list(json.loads((tmp_path / "auto.json").read_text())["latency"])
+    sharded_sig = auto.model_signature(shard_model(target, mesh))
+    assert sharded_sig != auto.model_signature(target)
+    assert any(f"|{sharded_sig}|" in k for k in keys), keys
+    assert not any(f"|{auto.model_signature(target)}|" in k for k in keys), keys
