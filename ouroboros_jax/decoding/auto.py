@@ -186,13 +186,9 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
 MIN_REALISED_ROUNDS = 64  # speculative rounds before the realised agreement replaces the prompt's
 
 
-def record_realised(target, draft, stats: dict, gamma: int) -> None:
-    """After a speculative call: pool its realised agreement (from eta at this gamma, weighted by
-    rounds) with earlier calls' for the pair, on disk."""
-    rounds = int(stats.get("target_calls", 0))
-    if rounds <= 0 or not stats.get("new_tokens"):
-        return
-    a = agreement_from_eta(float(stats["eta"]), gamma)
+def record_realised(target, draft, a: float, rounds: int) -> None:
+    """After a call: pool the agreement a it realised over `rounds` rounds (what its method's
+    `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
     old = _read_cache().get("realised", {}).get(key, [0.0, 0])
     _write_cache({"realised": {key: [float(old[0]) + a * rounds, int(old[1]) + rounds]}})
