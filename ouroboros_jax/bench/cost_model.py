@@ -112,7 +112,7 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
 
 
 def prompt_bucket(n: int) -> int:
-    from ..generate import bucket
+    from ..request import bucket
 
     return bucket(int(n))
 
