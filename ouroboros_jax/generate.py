@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .bounds import check_call
 from .decoding import METHODS
 from .decoding.common import Limits, Stats
 from .models.config import normalize_eos
@@ -136,6 +137,10 @@ def _as_token_lists(target: Model, prompts) -> list[list[int]]:
             if target.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
                                  "token-id lists instead")
+            try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompts[{i}] is not valid Unicode text: {e}") from None
             ids = list(target.tokenizer(p)["input_ids"])
         else:
             if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):
@@ -231,6 +236,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
 
     B = len(token_lists)
     P = bucket(longest)
+    check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
     prompt = np.zeros((B, P), np.int32)
     for i, t in enumerate(token_lists):
         prompt[i, :len(t)] = t

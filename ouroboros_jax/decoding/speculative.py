@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ..bounds import MAX_TREE_TOKENS
 from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import SamplingParams, process_logits, token_key, token_probability
@@ -67,7 +68,8 @@ class SpeculativeConfig:
     confidence: float = 0.0
 
     def __post_init__(self):
-        check_int(self, "gamma", 1)
+        # the target scores gamma + 1 tokens a round
+        check_int(self, "gamma", 1, MAX_TREE_TOKENS - 1)
         check_fraction(self, "confidence")
 
 
