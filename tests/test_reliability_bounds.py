@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,28 +124,46 @@ def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir
     assert sorted(os.listdir(cache_dir)) == ["auto.json", "auto.json.lock"]
 
 
-_PROBE_CHILD = """
+# Children start together: each says it is ready (imports done, model loaded) and waits for
+# the parent's "go", so every one reads the fresh cache before any has written.
+_READY = """
 import os, sys, time
-os.environ["JAX_PLATFORMS"] = "cpu"
+def ready_then_wait(i):
+    open(os.path.join(sys.argv[-1], f"ready{i}"), "w").close()
+    while not os.path.exists(os.path.join(sys.argv[-1], "go")):
+        time.sleep(0.005)
+"""
+
+_PROBE_CHILD = _READY + """
 import ouroboros_jax as oj
 from ouroboros_jax.decoding import auto
 m = oj.load_model(sys.argv[1])
-while time.time() < float(sys.argv[3]):  # every process reads the fresh cache at once
-    time.sleep(0.01)
+ready_then_wait(sys.argv[2])
 auto.probe_latency(m, int(sys.argv[2]), 64, sizes=(1,), reps=1)
 """
 
 
-def test_concurrent_processes_probing_keep_every_entry(tiny_target, cache_dir):
-    # four batch sizes = four buckets = four keys, probed by four processes at once
-    batches = (1, 2, 4, 8)
-    start = time.time() + 25  # after every child has imported jax and loaded the model
+def _run_together(script, argvs, sync_dir):
+    """Runs one child per argv (sync_dir appended), says "go" once all are ready; returns their
+    (returncode, stderr)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", _PROBE_CHILD, tiny_target.path, str(b),
-                               str(start)], env=env, stderr=subprocess.PIPE)
-             for b in batches]
-    errs = [p.communicate(timeout=300)[1].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), errs
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv, str(sync_dir)], env=env,
+                              stderr=subprocess.PIPE) for argv in argvs]
+    deadline = time.time() + 240
+    while (len([f for f in os.listdir(sync_dir) if f.startswith("ready")]) < len(procs)
+           and time.time() < deadline and all(p.poll() is None for p in procs)):
+        time.sleep(0.02)
+    (sync_dir / "go").touch()
+    return [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+
+
+def test_concurrent_processes_probing_keep_every_entry(tiny_target, cache_dir):
+    # three batch sizes = three buckets = three keys, probed by three processes at once
+    batches = (1, 2, 4)
+    sync = cache_dir.parent / "sync"
+    sync.mkdir()
+    done = _run_together(_PROBE_CHILD, [(tiny_target.path, str(b)) for b in batches], sync)
+    assert all(rc == 0 for rc, _ in done), done
     keys = _file_is_valid(_cache_file(cache_dir))["latency"]
     assert sorted(int(k.split("|B")[1].split("|")[0]) for k in keys) == list(batches)
     assert [f for f in os.listdir(cache_dir) if f.endswith(".tmp")] == []
@@ -286,30 +305,28 @@ def test_concurrent_save_pool_from_threads_never_fails(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["p.npz"]
 
 
-_SAVE_CHILD = """
-import sys, time
+_SAVE_CHILD = _READY + """
 import numpy as np
 from ouroboros_jax.pool import PhrasePool, save_pool
 i = int(sys.argv[2])
 pool = PhrasePool(keys=np.full((5, 2), -1, np.int32), phrases=np.full((5, 2, 2), i, np.int32),
                   stamps=np.zeros((5, 2), np.int32), clock=np.zeros((), np.int32), vocab_size=11)
-while time.time() < float(sys.argv[3]):
-    time.sleep(0.005)
+ready_then_wait(i)
 for _ in range(30):
     save_pool(sys.argv[1], pool)
 """
 
 
 def test_concurrent_save_pool_from_processes_never_fails(tmp_path):
-    path = tmp_path / "p.npz"
-    start = time.time() + 15
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-c", _SAVE_CHILD, str(path), str(i), str(start)],
-                              env=env, stderr=subprocess.PIPE) for i in range(4)]
-    errs = [p.communicate(timeout=300)[1].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), errs
+    d = tmp_path / "pools"
+    d.mkdir()
+    path = d / "p.npz"
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    done = _run_together(_SAVE_CHILD, [(str(path), str(i)) for i in range(4)], sync)
+    assert all(rc == 0 for rc, _ in done), done
     assert int(np.asarray(load_pool(path).phrases)[0, 0, 0]) in range(4)
-    assert sorted(os.listdir(tmp_path)) == ["p.npz"]
+    assert sorted(os.listdir(d)) == ["p.npz"]
 
 
 # ------------------------------------------------------------------ 4. damaged pool files
@@ -365,17 +382,18 @@ def test_every_bit_flip_and_truncation_is_refused_or_harmless(tmp_path, pool_byt
 def test_pool_clock_never_wraps_and_a_pool_past_it_saves_and_loads(tmp_path):
     from ouroboros_jax.pool.phrase_pool import CLOCK_MAX
 
+    ins, ins_many = jax.jit(insert), jax.jit(insert_many)
     pool = init_pool(11, 3, 2, rows=5)
-    pool = insert(insert(pool, 1, jnp.array([2, 3])), 1, jnp.array([4, 5]))  # A, B under key 1
-    pool = insert(pool, 2, jnp.array([6, 7]))  # C under key 2 (row 2)
+    pool = ins(ins(pool, 1, jnp.array([2, 3])), 1, jnp.array([4, 5]))  # A, B under key 1
+    pool = ins(pool, 2, jnp.array([6, 7]))  # C under key 2 (row 2)
     # as after ~2**31 writes: same order, stamps at the top of the int32 range
     shift = CLOCK_MAX - 3 - int(pool.clock)
     pool = pool.replace(stamps=jnp.where(pool.stamps > 0, pool.stamps + shift, 0),
                         clock=pool.clock + shift)
-    pool = insert(pool, 1, jnp.array([8, 9]))  # D
+    pool = ins(pool, 1, jnp.array([8, 9]))  # D
     assert int(pool.clock) == CLOCK_MAX - 2
     for k in range(6):  # twelve more writes (rows 1 and 3): past 2**31 - 1 without renumbering
-        pool = insert_many(pool, jnp.array([1, 3], jnp.int32),
+        pool = ins_many(pool, jnp.array([1, 3], jnp.int32),
                            jnp.array([[k, k], [k + 1, k]], jnp.int32))
     stamps = np.asarray(pool.stamps)
     live = stamps[stamps > 0]
