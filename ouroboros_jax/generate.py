@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .bounds import check_call
 from .decoding import METHODS
 from .decoding.common import Stats
 from .models.loading import Model
@@ -89,6 +90,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     B = len(token_lists)
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
+    check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
     prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
     if mesh is not None:
         # placed before auto: its probe must time (and key) the models as this call runs them

@@ -112,6 +112,10 @@ def as_token_lists(target: Model, prompts) -> list[list[int]]:
             if target.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
                                  "token-id lists instead")
+            try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompts[{i}] is not valid Unicode text: {e}") from None
             ids = list(target.tokenizer(p)["input_ids"])
         else:
             if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):

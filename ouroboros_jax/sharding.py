@@ -10,6 +10,7 @@ mesh; `plan_report` shows which dimensions ended up split.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,8 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
 
 
 def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
-    n = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    # Python ints: np.prod wraps around int64 for huge batch x cache sizes (negative GiB)
+    n = math.prod(int(d) for d in shape) * jnp.dtype(dtype).itemsize
     for a in spec:
         if a is not None:
             n //= axis_sizes[a]
@@ -140,7 +142,7 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
     specs = param_specs(config, _FakeMesh)
     leaves = jax.tree.leaves(abstract)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    params_total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in leaves)
+    params_total = sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves)
     params_dev = sum(_bytes_per_device(a.shape, a.dtype, s, axis_sizes)
                      for a, s in zip(leaves, spec_leaves))
     cshape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)

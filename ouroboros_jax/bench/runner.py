@@ -377,6 +377,8 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
     results["skipped"]."""
     from ..decoding import METHODS
 
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     eos = -1
     if not ignore_eos:

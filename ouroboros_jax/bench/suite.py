@@ -161,12 +161,35 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick-dir", help=argparse.SUPPRESS)
 
 
+def known_method_names() -> list[str]:
+    """What --methods accepts: registered methods, "ablation", "peers" and each peer."""
+    from ..decoding import METHODS
+
+    return sorted(METHODS) + ["ablation", "peers"] + sorted(HF_PEERS)
+
+
+def check_bench_flags(a) -> None:
+    """--repeats and --methods refused by name before any model loads: an unknown method is an
+    error (a typo must not silently bench vanilla alone and exit 0)."""
+    if isinstance(a.repeats, bool) or not isinstance(a.repeats, int) or a.repeats < 1:
+        raise ValueError(f"--repeats must be an integer >= 1, got {a.repeats!r}")
+    names = [n.strip() for n in a.methods.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--methods names no method ({a.methods!r}); choose from "
+                         f"{', '.join(known_method_names())}")
+    unknown = [n for n in names if n not in known_method_names()]
+    if unknown:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(known_method_names())}")
+
+
 def bench_main(a) -> dict:
     from .report import markdown, write_all
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     quick = a.quick
     workload = workload_of_args(a)  # flag errors before any model loads
+    check_bench_flags(a)
     overrides = _parse_overrides(a.config)
     if a.torch_threads:
         import torch

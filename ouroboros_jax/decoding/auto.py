@@ -31,11 +31,15 @@ store) and the choice; the arithmetic is the pure cost model's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
+import uuid
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -44,10 +48,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None
+
 from ..models import causal_mask, forward
 from ..models.timing import forward_timer
 from . import METHODS
-from .cost import agreement_from_eta, vanilla_rate
+from .cost import vanilla_rate
 from .knobs import recipe_of
 
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
@@ -63,6 +72,12 @@ SETTLED_AGREEMENT_TOKENS = 2048
 
 
 # ------------------------------------------------------------------------------------ disk cache
+# The cache is a hint, never a dependency: every entry read is validated (`_valid_entry`), what
+# is invalid is dropped with one warning and the file rewritten without it, and a cache that
+# cannot be read or written only costs a re-measurement. Writers merge under an exclusive lock
+# on a lock file beside it, re-reading the file inside the lock, so concurrent processes keep
+# every entry (and pooled counts add up); each write goes to its own temp file, renamed over
+# the cache, and removed when the rename fails.
 def cache_path() -> Path:
     """$OUROBOROS_JAX_CACHE/auto.json, else ~/.cache/ouroboros_jax/auto.json."""
     root = os.environ.get("OUROBOROS_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ouroboros_jax")
@@ -71,31 +86,153 @@ def cache_path() -> Path:
 
 # In-process copy of what this process read or wrote, by cache path: no file reads per call.
 _MEMO: dict = {}
+_WARNED: set = set()  # (path, what) pairs already warned about in this process
+SECTIONS = ("latency", "agreement", "realised")
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _valid_entry(section: str, value) -> bool:
+    """Whether one cached value can be used: latency {"n": seconds} with n >= 1 and finite
+    seconds > 0; agreement [agreeing, positions] counts with agreeing <= positions; realised
+    [sum of per-round agreements, rounds] with 0 <= sum <= rounds."""
+    if section == "latency":
+        return (isinstance(value, dict) and len(value) > 0
+                and all(isinstance(k, str) and k.isdigit() and int(k) >= 1 for k in value)
+                and all(_number(v) and v > 0 for v in value.values()))
+    if not isinstance(value, list) or len(value) != 2:
+        return False
+    s, n = value
+    if section == "agreement":
+        return _count(s) and _count(n) and s <= n
+    return _number(s) and _count(n) and 0 <= s <= n  # realised
+
+
+def _validated(raw) -> tuple[dict, list[str]]:
+    """(the usable part of a parsed cache file, descriptions of what was dropped)."""
+    if not isinstance(raw, dict):
+        return {}, [f"the file holds a JSON {type(raw).__name__}, not an object"]
+    data, dropped = {}, []
+    for section, entries in raw.items():
+        if section not in SECTIONS:
+            dropped.append(f"unknown section {section!r}")
+            continue
+        if not isinstance(entries, dict):
+            dropped.append(f"section {section!r} is a {type(entries).__name__}, not an object")
+            continue
+        good = {k: v for k, v in entries.items() if _valid_entry(section, v)}
+        if len(good) < len(entries):
+            dropped.append(f"{len(entries) - len(good)} invalid {section} entr"
+                           f"{'y' if len(entries) - len(good) == 1 else 'ies'}")
+        data[section] = good
+    return data, dropped
+
+
+def _warn_once(path: str, what: str) -> None:
+    if (path, what) not in _WARNED:
+        _WARNED.add((path, what))
+        warnings.warn(f"config='auto' cache {path}: {what}", RuntimeWarning, stacklevel=3)
+
+
+def _load_file(p: Path) -> tuple[dict, list[str]]:
+    """The validated contents of the cache file ({} when absent or unreadable) and what was
+    dropped from it."""
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        return {}, []
+    except (OSError, UnicodeDecodeError) as e:
+        _warn_once(str(p), f"cannot be read ({type(e).__name__}: {e}); measuring afresh")
+        return {}, []
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return {}, ["the file is not valid JSON"]
+    return _validated(raw)
 
 
 def _read_cache() -> dict:
     p = str(cache_path())
     if p not in _MEMO:
-        try:
-            _MEMO[p] = json.loads(Path(p).read_text())
-        except (OSError, ValueError):
-            _MEMO[p] = {}
+        data, dropped = _load_file(Path(p))
+        _MEMO[p] = data
+        if dropped:  # repaired now, so later processes read a valid file
+            _warn_once(p, "ignored and rewrote " + "; ".join(dropped))
+            _update_cache(lambda d: None)
     return _MEMO[p]
 
 
-def _write_cache(update: dict) -> None:
-    """Merges `update` into the cache file atomically; a read-only home just skips caching."""
-    p = cache_path()
-    data = _read_cache()
-    for k, v in update.items():
-        data.setdefault(k, {}).update(v)
+@contextlib.contextmanager
+def _locked(p: Path):
+    """An exclusive advisory lock (fcntl.flock) on `<cache>.lock` beside the cache, held while
+    a writer re-reads, merges and replaces the file. Where flock does not exist (Windows) the
+    writes are still atomic, only concurrent merges may lose an entry."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p.with_name(p.name + ".lock"), "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _replace_atomically(p: Path, text: str) -> None:
+    """Writes text to a temp file of its own (unique name: concurrent writers never share one)
+    and renames it over p; the temp file is removed whatever fails."""
+    tmp = p.with_name(f"{p.name}.{uuid.uuid4().hex}.tmp")
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        with open(tmp, "x") as f:
+            f.write(text)
         os.replace(tmp, p)
-    except OSError:
-        pass
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _update_cache(change):
+    """Applies change(data) -> result to the cache's current contents under the lock (the file
+    re-read inside it, so other processes' entries are kept) and writes the result back;
+    returns change's result. The in-process copy follows. A cache that cannot be written
+    (read-only home, a directory in its place) is warned about once and otherwise skipped."""
+    p = cache_path()
+    try:
+        with _locked(p):
+            data, _ = _load_file(p)
+            result = change(data)
+            _replace_atomically(p, json.dumps(data, indent=1, sort_keys=True))
+    except OSError as e:
+        _warn_once(str(p), f"cannot be written ({type(e).__name__}: {e}); results are kept "
+                           "for this process only")
+        data = _MEMO.get(str(p), {})
+        result = change(data)
+    _MEMO[str(p)] = data
+    return result
+
+
+def _put(section: str, key: str, value) -> None:
+    def change(data):
+        data.setdefault(section, {})[key] = value
+    _update_cache(change)
+
+
+def _add(section: str, key: str, counts: tuple, zero: tuple) -> list:
+    """Adds counts to the entry (pooled with what every process has added before); returns
+    the new total."""
+    def change(data):
+        old = data.setdefault(section, {}).get(key, list(zero))
+        new = [type(z)(o + c) for o, c, z in zip(old, counts, zero)]
+        data[section][key] = new
+        return new
+    return _update_cache(change)
 
 
 def model_signature(model) -> str:
@@ -148,7 +285,7 @@ def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int =
     for n_prev, n in zip(sizes, sizes[1:]):
         table[n] = max(table[n], table[n_prev])
     if use_cache:
-        _write_cache({"latency": {key: {str(n): t for n, t in table.items()}}})
+        _put("latency", key, {str(n): t for n, t in table.items()})
     return table
 
 
@@ -174,9 +311,8 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
         return int(old[0]) / int(old[1]), int(old[1])
     agree, n = (int(x) for x in _agreement_counts(target.params, target.config, draft.params,
                                                    draft.config, prompt, plens))
-    if use_cache:
-        agree, n = agree + int(old[0]), n + int(old[1])
-        _write_cache({"agreement": {key: [agree, n]}})
+    if use_cache:  # pooled under the lock with what every process has counted
+        agree, n = _add("agreement", key, (agree, n), (0, 0))
     if n < MIN_AGREEMENT_TOKENS:  # shrink a few positions' estimate toward the prior
         w = n / MIN_AGREEMENT_TOKENS
         return w * (agree / max(n, 1)) + (1 - w) * DEFAULT_AGREEMENT, n
@@ -190,8 +326,7 @@ def record_realised(target, draft, a: float, rounds: int) -> None:
     """After a call: pool the agreement a it realised over `rounds` rounds (what its method's
     `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
-    old = _read_cache().get("realised", {}).get(key, [0.0, 0])
-    _write_cache({"realised": {key: [float(old[0]) + a * rounds, int(old[1]) + rounds]}})
+    _add("realised", key, (a * rounds, rounds), (0.0, 0))
 
 
 def realised_agreement(target, draft) -> Optional[float]:

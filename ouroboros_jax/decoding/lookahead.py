@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache, init_cache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
@@ -54,11 +55,12 @@ class LookaheadConfig:
     KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(WINDOW, NGRAM, GUESSES))
 
     def __post_init__(self):
-        check_int(self, "window", 1)
-        check_int(self, "ngram", 3)
-        check_int(self, "guesses", 1)
-        if self.pool_rows is not None:
-            check_int(self, "pool_rows", 1)
+        check_int(self, "window", 1, MAX_TREE_TOKENS)
+        check_int(self, "ngram", 3, MAX_TREE_TOKENS)
+        check_int(self, "guesses", 1, MAX_TREE_TOKENS)
+        check_tree_tokens(self, _forward_sizes(self)[0], "(window + guesses) * (ngram - 1)")
+        if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
+            check_int(self, "pool_rows", 1, INT32_MAX)
         if not isinstance(self.history, bool):
             raise ValueError(f"LookaheadConfig.history must be a bool, got {self.history!r}")
 

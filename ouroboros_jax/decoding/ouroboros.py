@@ -50,6 +50,7 @@ import numpy as np
 from flax import struct
 
 from ..models import forward
+from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache, init_cache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
@@ -103,18 +104,21 @@ class OuroborosConfig:
                   Switch("recycling", "recycling"), Switch("history", "history")))
 
     def __post_init__(self):
-        check_int(self, "gamma", 1)
-        check_int(self, "window", 1)
-        check_int(self, "ngram", 3)
-        check_int(self, "guesses", 1)
+        check_int(self, "gamma", 1, MAX_TREE_TOKENS)
+        check_int(self, "window", 1, MAX_TREE_TOKENS)
+        check_int(self, "ngram", 3, MAX_TREE_TOKENS)
+        check_int(self, "guesses", 1, MAX_TREE_TOKENS)
         check_int(self, "suffixes", 1, self.guesses)
-        if self.pool_rows is not None:
-            check_int(self, "pool_rows", 1)
+        if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
+            check_int(self, "pool_rows", 1, INT32_MAX)
         check_fraction(self, "confidence")
         for name in ("phrase_drafting", "lengthening", "recycling", "history"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
+        n_t, n_s, n_first = _forward_sizes(self)
+        check_tree_tokens(self, n_t, "1 + gamma + suffixes * (ngram - 1) (target)")
+        check_tree_tokens(self, max(n_s, n_first), "(window + guesses) * (ngram - 1) (draft)")
 
 
 @struct.dataclass

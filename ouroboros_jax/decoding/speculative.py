@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ..bounds import MAX_TREE_TOKENS
 from ..models import forward
 from ..models.kv_cache import KVCache, commit_prefix, init_cache, rollback
 from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys,
@@ -80,7 +81,8 @@ class SpeculativeConfig:
     KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(GAMMA,))
 
     def __post_init__(self):
-        check_int(self, "gamma", 1)
+        # the target scores gamma + 1 tokens a round
+        check_int(self, "gamma", 1, MAX_TREE_TOKENS - 1)
         check_fraction(self, "confidence")
 
 

@@ -42,13 +42,52 @@ class Model:
     _sharded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
 
+    def __post_init__(self):
+        check_params(self.config, self.params)
+
     @property
     def dtype(self):
         return self.params["embed"].dtype
 
 
+def check_params(config, params) -> None:
+    """A params pytree must be exactly the config's leaves (`params.LEAVES`), each of its shape
+    and a floating dtype: a hand-built Model fails here naming the leaf, not as a KeyError or a
+    scan shape error inside the first forward. Shapes only (abstract arrays pass too)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"Model: config must be a ModelConfig, got {type(config).__name__}")
+    if not isinstance(params, dict) or not isinstance(params.get("layers"), dict):
+        raise ValueError("Model: params must be a dict of the config's leaves with a 'layers' "
+                         f"dict (as load_model or init_params build it), got "
+                         f"{type(params).__name__}"
+                         + (f" with keys {sorted(params)}" if isinstance(params, dict) else ""))
+    want = nest(config, lambda leaf: leaf)
+    for where, got, expected in (("params", params, want),
+                                 ("params['layers']", params["layers"], want["layers"])):
+        names = set(expected) - ({"layers"} if where == "params" else set())
+        have = set(got) - ({"layers"} if where == "params" else set())
+        if have != names:
+            missing, extra = sorted(names - have), sorted(have - names)
+            raise ValueError(f"Model: {where} " + "; ".join(
+                x for x in ((f"lacks {missing}" if missing else ""),
+                            (f"has unexpected {extra}" if extra else "")) if x)
+                + f" for a {config.model_type} config")
+        for name in sorted(names):
+            leaf, a = expected[name], got[name]
+            shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+            if shape is None or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(f"Model: {where}[{name!r}] must be a floating-point array, "
+                                 f"got {dtype if dtype is not None else type(a).__name__}")
+            if tuple(shape) != leaf.shape(config):
+                raise ValueError(f"Model: {where}[{name!r}] has shape {tuple(shape)}, the "
+                                 f"config implies {leaf.shape(config)} (axes {leaf.axes})")
+
+
 def read_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
+    if os.path.isfile(path):  # e.g. <dir>/config.json itself: say so, not "does not exist"
+        raise ValueError(f"{path!r} is a file; pass the model directory that holds config.json "
+                         f"and the weights ({os.path.dirname(os.path.abspath(path))!r})")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     if not os.path.isfile(cfg_path):
@@ -215,8 +254,12 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto") -> Model:
     cast; RoPE and softmax always run in fp32).
     """
     dtype = resolve_dtype(dtype)
-    if str(jnp.dtype(dtype)) not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    try:
+        name = str(jnp.dtype(dtype))
+    except (TypeError, ValueError):  # numpy's TypeError for "garbage" names no parameter
+        name = None
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'auto', float32, bfloat16 or float16, got {dtype!r}")
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a directory path, got {type(path).__name__}")
     path = os.fspath(path)

@@ -9,7 +9,9 @@ by hand, is refused instead of producing useless lookups or crashing inside the 
 from __future__ import annotations
 
 import os
+import uuid
 import zipfile
+import zlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,15 +22,19 @@ _FORMAT = 1
 
 
 def save_pool(path: str, pool: PhrasePool) -> None:
-    """Writes the pool to `path` (.npz); the write is atomic (temp file, then rename)."""
+    """Writes the pool to `path` (.npz); the write is atomic (a temp file of its own beside it,
+    then a rename), so concurrent saves to one path never fail or mix: the last rename wins."""
     check_pool(pool)
     path = os.fspath(path)
-    tmp = path + ".tmp.npz"
+    # a unique temp name per save: a fixed one let one saver rename another's file away
+    # (opened "x": created here, with the umask's permissions, as np.savez would)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     try:
-        np.savez_compressed(tmp, keys=np.asarray(pool.keys), phrases=np.asarray(pool.phrases),
-                            stamps=np.asarray(pool.stamps), clock=np.asarray(pool.clock),
-                            vocab_size=np.int64(pool.vocab_size), policy=np.array(pool.policy),
-                            format=np.int64(_FORMAT))
+        with open(tmp, "xb") as f:  # a file object: savez adds no ".npz" to the name
+            np.savez_compressed(f, keys=np.asarray(pool.keys), phrases=np.asarray(pool.phrases),
+                                stamps=np.asarray(pool.stamps), clock=np.asarray(pool.clock),
+                                vocab_size=np.int64(pool.vocab_size),
+                                policy=np.array(pool.policy), format=np.int64(_FORMAT))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):  # never leave a half-written or orphaned temp file behind
@@ -43,10 +49,16 @@ def load_pool(path: str, vocab_size: int | None = None, phrase_len: int | None =
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pool file {path!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not hasattr(z, "files"):
+            raise ValueError("a single .npy array, not an .npz archive")
+        with z:
             d = {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable pool file ({e})") from None
+    # An empty, truncated or bit-flipped archive surfaces as any of these (zip headers, zlib
+    # streams, "encrypted" flag bits, unknown compression methods): all mean the same thing.
+    except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, RuntimeError,
+            NotImplementedError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable pool file ({type(e).__name__}: {e})") from None
     need = {"keys", "phrases", "stamps", "clock", "vocab_size", "policy", "format"}
     if not need <= set(d):
         raise ValueError(f"{path}: pool file lacks {sorted(need - set(d))}")

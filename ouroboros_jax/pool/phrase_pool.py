@@ -24,8 +24,11 @@ Eviction is a static property of the pool (`policy`):
   "fifo": re-inserting an existing phrase changes nothing; the oldest *first* insert goes.
 
 Stamps are unique among filled slots (each write takes a fresh clock value), so "newest first"
-and "oldest" are always well defined. The int32 clock wraps after 2**31 - 1 writes (~50 million
-decode steps at 40 inserts per step); `clear_pool` resets it.
+and "oldest" are always well defined. Only their order means anything, so before a write would
+take the int32 clock past 2**31 - 1 (~50 million decode steps at 40 inserts per step) the
+stamps are renumbered 1..n in the same order and the clock restarts at n, the number of filled
+slots (`renumber_stamps`): lookups, eviction and `save_pool` / `load_pool` never see a wrapped,
+negative stamp. `clear_pool` resets the clock.
 
 Dimension letters (package glossary): R pool rows, G slots (phrases per key) per row, M phrase
 length, I phrases inserted in one batch, V vocabulary.
@@ -41,6 +44,7 @@ import numpy as np
 from flax import struct
 
 DEFAULT_MAX_ROWS = 65536
+CLOCK_MAX = 2**31 - 1  # the largest stamp an int32 holds
 EVICTION_POLICIES = ("lru", "fifo")
 
 
@@ -85,15 +89,16 @@ def init_pool(
     policy: str = "lru",
 ) -> PhrasePool:
     """Empty pool: R = rows or min(vocab_size, 65536) rows of G = guesses slots of M tokens."""
-    if vocab_size < 1 or guesses < 1 or phrase_len < 1:
-        raise ValueError(
-            "vocab_size, guesses, phrase_len must be >= 1, got "
-            f"{vocab_size}, {guesses}, {phrase_len}"
-        )
-    if rows is None:
-        rows = min(vocab_size, DEFAULT_MAX_ROWS)
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
+    for name, v in (("vocab_size", vocab_size), ("guesses", guesses),
+                    ("phrase_len", phrase_len), ("rows", rows)):
+        if v is None and name == "rows":
+            continue
+        # int32 ids and slot indices: a size past 2**31 - 1 could not be addressed
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
+                or not 1 <= v <= CLOCK_MAX:
+            raise ValueError(f"init_pool: {name} must be an integer in [1, 2**31 - 1], got {v!r}")
+    vocab_size, guesses, phrase_len = int(vocab_size), int(guesses), int(phrase_len)
+    rows = min(vocab_size, DEFAULT_MAX_ROWS) if rows is None else int(rows)
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"policy must be one of {EVICTION_POLICIES}, got {policy!r}")
     return PhrasePool(
@@ -153,6 +158,25 @@ def pool_occupancy(pool: PhrasePool) -> jax.Array:
     return jnp.sum(pool.stamps > 0, dtype=jnp.int32)
 
 
+def renumber_stamps(pool: PhrasePool) -> PhrasePool:
+    """The same pool with its filled slots' stamps renumbered 1..n in their order (n filled
+    slots) and the clock set to n: lookups and eviction, which only compare stamps, behave
+    exactly as before. Jittable."""
+    flat = pool.stamps.reshape(-1)
+    filled = flat > 0
+    order = jnp.argsort(flat)  # empty slots (0) first, then filled ones oldest to newest
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size, dtype=flat.dtype))
+    n_empty = jnp.sum(~filled, dtype=flat.dtype)
+    stamps = jnp.where(filled, rank - n_empty + 1, 0).reshape(pool.stamps.shape)
+    return pool.replace(stamps=stamps, clock=jnp.sum(filled, dtype=pool.clock.dtype))
+
+
+def _room_for(pool: PhrasePool, writes: int) -> PhrasePool:
+    """The pool, its stamps renumbered first when `writes` more writes could pass CLOCK_MAX
+    (the renumbering runs only then: a lax.cond)."""
+    return jax.lax.cond(pool.clock > CLOCK_MAX - writes, renumber_stamps, lambda p: p, pool)
+
+
 def insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
     """Insert one phrase; jittable, fixed shapes.
 
@@ -165,6 +189,11 @@ def insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
     Slot choice in row key % R: the slot already holding (key, phrase) if any (LRU: refreshed
     to newest; FIFO: left alone), else the first empty slot, else the row's oldest slot.
     """
+    return _insert(_room_for(pool, 1), key, phrase, valid)
+
+
+def _insert(pool: PhrasePool, key, phrase, valid=True) -> PhrasePool:
+    """`insert` without the clock check (the caller has made room for the write)."""
     key = jnp.asarray(key, dtype=jnp.int32)
     phrase = jnp.asarray(phrase, dtype=jnp.int32)
     if key.shape != () or phrase.shape != (pool.phrase_len,):
@@ -212,9 +241,9 @@ def insert_many(pool: PhrasePool, keys, phrases, valid=None) -> PhrasePool:
         )
 
     def step(p, x):
-        return insert(p, *x), None
+        return _insert(p, *x), None
 
-    pool, _ = jax.lax.scan(step, pool, (keys, phrases, valid))
+    pool, _ = jax.lax.scan(step, _room_for(pool, keys.shape[0]), (keys, phrases, valid))
     return pool
 
 

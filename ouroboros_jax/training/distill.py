@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -138,29 +139,31 @@ def load_sources(a, target) -> Sources:
             eval_prompts = [enc(p["text"]) for p in heldout_prompts(m, _Tok(), n=a.eval_count, max_tokens=96)]
     else:
         train_t, held_t = read_texts(a.data, a.glob)
+    recs = _read_prompt_file(a.eval_prompts) if a.eval_prompts else None  # refused before writing
     cache = Path(a.out) / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    streams = []
+    streams, unsaved = [], []
     for name, texts in (("train", train_t), ("heldout", held_t)):
         key = hashlib.sha256(("\0".join(texts) + str(getattr(tok, "name_or_path", ""))).encode()).hexdigest()[:16]
         f = cache / f"{name}-{key}.npy"
-        if f.exists():
+        if f.is_file():
             streams.append(np.load(f))
         else:
             s = encode_documents(tok, texts, bos, eos)
-            np.save(f, s)
+            unsaved.append((f, s))
             streams.append(s)
     train, held = streams
-    if a.eval_prompts:
-        recs = _read_prompt_file(a.eval_prompts)
+    if len(train) < a.seq_len + 2:
+        raise ValueError(f"--data: the training text has {len(train)} tokens, fewer than --seq-len {a.seq_len}")
+    for f, s in unsaved:  # written only once every flag and input has been accepted
+        cache.mkdir(parents=True, exist_ok=True)
+        np.save(f, s)
+    if recs is not None:
         eval_prompts = [enc(r) for r in recs][: a.eval_count]
     if not eval_prompts:
         src = held if len(held) > 2 * a.prompt_tokens else train
         rng = np.random.default_rng([a.seed, 999])
         starts = rng.integers(0, max(1, len(src) - a.prompt_tokens), a.eval_count)
         eval_prompts = [src[s : s + a.prompt_tokens].tolist() for s in starts]
-    if len(train) < a.seq_len + 2:
-        raise ValueError(f"--data: the training text has {len(train)} tokens, fewer than --seq-len {a.seq_len}")
     return Sources(train, held, eval_prompts, def_prompts)
 
 
@@ -366,6 +369,9 @@ def validate_args(a) -> None:
         raise ValueError(f"--max-steps must be positive, got {a.max_steps}")
     if a.reuse <= 0:
         raise ValueError(f"--reuse must be positive, got {a.reuse}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise ValueError(f"--out {a.out}: exists and is not a directory (the run directory "
+                         "holds checkpoints, metrics and the exported draft)")
 
 
 class Distiller:
@@ -375,7 +381,6 @@ class Distiller:
         validate_args(a)
         self.a = a
         self.out = Path(a.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.target = _load(a.target, "target")
         tcfg = self.target.config
         if a.init:
@@ -391,6 +396,7 @@ class Distiller:
             print(f"warning: the draft ({self.dcfg.num_params():,} params) is larger than the target "
                   f"({tcfg.num_params():,})", file=sys.stderr)
         self.src = load_sources(a, self.target)
+        self.out.mkdir(parents=True, exist_ok=True)  # only once the flags and inputs are accepted
         self.tx, self.schedule = _optimizer(a)
         self.params, self.opt_state = params, self.tx.init(params)
         self.n_gen_rows = max(1, round(a.batch * (1 - a.corpus_share)))
