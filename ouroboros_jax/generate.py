@@ -16,13 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .bounds import check_call
 from .decoding import METHODS
 from .decoding.common import Stats
 from .models.loading import Model
-from .request import (as_token_lists, cache_slots, check_cache_len, check_draft, check_model,
-                      default_eos_ids, eos_array, explicit_eos, pad_prompts, row_knobs,
-                      validate_scalars)
+from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
+                      check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
+                      row_knobs, validate_scalars)
 
 
 @dataclasses.dataclass

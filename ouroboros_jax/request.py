@@ -15,14 +15,20 @@ bucket reuse the compiled loop:
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .bounds import (MEMORY_SHARE, PAST_POSITIONS_ENV, available_bytes, estimate_bytes,
+                     forward_sizes, gib)
 from .decoding.common import Limits
+from .decoding.knobs import recipe_of
 from .models.config import normalize_eos
 from .models.loading import Model
+from .pool import DEFAULT_MAX_ROWS
 from .sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
@@ -200,3 +206,49 @@ def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: floa
         top_p=jnp.full((B,), float(top_p), jnp.float32),
         seed=jnp.full((B,), int(seed), jnp.uint32), stream=jnp.arange(B, dtype=jnp.int32))
     return limits, sp
+
+
+def check_call(spec, cfg, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
+               max_cache_len: Optional[int], mesh=None) -> None:
+    """Refuses, by the parameter's name, a call whose sizes its models or device cannot hold;
+    `generate` calls it after validating its arguments and before allocating anything.
+
+    cfg None stands for vanilla's sizes (config="auto" chooses from a bounded grid later)."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        hint = "; build one with ouroboros_jax.sharding.make_mesh(data, model)" \
+            if isinstance(mesh, str) else ""
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (or None), got "
+                         f"{type(mesh).__name__} {mesh!r}{hint}")
+    positions = target.config.max_position_embeddings
+    if (max_cache_len is not None and max_cache_len > positions
+            and os.environ.get(PAST_POSITIONS_ENV) != "1"):
+        raise ValueError(f"max_cache_len={max_cache_len} exceeds the target's "
+                         f"max_position_embeddings ({positions}): tokens past it sit at "
+                         "positions the model was never trained on. Set "
+                         f"{PAST_POSITIONS_ENV}=1 to allow it on purpose")
+    limit = positions if max_cache_len is None else max_cache_len
+    n_t, n_s, n_first = forward_sizes(spec, cfg)
+    for tokens, who in ((n_t, "target"), (max(n_s, n_first), "draft")):
+        if tokens > limit:
+            raise ValueError(f"config {recipe_of(cfg)} scores {tokens} tokens in one {who} "
+                             f"forward, more than the cache holds ({limit} positions: "
+                             "max_cache_len / the target's max_position_embeddings); choose a "
+                             "smaller tree")
+    V = target.config.vocab_size
+    rows = getattr(cfg, "pool_rows", None)
+    if rows is not None and rows > V:
+        raise ValueError(f"{type(cfg).__name__}.pool_rows={rows} exceeds the vocabulary ({V}): "
+                         f"key k lives in row k % rows, so rows past {V} are never used")
+    if hasattr(cfg, "guesses") and rows is None:
+        rows = min(V, DEFAULT_MAX_ROWS)
+    margin = 0 if cfg is None else spec.margin(cfg)
+    slots = cache_slots(prompt_width, max_new_tokens, margin, max_cache_len)
+    need = estimate_bytes(spec, cfg, target, draft, batch, prompt_width, slots, rows)
+    if mesh is not None:
+        need //= max(1, mesh.size)  # batch and heads split over the mesh's devices
+    free = available_bytes()
+    if free is not None and need > MEMORY_SHARE * free:
+        raise ValueError(f"this call needs about {gib(need)} of device memory ({batch} rows x "
+                         f"{slots} cache slots: batch, max_cache_len / max_new_tokens"
+                         f"{', the config' if cfg is not None else ''}), more than the "
+                         f"{gib(free)} free; use fewer rows or a smaller max_cache_len")
