@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ouroboros_jax.generate import generate
 from ouroboros_jax.models.config import ModelConfig
 from ouroboros_jax.models.llama import causal_mask, forward, init_params
-from ouroboros_jax.generate import generate
 from ouroboros_jax.models.loading import Model, load_model, load_tokenizer, save_hf_checkpoint
 from ouroboros_jax.training import corpus
 from ouroboros_jax.training.report import causal_argmax, heldout_prompts

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ouroboros_jax.training import corpus, report
-from ouroboros_jax.training.tokenizer import load_tokenizer
 from ouroboros_jax.models.llama import causal_mask, forward
 from ouroboros_jax.models.loading import load_model, save_hf_checkpoint
+from ouroboros_jax.training import corpus, report
+from ouroboros_jax.training.tokenizer import load_tokenizer
 from ouroboros_jax.training.train import restore_params
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "assets" / "demo"

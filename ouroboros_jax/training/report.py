@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax.models.config import ModelConfig
+from ouroboros_jax.models.kv_cache import commit_prefix, init_cache
 from ouroboros_jax.models.llama import causal_mask, forward
+from ouroboros_jax.models.loading import load_model
 from ouroboros_jax.training import corpus, data
 from ouroboros_jax.training.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
-from ouroboros_jax.models.kv_cache import commit_prefix, init_cache
-from ouroboros_jax.models.loading import load_model
 from ouroboros_jax.training.train import restore_params
 
 GAMMA = 8

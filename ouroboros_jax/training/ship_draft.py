@@ -24,8 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from ouroboros_jax.training import distill, export, report
 from ouroboros_jax.generate import generate
+from ouroboros_jax.training import distill, export, report
 
 GATE_AGREEMENT = 0.75
 GATE_SD_GAMMA4 = 2.8
