@@ -246,11 +246,9 @@ def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
             for i in (range(config.num_layers) if leaf.per_layer else (None,))}
 
 
-def dequantize_tensor(t, path: str) -> np.ndarray:
-    """One reader tensor -> float32 numpy array in HF layout (GGUF dims reversed); ValueError
-    naming the tensor for an integer or non-dequantizable type or a short data block."""
-    from gguf import dequantize
-
+def check_tensor_type(t, path: str) -> None:
+    """ValueError naming the tensor when its type is an integer one or one the gguf package
+    cannot dequantize."""
     kind = t.tensor_type.name
     if kind in _INT_TYPES:
         raise ValueError(f"{path}: tensor {t.name} has type {kind}; only float and quantized "
@@ -259,6 +257,15 @@ def dequantize_tensor(t, path: str) -> np.ndarray:
         raise ValueError(f"{path}: tensor {t.name} has quantization type {kind}, which the gguf "
                          f"package cannot dequantize (supported: "
                          f"{', '.join(sorted(dequantizable_types()))})")
+
+
+def dequantize_tensor(t, path: str) -> np.ndarray:
+    """One reader tensor -> float32 numpy array in HF layout (GGUF dims reversed); ValueError
+    naming the tensor for an integer or non-dequantizable type or a short data block."""
+    from gguf import dequantize
+
+    check_tensor_type(t, path)
+    kind = t.tensor_type.name
     if int(t.data.nbytes) != int(t.n_bytes):
         raise ValueError(f"{path}: tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes "
                          "(truncated file)")
@@ -285,6 +292,7 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
                              f"with {config.num_layers} layers as its metadata says)")
         leaf, _ = names[t.name]
+        check_tensor_type(t, path)
         want = leaf.hf_shape(config)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         if shape != want:
