@@ -96,3 +96,51 @@ def test_a_message_among_text_prompts_is_refused(templated):
 def test_chat_without_tokenizer_is_refused(tiny_target):
     with pytest.raises(ValueError, match="the model has no tokenizer"):
         oj.generate(tiny_target, [CHAT], max_new_tokens=4)
+
+
+# ------------------------------------------------------------------ the CLI's generate
+def test_cli_generate_without_target_uses_the_demo_pair(capsys):
+    from ouroboros_jax.cli import main
+
+    main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "6"])
+    target = oj.demo_pair()[0]
+    want = oj.generate(target, ["def add(a, b):"], max_new_tokens=6).texts[0]
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_cli_generate_chat(templated, capsys):
+    from ouroboros_jax.cli import main
+
+    main(["generate", "--target", templated.path, "--chat", "def add(a, b):",
+          "--system", "be brief", "--max-new-tokens", "6"])
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
+    assert capsys.readouterr().out == oj.generate(templated, [chat], max_new_tokens=6).texts[0] + "\n"
+
+
+def test_cli_generate_needs_a_prompt():
+    from ouroboros_jax.cli import main
+
+    with pytest.raises(SystemExit, match="give at least one --prompt TEXT or --chat MESSAGE"):
+        main(["generate"])
+
+
+def test_cli_generate_gguf_target(tmp_path):
+    """--target takes a .gguf file: this one loads (its metadata and weights are read) and, as
+    it carries no tokenizer, the text prompt is then refused by name."""
+    from ouroboros_jax.cli import main
+
+    from conftest import make_hf_model
+    from test_gguf import write_gguf
+
+    tm = make_hf_model(tmp_path / "hf", vocab=97, hidden=64, layers=1, heads=4, kv_heads=2,
+                       inter=128, seed=9)
+    path = write_gguf(tmp_path / "t.gguf", tm)
+    with pytest.raises(SystemExit, match=r"prompts\[0\] is text but the target has no tokenizer"):
+        main(["generate", "--target", path, "--prompt", "x", "--max-new-tokens", "4"])
+
+
+def test_cli_generate_missing_gguf(tmp_path):
+    from ouroboros_jax.cli import main
+
+    with pytest.raises(SystemExit, match="nope.gguf.*does not exist"):
+        main(["generate", "--target", str(tmp_path / "nope.gguf"), "--prompt", "x"])
