@@ -283,3 +283,32 @@ def test_unsupported_rope_scaling_named(small_llama, tmp_path):
                       extra_keys={"llama.rope.scaling.type": ("string", "yarn")})
     with pytest.raises(ValueError, match="yarn.gguf: GGUF rope.scaling.type 'yarn'"):
         oj.load_model(path)
+
+
+# ------------------------------------------------------------------ checkpoints_tools.gguf_to_hf
+def test_gguf_to_hf_writes_a_directory_transformers_and_we_load(tiny_llama, tmp_path):
+    import torch
+    import transformers
+
+    from checkpoints_tools.gguf_to_hf import main
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=T.Q8_0)
+    out = tmp_path / "hf_out"
+    main([path, str(out)])
+    from_gguf = _hf_tensors(oj.load_model(path, dtype="float32"))
+    from_dir = _hf_tensors(oj.load_model(str(out), dtype="float32"))
+    tm = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for k, v in from_gguf.items():
+        np.testing.assert_array_equal(from_dir[k], v, err_msg=k)
+        np.testing.assert_array_equal(tm.state_dict()[k].numpy(), v, err_msg=k)
+
+
+def test_gguf_to_hf_refuses_and_writes_nothing(small_llama, tmp_path):
+    from checkpoints_tools.gguf_to_hf import main
+
+    path = write_gguf(tmp_path / "gpt2.gguf", small_llama, arch="gpt2")
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit, match="architecture 'gpt2' is not supported"):
+        main([path, str(out)])
+    assert not out.exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".gguf_to_hf")]
