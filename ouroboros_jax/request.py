@@ -24,6 +24,7 @@ import numpy as np
 
 from .bounds import (MEMORY_SHARE, PAST_POSITIONS_ENV, available_bytes, estimate_bytes,
                      forward_sizes, gib)
+from .chat import apply_chat, is_conversation
 from .decoding.common import Limits
 from .decoding.knobs import recipe_of
 from .models.config import normalize_eos
@@ -112,9 +113,17 @@ def as_token_lists(target: Model, prompts) -> list[list[int]]:
                          f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
+    if all(isinstance(p, dict) for p in prompts):
+        prompts = [prompts]  # one conversation: [{"role": ..., "content": ...}, ...]
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        if isinstance(p, dict):
+            raise ValueError(f"prompts[{i}] is a chat message among other prompts; give a "
+                             "conversation as a list of messages: prompts=[[{'role': 'user', "
+                             "'content': ...}], ...]")
+        if is_conversation(p):
+            ids = apply_chat(target.tokenizer, p, f"prompts[{i}]")
+        elif isinstance(p, str):
             if target.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
                                  "token-id lists instead")
