@@ -414,7 +414,7 @@ class Engine:
             prompt = jnp.asarray([probe] * n, jnp.int32)
             plens = jnp.full((n,), len(probe), jnp.int32)
             ch = auto_config(method, target, draft, prompt, plens,
-                             cache_slots(32, 0, 0, target.config.max_position_embeddings))
+                             cache_slots(0, 0, 0, self.limit))
             c = OFF if ch.method == "vanilla" else ch.config
             if c is not OFF:
                 if first is None:
