@@ -126,14 +126,12 @@ def test_cancel_frees_the_slot_and_spares_the_others(tiny_pair):
 
 
 def test_no_recompilation_as_requests_come_and_go(tiny_pair, caplog):
-    """After one wave has compiled the step (greedy and mixed) and the insert of the 16-token
-    prompt bucket, requests of other lengths, limits, seeds and sampling knobs arriving and
-    leaving compile nothing."""
+    """After `warmup` has compiled the step of both load levels (greedy and mixed sampling)
+    and the insert of the 16-token prompt bucket, requests of different lengths, limits,
+    seeds and sampling knobs arriving and leaving compile nothing."""
     target, draft, _ = tiny_pair
-    eng = Engine(target, draft, method="ouroboros", config=OU, **KW)
-    eng.submit(PROMPTS[0], RequestParams(max_tokens=4))
-    eng.submit(PROMPTS[1], RequestParams(max_tokens=4, temperature=0.7, seed=1))
-    _drain(eng)
+    eng = Engine(target, draft, method="ouroboros", config={1: OU, 3: "off"}, **KW)
+    eng.warmup()
     sizes = (engine_mod._device_step._cache_size(), engine_mod._device_insert._cache_size())
     with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles(True):
         hs = [eng.submit(p, RequestParams(max_tokens=n, temperature=t, seed=s, top_k=k,
@@ -144,6 +142,7 @@ def test_no_recompilation_as_requests_come_and_go(tiny_pair, caplog):
                   [None, (), (3, 4), None, (7,), ()])]
         _drain(eng)
     assert all(h.done for h in hs)
+    assert len(eng.metrics()["steps_per_level"]) >= 2  # both levels ran
     assert (engine_mod._device_step._cache_size(),
             engine_mod._device_insert._cache_size()) == sizes
     compiled = [r.getMessage() for r in caplog.records if "_device_" in r.getMessage()
