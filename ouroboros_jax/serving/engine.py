@@ -56,21 +56,12 @@ from flax import struct
 
 from ..decoding import METHODS
 from ..decoding.common import (Limits, make_pair, read_emitted, run_rounds, set_rows)
-from ..generate import (EOS_BUCKET, _check_draft, _check_model, bucket, cache_slots,
-                        default_eos_ids, eos_array)
+from ..request import (EOS_BUCKET, bucket, cache_slots, check_draft, check_model,
+                       default_eos_ids, eos_array, is_int, is_real, prompt_ids)
 from ..pool import PhrasePool, init_pool
 from ..sampling import SamplingParams
 
 OFF = "off"  # a load level without speculation
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
-        v, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +90,21 @@ class RequestParams:
         self.validate()
 
     def validate(self) -> None:
-        if not _is_int(self.max_tokens) or not 0 < self.max_tokens < 2**31:
+        if not is_int(self.max_tokens) or not 0 < self.max_tokens < 2**31:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
+        if not is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         ids = self.stop_token_ids
         if ids is not None:
             if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)) \
-                    or not all(_is_int(i) and i >= 0 for i in ids):
+                    or not all(is_int(i) and i >= 0 for i in ids):
                 raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0 (or None), "
                                  f"got {ids!r}")
             if len(ids) > EOS_BUCKET:
@@ -277,22 +268,22 @@ class Engine:
                  slots: int = 8, max_cache_len: Optional[int] = None, rounds_per_step: int = 4,
                  pool: Optional[PhrasePool] = None, shared_pool: bool = True,
                  max_queue: int = 256):
-        _check_model(target, "target")
+        check_model(target, "target")
         if draft is not None:
-            _check_model(draft, "draft")
+            check_model(draft, "draft")
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
         for name, v, lo in (("slots", slots, 1), ("rounds_per_step", rounds_per_step, 1),
                             ("max_queue", max_queue, 1)):
-            if not _is_int(v) or v < lo:
+            if not is_int(v) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if not isinstance(shared_pool, bool):
             raise ValueError(f"shared_pool must be a bool, got {shared_pool!r}")
         spec = METHODS[method]
-        _check_draft(target, draft, method, spec.needs_draft)
+        check_draft(target, draft, method, spec.needs_draft)
         limit = target.config.max_position_embeddings
         if max_cache_len is not None:
-            if not _is_int(max_cache_len) or max_cache_len < 2:
+            if not is_int(max_cache_len) or max_cache_len < 2:
                 raise ValueError(f"max_cache_len must be an integer >= 2, got {max_cache_len!r}")
             limit = min(limit, int(max_cache_len))
         self.target, self.draft = target, draft
@@ -377,7 +368,7 @@ class Engine:
         if isinstance(config, str) and config == "auto":
             return self._auto_levels(method, target, draft)
         if isinstance(config, dict):
-            if not config or not all(_is_int(k) and k >= 1 for k in config):
+            if not config or not all(is_int(k) and k >= 1 for k in config):
                 raise ValueError("config: a load-level map needs integer keys >= 1 (busy slots)"
                                  f", got {sorted(config, key=str)}")
             if 1 not in config:
@@ -438,36 +429,8 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _tokens(self, prompt) -> list:
-        V = self.vocab
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is text but the target has no tokenizer; pass token ids")
-            ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict)
-                                                                  for m in prompt):
-            if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("prompt: chat messages need a tokenizer with a chat template")
-            for i, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError(f"prompt[{i}]: a chat message needs string 'role' and "
-                                     "'content'")
-            ids = list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                          tokenize=True))
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            bad = next((t for t in prompt if not _is_int(t)), None)
-            if bad is not None:
-                raise ValueError(f"prompt holds {bad!r} ({type(bad).__name__}); token ids must "
-                                 "be integers")
-            ids = [int(t) for t in prompt]
-        else:
-            raise ValueError("prompt must be token ids, a string or chat messages, got "
-                             f"{type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt holds token id {bad[0]} outside the vocabulary [0, {V})")
-        return ids
+        # one validation and chat rendering for generate and the engine (request.prompt_ids)
+        return prompt_ids(self.target, prompt, "prompt")
 
     def submit(self, prompt, params: RequestParams = RequestParams()) -> RequestHandle:
         """prompt: token ids, a string, or chat messages (list of {"role","content"} dicts).
