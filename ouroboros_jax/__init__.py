@@ -18,6 +18,12 @@ new tokens seen as keys `o`):
               after the draft chain), C chain length, U prefix slot (tokens a model has not
               processed yet, fed before its tree)
     pool      R pool rows, G slots per row (= guesses), I phrases inserted at once
+
+One meaning of "config" too: `config` is a decoding method's config (`oj.SpeculativeConfig`,
+..., or "auto") wherever a caller picks a method (`generate`, the serving engine, the CLI's
+`--config`), and `cfg` inside decoding/; a model's architecture is a `ModelConfig`, named
+`model.config` on a Model, `model_config` (or `tconfig` / `dconfig` for a pair's target and
+draft) inside decoding/, and `config` only inside models/, which never sees a method config.
 """
 
 from .decoding.lookahead import LookaheadConfig

@@ -104,12 +104,12 @@ def empty_cache(pair: Pair, which: str, rows: int, slots: int) -> KVCache:
     model's dtype. On a mesh it is placed as `sharding.cache_spec` says (rows over "data", kv
     heads over "model"), so every method's caches are laid out like the K/V the sharded
     forward computes instead of wherever XLA's propagation puts a buffer of zeros."""
-    config, params = (pair.tconfig, pair.tparams) if which == "target" else (pair.dconfig,
-                                                                              pair.dparams)
-    cache = init_cache(config, rows, slots, params["embed"].dtype)
+    model_config, params = ((pair.tconfig, pair.tparams) if which == "target"
+                            else (pair.dconfig, pair.dparams))
+    cache = init_cache(model_config, rows, slots, params["embed"].dtype)
     if pair.mesh is None:
         return cache
-    place = NamedSharding(pair.mesh, cache_spec(config, rows, slots, pair.mesh))
+    place = NamedSharding(pair.mesh, cache_spec(model_config, rows, slots, pair.mesh))
     return cache.replace(k=jax.lax.with_sharding_constraint(cache.k, place),
                          v=jax.lax.with_sharding_constraint(cache.v, place))
 
@@ -149,10 +149,10 @@ def set_cache_rows(cache: KVCache, rows: jax.Array, fresh: KVCache) -> KVCache:
                    lengths=cache.lengths.at[rows].set(fresh.lengths))
 
 
-def prefill_rows(params, config, cache: KVCache, rows: jax.Array, prompt: jax.Array,
+def prefill_rows(params, model_config, cache: KVCache, rows: jax.Array, prompt: jax.Array,
                  prompt_lengths: jax.Array) -> KVCache:
     """The rows int32[R] of cache refilled from prompt int32[R,P] (`prefill` of those rows)."""
-    fresh = prefill(params, config, prompt, prompt_lengths, cache.num_slots, cache.k.dtype)
+    fresh = prefill(params, model_config, prompt, prompt_lengths, cache.num_slots, cache.k.dtype)
     return set_cache_rows(cache, rows, fresh)
 
 
@@ -191,7 +191,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
     return seq.replace(tokens=tokens, lengths=lengths, done=done), kept
 
 
-def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots: int,
+def prefill(params, model_config, prompt: jax.Array, prompt_lengths: jax.Array, slots: int,
             cache_dtype) -> KVCache:
     """Fills a fresh cache with every prompt token but the pending last one.
 
@@ -201,8 +201,8 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
     B, P = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
     mask = causal_mask(B, P)
-    cache = init_cache(config, B, slots, cache_dtype)
-    _, new = forward(params, config, prompt, positions, mask, cache=None,
+    cache = init_cache(model_config, B, slots, cache_dtype)
+    _, new = forward(params, model_config, prompt, positions, mask, cache=None,
                      select=jnp.zeros((B, 1), jnp.int32))
     return commit_prefix(cache, new, prompt_lengths - 1)
 
@@ -320,7 +320,7 @@ def pool_summary(stats: Stats, pool) -> dict:
     return dict(pool_hit_rate=stats.own.pool_hits / rounds, pool_occupancy=pool_occupancy(pool))
 
 
-def plain_step(params, config, greedy: bool, sp, limits: Limits, seq: Sequences,
+def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequences,
                cache: KVCache) -> tuple[Sequences, KVCache, jax.Array, jax.Array]:
     """One vanilla token per row: forward the pending token, choose the next, commit the
     pending KV. -> (seq, cache, live bool[B] before the step, kept int32[B])."""
@@ -328,15 +328,15 @@ def plain_step(params, config, greedy: bool, sp, limits: Limits, seq: Sequences,
 
     B = seq.tokens.shape[0]
     pos = (seq.lengths - 1)[:, None]
-    logits, new = forward(params, config, seq.last[:, None], pos, jnp.ones((B, 1, 1), bool),
-                          cache)
+    logits, new = forward(params, model_config, seq.last[:, None], pos,
+                          jnp.ones((B, 1, 1), bool), cache)
     tok = choose_tokens(logits, pos + 1, sp, greedy)
     live = ~seq.done
     seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits)
     return seq, commit_prefix(cache, new, kept), live, kept
 
 
-def follow_draft(params, config, seq_before: Sequences, cache: KVCache, kept: jax.Array
+def follow_draft(params, model_config, seq_before: Sequences, cache: KVCache, kept: jax.Array
                  ) -> KVCache:
     """Keeps a draft's cache as far behind the sequence as it was, across a round without
     drafting (`plain_step`, kept int32[B] tokens per row, 0 or 1): the draft processes the one
@@ -345,7 +345,7 @@ def follow_draft(params, config, seq_before: Sequences, cache: KVCache, kept: ja
     B, S = seq_before.tokens.shape
     pos = cache.lengths[:, None]
     tok = jnp.take_along_axis(seq_before.tokens, jnp.minimum(pos, S - 1), 1)
-    _, new = forward(params, config, tok, pos, jnp.ones((B, 1, 1), bool), cache,
+    _, new = forward(params, model_config, tok, pos, jnp.ones((B, 1, 1), bool), cache,
                      select=jnp.zeros((B, 1), jnp.int32))
     return commit_prefix(cache, new, kept)
 

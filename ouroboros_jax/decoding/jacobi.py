@@ -85,7 +85,7 @@ def empty_window(layout: JacobiLayout, rows: int) -> JacobiWindow:
                         steps=jnp.zeros((rows,), jnp.int32))
 
 
-def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.ndarray,
+def tree_forward(params, model_config, cache: KVCache, tokens: jax.Array, parents: np.ndarray,
                  depths: np.ndarray, valid: jax.Array, select: np.ndarray,
                  prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None
                  ) -> tuple[jax.Array, NewKV, jax.Array]:
@@ -116,7 +116,7 @@ def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.
         sel = np.asarray(select) + U
     mask = tree_mask(all_parents, all_valid)
     sel_b = jnp.broadcast_to(jnp.asarray(sel, jnp.int32)[None], (B, len(sel)))
-    logits, new = forward(params, config, all_tokens, pos, mask, cache, select=sel_b)
+    logits, new = forward(params, model_config, all_tokens, pos, mask, cache, select=sel_b)
     return logits, new, jnp.take_along_axis(pos, sel_b, axis=1)
 
 
@@ -156,7 +156,7 @@ class JacobiResult:
     confidence: Optional[jax.Array] = None
 
 
-def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: JacobiWindow,
+def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, window: JacobiWindow,
                 pool: PhrasePool, last: jax.Array, active: jax.Array,
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
                 prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
@@ -194,8 +194,8 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     # -- one forward; logits only where needed: last, level N-2 (window tails), guesses
     tail = li[m - 1]
     select = np.concatenate([[0], tail, gi.reshape(-1)]).astype(np.int32)
-    logits, new, pos = tree_forward(params, config, cache, tokens, layout.parents, layout.depths,
-                                    valid, select, prefix, prefix_count)
+    logits, new, pos = tree_forward(params, model_config, cache, tokens, layout.parents,
+                                    layout.depths, valid, select, prefix, prefix_count)
     preds = jnp.argmax(logits[:, 1:1 + w], axis=-1).astype(jnp.int32)  # [B,W]
     verify = np.concatenate([[0], np.arange(1 + w, len(select))])
     choices = choose(logits[:, verify], pos[:, verify] + 1)  # [B, 1 + G*M]

@@ -144,7 +144,7 @@ def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool,
     return greedy_where(sp, token_probability(logits, drafts), sampled)
 
 
-def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
+def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingParams,
                   keys, seq: Sequences, cache: KVCache, confidence: float = 0.0):
     """Up to γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, drafted int32[B],
     forwards int32[], cache).
@@ -163,7 +163,7 @@ def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
     pos2 = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
     tok2 = jnp.take_along_axis(seq.tokens, jnp.minimum(pos2, S - 1), 1)
     mask2 = jnp.broadcast_to(tree_mask(chain_parents(2)), (B, 2, 2))
-    logits, new = forward(params, config, tok2, pos2, mask2, cache, select=lag[:, None])
+    logits, new = forward(params, model_config, tok2, pos2, mask2, cache, select=lag[:, None])
     cache = commit_prefix(cache, new, lag + 1)
     d, logq = _draw(logits, None if greedy else keys[:, :1], sp, greedy)
     V = logits.shape[-1]
@@ -182,7 +182,7 @@ def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
         i, drafts, logqs, cache, active, drafted = c
         tok = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)
         pos = (n - 1 + i)[:, None]
-        logits, new = forward(params, config, tok, pos, jnp.ones((B, 1, 1), bool), cache)
+        logits, new = forward(params, model_config, tok, pos, jnp.ones((B, 1, 1), bool), cache)
         cache = commit_prefix(cache, new, jnp.ones((B,), jnp.int32))
         k = None if greedy else jax.lax.dynamic_slice_in_dim(keys, i, 1, axis=1)
         d, logq = _draw(logits, k, sp, greedy)
