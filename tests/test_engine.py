@@ -241,7 +241,7 @@ def test_stop_strings_cut_the_text_and_bad_prompts_are_refused(tiny_target):
     assert "".join(d.text for d in deltas) == text[:cut]
     assert r.token_ids == full.result().token_ids[:len(r.token_ids)]
     for prompt, match in (([], "empty"), ([5, 97], "outside the vocabulary"),
-                          ([1.5], "integers"), (3, "prompt must be")):
+                          ([1.5], "integers"), (3, "prompt is neither a string")):
         with pytest.raises(ValueError, match=match):
             eng.submit(prompt, RequestParams(max_tokens=5))
     with pytest.raises(ValueError, match="max_tokens"):
