@@ -7,7 +7,8 @@ XLA abort, a raw RESOURCE_EXHAUSTED or an OOM kill minutes later. Two layers:
   round scores at most MAX_TREE_TOKENS tokens in one forward. Past a few hundred nothing pays
   (a chain of gamma draft tokens yields at most 1 / (1 - a) tokens per round at agreement a:
   100 at a = 0.99), and a forward of thousands of tokens is a prefill, not a decode step;
-- one call against its models and device (`check_call`, from `generate`): no tree larger than
+- one call against its models and device (`request.check_call`, from `generate`, with
+  `estimate_bytes` and `available_bytes` from here): no tree larger than
   the cache, no more pool rows than vocabulary entries (key k lives in row k % R, so rows past
   V are never used), no cache past the target's `max_position_embeddings` (positions the model
   was never trained on) unless explicitly allowed, and an estimate of the memory the call will
@@ -22,6 +23,10 @@ from __future__ import annotations
 
 import os
 from typing import Optional
+
+import jax
+
+from .models.attention import BLOCK
 
 MAX_TREE_TOKENS = 4096  # tokens one round may score in one forward (see the module docstring)
 INT32_MAX = 2**31 - 1
@@ -42,7 +47,7 @@ def check_tree_tokens(cfg, tokens: int, what: str) -> None:
                          "prefill, and past a few hundred tokens no round pays for itself)")
 
 
-def _forward_sizes(spec, cfg) -> tuple[int, int, int]:
+def forward_sizes(spec, cfg) -> tuple[int, int, int]:
     """(target, draft, first draft) tokens per forward of the method (vanilla: 1, 0, 0)."""
     if cfg is None or spec.forward_sizes is None:
         return 1, 0, 0
@@ -59,8 +64,6 @@ def _forward_bytes(config, batch: int, tokens: int, slots: int, logits: bool = T
     [B, T, V] (none in a prefill, which skips the LM head), one cache block's fp32 scores
     [B, H, T, Z + T] (the blockwise kernel's, Z = min(S, BLOCK)) and the mask [B, T, T]. A
     floor, not a ceiling: enough to refuse what cannot fit, never a call that can."""
-    from .models.attention import BLOCK
-
     if tokens <= 0:
         return 0
     return ((4 * batch * tokens * config.vocab_size if logits else 0)
@@ -73,7 +76,7 @@ def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slot
     """Device bytes a call allocates beyond the models' params: both caches, the token buffer,
     the pool, and the larger of the prefill's and a round's transient buffers. Pure arithmetic
     on Python ints (no overflow, nothing allocated)."""
-    n_t, n_s, n_first = _forward_sizes(spec, cfg)
+    n_t, n_s, n_first = forward_sizes(spec, cfg)
     item = lambda m: m.params["embed"].dtype.itemsize  # noqa: E731  caches use the params' dtype
     total = _kv_bytes(target.config, batch, slots, item(target)) + 4 * batch * slots
     peak = max(_forward_bytes(target.config, batch, prompt_width, prompt_width, False),
@@ -89,8 +92,6 @@ def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slot
 def available_bytes(device=None) -> Optional[int]:
     """Free bytes of the device (its allocator's limit minus what is in use; on a CPU the
     host's available memory), None when the backend does not say."""
-    import jax
-
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats()
@@ -113,59 +114,5 @@ def available_bytes(device=None) -> Optional[int]:
     return None
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
-
-
-def check_call(spec, cfg, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
-               max_cache_len: Optional[int], mesh=None) -> None:
-    """Refuses, by the parameter's name, a call whose sizes its models or device cannot hold;
-    `generate` calls it after validating its arguments and before allocating anything.
-
-    cfg None stands for vanilla's sizes (config="auto" chooses from a bounded grid later)."""
-    import jax
-
-    from .generate import cache_slots
-
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        hint = "; build one with ouroboros_jax.sharding.make_mesh(data, model)" \
-            if isinstance(mesh, str) else ""
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (or None), got "
-                         f"{type(mesh).__name__} {mesh!r}{hint}")
-    positions = target.config.max_position_embeddings
-    if (max_cache_len is not None and max_cache_len > positions
-            and os.environ.get(PAST_POSITIONS_ENV) != "1"):
-        raise ValueError(f"max_cache_len={max_cache_len} exceeds the target's "
-                         f"max_position_embeddings ({positions}): tokens past it sit at "
-                         "positions the model was never trained on. Set "
-                         f"{PAST_POSITIONS_ENV}=1 to allow it on purpose")
-    limit = positions if max_cache_len is None else max_cache_len
-    n_t, n_s, n_first = _forward_sizes(spec, cfg)
-    for tokens, who in ((n_t, "target"), (max(n_s, n_first), "draft")):
-        if tokens > limit:
-            from .decoding.spec import recipe_of
-
-            raise ValueError(f"config {recipe_of(cfg)} scores {tokens} tokens in one {who} "
-                             f"forward, more than the cache holds ({limit} positions: "
-                             "max_cache_len / the target's max_position_embeddings); choose a "
-                             "smaller tree")
-    V = target.config.vocab_size
-    rows = getattr(cfg, "pool_rows", None)
-    if rows is not None and rows > V:
-        raise ValueError(f"{type(cfg).__name__}.pool_rows={rows} exceeds the vocabulary ({V}): "
-                         f"key k lives in row k % rows, so rows past {V} are never used")
-    if hasattr(cfg, "guesses") and rows is None:
-        from .pool import DEFAULT_MAX_ROWS
-
-        rows = min(V, DEFAULT_MAX_ROWS)
-    margin = 0 if cfg is None else spec.margin(cfg)
-    slots = cache_slots(prompt_width, max_new_tokens, margin, max_cache_len)
-    need = estimate_bytes(spec, cfg, target, draft, batch, prompt_width, slots, rows)
-    if mesh is not None:
-        need //= max(1, mesh.size)  # batch and heads split over the mesh's devices
-    free = available_bytes()
-    if free is not None and need > MEMORY_SHARE * free:
-        raise ValueError(f"this call needs about {_gib(need)} of device memory ({batch} rows x "
-                         f"{slots} cache slots: batch, max_cache_len / max_new_tokens"
-                         f"{', the config' if cfg is not None else ''}), more than the "
-                         f"{_gib(free)} free; use fewer rows or a smaller max_cache_len")

@@ -133,7 +133,7 @@ def tree_depths(parents) -> jax.Array:
 def _np_depths_any(parents: np.ndarray) -> np.ndarray:
     """Host-side depths for static parents with any leading batch dims."""
     flat = parents.reshape(-1, parents.shape[-1])
-    return np.stack([_np_depths(row) for row in flat]).reshape(parents.shape).astype(np.int32)
+    return np.stack([np_depths(row) for row in flat]).reshape(parents.shape).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- static layouts
@@ -146,7 +146,7 @@ def _frozen(a) -> np.ndarray:
     return a
 
 
-def _np_depths(parents: np.ndarray) -> np.ndarray:
+def np_depths(parents: np.ndarray) -> np.ndarray:
     """Host-side depths of a static layout (parents[i] < i, so one forward pass suffices)."""
     depths = np.zeros(len(parents), dtype=np.int32)
     for i, p in enumerate(parents):
@@ -250,7 +250,7 @@ def jacobi_tree(window: int, ngram: int, guesses: int) -> JacobiLayout:
         window_size=window_size,
         last_index=0,
         parents=_frozen(parents),
-        depths=_frozen(_np_depths(parents)),
+        depths=_frozen(np_depths(parents)),
         level_index=_frozen(level_index),
         key_index=_frozen(key_index),
         guess_index=_frozen(guess_index),
@@ -303,7 +303,7 @@ def chain_with_branches(chain_len: int, branches: int, branch_len: int) -> Chain
         branch_len=m,
         size=c + x * m,
         parents=_frozen(parents),
-        depths=_frozen(_np_depths(parents)),
+        depths=_frozen(np_depths(parents)),
         chain_index=_frozen(chain_index),
         branch_index=_frozen(branch_index),
     )

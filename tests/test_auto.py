@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax.decoding import auto
+from ouroboros_jax.decoding import auto, cost
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
@@ -83,19 +83,19 @@ def test_more_agreement_never_lowers_gamma():
 
 
 def test_expected_tokens_formula():
-    assert auto.expected_tokens(0.0, 4) == pytest.approx(1.0)
-    assert auto.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert cost.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert cost.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     # Monte Carlo: tokens of a round = accepted prefix (each token right with a) + 1
     rs = np.random.RandomState(0)
     ok = rs.rand(200000, 4) < 0.7
     acc = np.argmin(np.concatenate([ok, np.zeros((len(ok), 1), bool)], 1), axis=1)
-    assert np.mean(acc + 1) == pytest.approx(auto.expected_tokens(0.7, 4), rel=0.01)
+    assert np.mean(acc + 1) == pytest.approx(cost.expected_tokens(0.7, 4), rel=0.01)
 
 
 def test_lookup_interpolates_and_extrapolates():
     t = {1: 1.0, 4: 2.0, 8: 4.0}
-    assert auto.lookup(t, 1) == 1.0 and auto.lookup(t, 2) == pytest.approx(4 / 3)
-    assert auto.lookup(t, 16) == pytest.approx(8.0)
+    assert cost.interpolate(t, 1) == 1.0 and cost.interpolate(t, 2) == pytest.approx(4 / 3)
+    assert cost.interpolate(t, 16) == pytest.approx(8.0)
 
 
 def test_generate_auto_keeps_tokens_reports_choice_and_caches(tiny_pair, random_prompts, tmp_path,
@@ -146,8 +146,8 @@ def test_bad_config_string_is_refused(tiny_target):
 def test_agreement_from_eta_inverts_expected_tokens():
     for a in (0.1, 0.5, 0.7, 0.9):
         for g in (2, 4, 8):
-            assert auto.agreement_from_eta(auto.expected_tokens(a, g), g) == pytest.approx(a, abs=1e-6)
-    assert auto.agreement_from_eta(1.0, 4) == pytest.approx(0.0, abs=1e-6)
+            assert cost.agreement_from_eta(cost.expected_tokens(a, g), g) == pytest.approx(a, abs=1e-6)
+    assert cost.agreement_from_eta(1.0, 4) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, tmp_path, monkeypatch):
@@ -184,3 +184,20 @@ def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_p
     assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
     third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
     assert third.method == "vanilla"
+
+
+def test_sharded_call_probes_and_keys_the_sharded_model(tiny_pair, tmp_path, monkeypatch):
+    """With mesh= and config="auto", the latency probe times the model as the call runs it
+    (placed on the mesh) and keys the table by that placement, not by the unsharded copy."""
+    from ouroboros_jax.sharding import make_mesh, shard_model
+
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    mesh = make_mesh(1, 2)
+    oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative", mesh=mesh,
+                max_new_tokens=4)
+    keys = list(json.loads((tmp_path / "auto.json").read_text())["latency"])
+    sharded_sig = auto.model_signature(shard_model(target, mesh))
+    assert sharded_sig != auto.model_signature(target)
+    assert any(f"|{sharded_sig}|" in k for k in keys), keys
+    assert not any(f"|{auto.model_signature(target)}|" in k for k in keys), keys

@@ -67,3 +67,75 @@ def test_bench_has_no_import_circle():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+def _project_imports(path: Path, name: str, modules: set) -> set:
+    """Project modules `path` (module `name`) imports anywhere, top level or in functions.
+    `from pkg import x` counts as importing pkg.x when that is a module, else pkg itself."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        out.update(t for t in targets if t in modules and t != name)
+    return out
+
+
+def _package_graph() -> dict:
+    paths = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return {m: _project_imports(p, m, set(paths)) for m, p in paths.items()}
+
+
+def test_package_has_no_import_circle():
+    """No module reaches itself through imports, counting function-level ones: an import put
+    inside a function to dodge a circle hides the circle, it does not remove it."""
+    graph = _package_graph()
+    state: dict = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            assert state.get(n) != "open", f"import circle: {' -> '.join(stack + [n])}"
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_method_modules_never_import_auto():
+    """Methods describe themselves (cost model, knobs); auto asks the registry, never the
+    other way round."""
+    graph = _package_graph()
+    methods = [m for m in graph if m.startswith("ouroboros_jax.decoding.")
+               and (PKG / "decoding" / (m.split(".")[-1] + ".py")).read_text().count("SPEC = ")]
+    assert "ouroboros_jax.decoding.speculative" in methods
+    for m in methods:
+        assert "ouroboros_jax.decoding.auto" not in graph[m], m
+
+
+def test_generate_names_no_method():
+    """generate dispatches through the registry alone: it compares against no method name."""
+    from ouroboros_jax.decoding import METHODS
+
+    tree = ast.parse((PKG / "generate.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Compare, ast.Subscript)):
+            for c in ast.walk(node):
+                assert not (isinstance(c, ast.Constant) and c.value in METHODS), (
+                    f"generate.py line {node.lineno} names method {c.value!r}")

@@ -80,7 +80,7 @@ def test_structurally_wrong_cache_is_ignored_rewritten_and_warned_once(tiny_pair
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert auto.realised_agreement(target, draft) is None
-        auto.record_realised(target, draft, _stats(rounds=80), gamma=3)
+        auto.record_realised(target, draft, 0.5, 80)
         assert auto.realised_agreement(target, draft) is not None
     said = [w for w in caught if "auto.json" in str(w.message)]
     assert len(said) == 1 and issubclass(said[0].category, RuntimeWarning), \
@@ -132,7 +132,7 @@ def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir
     _cache_file(cache_dir).mkdir()  # a directory where the file should be
     with pytest.warns(RuntimeWarning, match="cannot be"):
         for _ in range(3):
-            auto.record_realised(target, draft, _stats(rounds=80), gamma=3)
+            auto.record_realised(target, draft, 0.5, 80)
     # the results still serve this process
     assert auto.realised_agreement(target, draft) is not None
     assert sorted(os.listdir(cache_dir)) == ["auto.json", "auto.json.lock"]
@@ -189,7 +189,7 @@ def test_concurrent_threads_pool_every_count(tiny_pair, cache_dir):
 
     def work():
         for _ in range(calls):
-            auto.record_realised(target, draft, _stats(rounds=10), gamma=3)
+            auto.record_realised(target, draft, 0.5, 10)
 
     threads = [threading.Thread(target=work) for _ in range(n_threads)]
     for t in threads:

@@ -9,7 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ouroboros_jax.decoding.verify import Accepted, accept_walk, commit_path, max_depth
+from ouroboros_jax.decoding.verify import Accepted, accept_walk, commit_path
+from ouroboros_jax.tree import np_depths
 from ouroboros_jax.models.kv_cache import KVCache, NewKV
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -55,7 +56,7 @@ def test_accept_walk_matches_reference(tree):
     parents, tokens, valid, choices = tree
     acc = _walk(tuple(parents.tolist()), jnp.asarray(tokens), jnp.asarray(valid),
                 jnp.asarray(choices))
-    Q = max_depth(parents) + 1
+    Q = int(np_depths(parents).max()) + 1
     chex.assert_shape([acc.path, acc.tokens], (B, Q))
     chex.assert_shape(acc.count, (B,))
     chex.assert_type([acc.path, acc.tokens, acc.count], jnp.int32)

@@ -10,23 +10,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..decoding import METHODS
 from .runner import HF_PEERS, MethodRun
 
-ABLATION_STEPS = (  # paper Table 4, one mechanism added per step
-    ("SD", dict(phrase_drafting=False, lengthening=False, recycling=False, history=False)),
-    ("+phrase drafting", dict(phrase_drafting=True, lengthening=False, recycling=False,
-                              history=False)),
-    ("+lengthening", dict(phrase_drafting=True, lengthening=True, recycling=False,
-                          history=False)),
-    ("+recycling", dict(phrase_drafting=True, lengthening=True, recycling=True, history=False)),
-    ("+history", dict(phrase_drafting=True, lengthening=True, recycling=True, history=True)),
-)
+
+def ablation_steps() -> tuple:
+    """The paper's Table 4 steps, one mechanism added per step: ((label, {switch: bool}), ...)
+    from Ouroboros' knob space."""
+    return METHODS["ouroboros"].knobs.ablation_steps()
 
 
 def config_types() -> dict:
     """{method: its config dataclass} for every registered method that has one."""
-    from ..decoding import METHODS
-
     return {name: spec.config_type for name, spec in METHODS.items()
             if dataclasses.is_dataclass(spec.config_type)}
 
@@ -36,8 +31,6 @@ def make_config(method: str, overrides: Optional[dict] = None, quick: bool = Fal
     types = config_types()
     if method not in types:
         return None
-    from ..decoding import METHODS
-
     quick_cfg = METHODS[method].quick_config if quick else None
     # --quick: the method's own small trees (tiny random models, seconds)
     kw = dataclasses.asdict(quick_cfg()) if quick_cfg is not None else {}
@@ -62,7 +55,7 @@ def method_runs(names, quick: bool = False, overrides: Optional[dict] = None) ->
         elif n in HF_PEERS:
             runs.append(MethodRun(n, n, kind="hf"))
         elif n == "ablation":
-            for step, sw in ABLATION_STEPS:
+            for step, sw in ablation_steps():
                 try:
                     cfg = make_config("ouroboros", {**overrides.get("ouroboros", {}), **sw},
                                       quick)

@@ -50,7 +50,7 @@ def main(argv=None):
 
     import ouroboros_jax as oj
     from ouroboros_jax.decoding import METHODS
-    from ouroboros_jax.generate import cache_slots
+    from ouroboros_jax.request import cache_slots
 
     target, draft = oj.demo_pair("float32")
     texts = [p["text"] for p in oj.demo_prompts()[:a.prompts]]

@@ -12,7 +12,8 @@ t_S1 is a draft forward timed right after a target forward: on a CPU the target 
 through the last-level cache and evicts the draft's, so the first draft forward of every round is
 slower than the back-to-back forwards t_S is timed on (measured on the demo pair: a 1-token draft
 forward 0.51 ms back to back, 0.75 ms right after a target forward). t_T(n), t_S(n) and t_S1(n)
-come from a `LatencyTable`: measured on this machine by
+come from a `LatencyTable` (read through the pure cost model's interpolator,
+decoding/cost.py): measured on this machine by
 timing jitted forwards of each model (`measure_latency`), or loaded from JSON written on another
 machine (e.g. a GPU) to predict what the same counts would give there. Prefill forwards (one
 per call and model) are counted when the table has prefill timings. This is the paper's eq. 5/6
@@ -31,6 +32,9 @@ from typing import Optional
 
 import numpy as np
 
+from ..decoding import METHODS
+from ..decoding.cost import interpolate
+
 
 @dataclasses.dataclass
 class LatencyTable:
@@ -48,18 +52,7 @@ class LatencyTable:
 
     @staticmethod
     def _lookup(table: dict, n: int) -> float:
-        if not table:
-            raise ValueError("latency table is empty")
-        xs = sorted(int(k) for k in table)
-        ys = [float(table[k] if k in table else table[str(k)]) for k in xs]
-        if n in xs:
-            return ys[xs.index(n)]
-        if len(xs) == 1:
-            return ys[0]
-        # Linear in n between (and beyond, from the nearest two) measured sizes.
-        return float(np.interp(n, xs, ys)) if xs[0] <= n <= xs[-1] else float(
-            np.polyval(np.polyfit(xs[:2] if n < xs[0] else xs[-2:],
-                                  ys[:2] if n < xs[0] else ys[-2:], 1), n))
+        return interpolate(table, n)  # the one interpolator (decoding/cost.py)
 
     def t_target(self, n: int) -> float:
         return self._lookup(self.target, n)
@@ -119,7 +112,7 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
 
 
 def prompt_bucket(n: int) -> int:
-    from ..generate import bucket
+    from ..request import bucket
 
     return bucket(int(n))
 
@@ -148,8 +141,6 @@ def forward_sizes(method: str, config) -> tuple[int, int, int]:
 
     Counts fixed-shape inputs as compiled: masked slots cost as much as real ones. Each
     method says it in its `MethodSpec.forward_sizes`."""
-    from ..decoding import METHODS
-
     spec = METHODS.get(method)
     if spec is None or spec.forward_sizes is None:
         raise ValueError(f"no forward sizes known for method {method!r}")

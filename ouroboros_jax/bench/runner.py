@@ -192,7 +192,7 @@ def _oj_caller(run: MethodRun, target, draft, eos):
         return o.tokens[0], o.stats["seconds"], o.stats, o.pool
 
     def shape_key(ids, n):
-        from ..generate import bucket
+        from ..request import bucket
 
         cfg = spec.default_config() if run.config is None else run.config
         P = bucket(len(ids))
@@ -382,7 +382,7 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     eos = -1
     if not ignore_eos:
-        from ..generate import default_eos_ids
+        from ..request import default_eos_ids
 
         e = default_eos_ids(target)  # one id, a tuple of ids, or None
         eos = -1 if e is None else (list(e) if isinstance(e, tuple) else int(e))

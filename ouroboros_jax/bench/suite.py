@@ -64,7 +64,7 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                        for c in results["methods"]["vanilla"]["per_call"]}
             # and in a cache as large as the runs' (attention reads every slot): generate's
             # slots for the median prompt
-            from ..generate import cache_slots
+            from ..request import cache_slots
 
             plen = sorted(c["prompt_tokens"] for c in results["methods"]["vanilla"]["per_call"])
             slots = cache_slots(prompt_bucket(plen[len(plen) // 2]),

@@ -18,43 +18,40 @@ import dataclasses
 import json
 import sys
 
-from ..decoding.spec import recipe_of
+from ..decoding import METHODS
+from ..decoding.knobs import recipe_of
 from .runner import MethodRun, run_method
 from .workloads import Prompt
 
-KNOBS = {"ouroboros": ("gamma", "window", "ngram", "suffixes"),
-         "speculative": ("gamma",), "lookahead": ("window", "ngram")}
-GRID = {"gamma": [4, 8, 12], "window": [8, 15, 20], "ngram": [5, 6, 7, 8], "suffixes": [1, 3, 5]}
-QUICK_GRID = {"gamma": [2, 4], "window": [4], "ngram": [4], "suffixes": [1, 2]}
-START = {"gamma": 8, "window": 15, "ngram": 6, "suffixes": 3}
-QUICK_START = {"gamma": 4, "window": 4, "ngram": 4, "suffixes": 2}
+
+def tunable() -> dict:
+    """{method: its config's knob space} for every registered method with knobs to search."""
+    return {m: spec.knobs for m, spec in METHODS.items()
+            if spec.knobs is not None and spec.knobs.searched}
+
+
+def _grid(method: str, quick: bool = False) -> dict:
+    """{knob: values} tune tries for the method (its knobs' `tune` or `quick` values)."""
+    return tunable()[method].values("quick" if quick else "tune")
 
 
 def _cfg(cur: dict, method: str = "ouroboros"):
-    from ..decoding.lookahead import LookaheadConfig
-    from ..decoding.ouroboros import OuroborosConfig
-    from ..decoding.speculative import SpeculativeConfig
-
-    if method == "speculative":
-        return SpeculativeConfig(gamma=cur["gamma"])
-    if method == "lookahead":
-        return LookaheadConfig(window=cur["window"], ngram=cur["ngram"], guesses=cur["window"])
-    k = min(cur["suffixes"], cur["window"])
-    return OuroborosConfig(gamma=cur["gamma"], window=cur["window"], ngram=cur["ngram"],
-                           guesses=cur["window"], suffixes=k)
+    """The method's config at a point of the search (tie rules applied by the knob space)."""
+    return tunable()[method].make(METHODS[method].config_type, cur)
 
 
 def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: int = 1,
          eos: int = -1, log=None, method: str = "ouroboros") -> dict:
     """Algorithm 1 -> {"config": the method's config, "recipe": str, "trials": [...]}."""
-    if method not in KNOBS:
-        raise ValueError(f"method: tune knows {', '.join(KNOBS)}, not {method!r}")
-    grid = grid or GRID
-    cur = dict(start or START)
+    spaces = tunable()
+    if method not in spaces:
+        raise ValueError(f"method: tune knows {', '.join(sorted(spaces))}, not {method!r}")
+    grid = {**_grid(method), **(grid or {})}
+    cur = {**spaces[method].starts(), **(start or {})}
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     trials = []
     cache: dict = {}
-    for knob in KNOBS[method]:
+    for knob in (k.field for k in spaces[method].searched):
         best = None
         for v in grid[knob]:
             cand = {**cur, knob: v}
@@ -64,9 +61,8 @@ def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: i
                 s, _ = run_method(MethodRun("tune", method, cfg), target, draft, prompts,
                                   repeats=repeats, eos=eos)
                 cache[key] = s
-                trials.append({"knob": knob, **{f: getattr(cfg, f) for f in
-                                                ("gamma", "window", "ngram", "guesses",
-                                                 "suffixes") if hasattr(cfg, f)},
+                trials.append({"knob": knob, **{k.field: getattr(cfg, k.field)
+                                                for k in spaces[method].knobs},
                                "seconds": s["seconds"], "tokens_per_second":
                                    s["tokens_per_second"], "eta": s["eta"]})
                 log(f"[tune] {method} {knob}={v}: {s['tokens_per_second']:.1f} tokens/s, "
@@ -81,7 +77,7 @@ def tune(target, draft, prompts: list[Prompt], grid=None, start=None, repeats: i
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny random pair, tiny grid")
-    p.add_argument("--method", default="ouroboros", choices=sorted(KNOBS),
+    p.add_argument("--method", default="ouroboros", choices=sorted(tunable()),
                    help="which method's knobs to tune (default ouroboros)")
     p.add_argument("--target", help="target model directory (default: demo pair)")
     p.add_argument("--draft", help="draft model directory")
@@ -115,10 +111,11 @@ def tune_main(a) -> dict:
     if draft is None and a.method != "lookahead":
         raise ValueError(f"--draft is required: {a.method} needs a draft model")
     prompts = load_workload(workload, quick)
-    grid = dict(QUICK_GRID if quick else GRID)
+    space = tunable()[a.method]
+    grid = dict(_grid(a.method, quick))
     if a.grid:
         grid.update(json.loads(a.grid))
-    start = dict(QUICK_START if quick else START)
+    start = space.starts(quick)
     for k, vs in grid.items():
         if start.get(k) not in vs:
             start[k] = vs[len(vs) // 2]

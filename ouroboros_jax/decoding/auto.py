@@ -13,9 +13,10 @@ agrees with the target. Both are measured rather than assumed:
    eta, pooled over calls by rounds, on disk); before that, the share of positions where the
    draft's and the target's argmax agree over the call's prompts (`pair_agreement`: two
    forwards, pooled on disk with earlier calls);
-3. **choice** (`choose`): the paper's expected-tokens model (tokens per round at agreement a and
-   gamma: (1 - a^(gamma+1)) / (1 - a)) divided by the round's predicted time from the latency
-   table, maximised over a grid of each method's knobs; vanilla's rate is 1 / t_T(1) (both
+3. **choice** (`choose`): the cost model's predicted rate (decoding/cost.py: the paper's
+   expected tokens per round at agreement a and gamma, (1 - a^(gamma+1)) / (1 - a), plus pool
+   terms, over the round's predicted time from the latency tables) maximised over each method's
+   knob grid (its config's `KNOBS`, decoding/knobs.py); vanilla's rate is 1 / t_T(1) (both
    with the work outside the forwards added). When no
    setting is predicted to beat vanilla by `MIN_GAIN`, speculation is turned off for the call
    (the call runs vanilla, and stats say so).
@@ -24,9 +25,8 @@ On an accelerator t_T(n) is nearly flat up to tens or hundreds of tokens, and th
 large trees (the paper's recipe: gamma ~12, W ~20, N ~7); on a 2-core CPU a forward's cost grows
 with every token, and it lands at small trees (what `ouroboros-jax tune` finds there).
 
-Priors that are not measured (named constants below) describe how often pool phrases pay: they
-come from the demo pair's measured counters (bench, W 4 N 3 G 4: lookahead eta 1.74, Ouroboros
-c 1.25) and only shape the choice between tree sizes.
+This module holds what touches a device or the disk (the probe, the agreement forwards, the
+store) and the choice; the arithmetic is the pure cost model's.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None
 
+from ..models import causal_mask, forward
+from ..models.timing import forward_timer
+from . import METHODS
+from .cost import vanilla_rate
+from .knobs import recipe_of
+
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
 # the last is extrapolated linearly from the last two.
 TARGET_SIZES = (1, 4, 8, 16, 64)
@@ -63,28 +69,6 @@ MIN_AGREEMENT_TOKENS = 32
 # Once a pair's agreement rests on this many prompt positions, later calls reuse it without
 # running the two forwards (auto's per-call cost is then a dictionary lookup).
 SETTLED_AGREEMENT_TOKENS = 2048
-# Work outside the forwards, in units of the target's 1-token forward, fitted on the demo pair at
-# batch 1 (`calibrate` below: measured seconds minus the probe's forward times, per round):
-# per vanilla step (sampling, emit, commit), per round of any method (tree, accept walk,
-# commits), per draft forward (its sampling and cache commit) and per Ouroboros round for the
-# pool (lookups, recycling, inserts).
-VANILLA_OVERHEAD = 0.18
-ROUND_OVERHEAD = 0.1
-DRAFT_STEP_OVERHEAD = 0.06
-POOL_OVERHEAD = 0.25
-# Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
-# right continuation, and the chance that each further token of a right phrase is also right;
-# fitted to the demo pair's lookahead counters (W 2, N 3, G 2: eta 1.31 over 128-token and 1.47
-# over 512-token generations, the pool filling as a generation goes on).
-PHRASE_HIT = 0.1
-PHRASE_CONTINUES = 0.8
-
-GRID = {
-    "gamma": (1, 2, 3, 4, 6, 8, 10, 12),
-    "window": (2, 4, 8, 15, 20),
-    "ngram": (3, 4, 5, 7),
-    "suffixes": (1, 2, 3),
-}
 
 
 # ------------------------------------------------------------------------------------ disk cache
@@ -277,8 +261,6 @@ def batch_bucket(batch: int) -> int:
 def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
     slots/2 cached tokens (at most slots - n) in a cache of `slots` slots."""
-    from ..models.timing import forward_timer
-
     return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch, inner=inner)
 
 
@@ -307,29 +289,13 @@ def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int =
     return table
 
 
-def lookup(table: dict, n: int) -> float:
-    """Seconds at n from a {n: seconds} table (linear between and past measured sizes)."""
-    xs = sorted(table)
-    ys = [table[x] for x in xs]
-    if n <= xs[0]:
-        return ys[0]
-    if n <= xs[-1]:
-        return float(np.interp(n, xs, ys))
-    if len(xs) == 1:
-        return ys[0]
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + slope * (n - xs[-1])
-
-
 # ------------------------------------------------------------------------------------ agreement
 @partial(jax.jit, static_argnums=(1, 3))
 def _agreement_counts(tparams, tcfg, dparams, dcfg, prompt, plens):
     """(positions where both models' argmax agree, positions) over the real prompt tokens."""
-    from ..models import forward
-
     B, P = prompt.shape
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (B, P))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((P, P), bool)), (B, P, P))
+    mask = causal_mask(B, P)
     t = jnp.argmax(forward(tparams, tcfg, prompt, pos, mask)[0], axis=-1)
     d = jnp.argmax(forward(dparams, dcfg, prompt, pos, mask)[0], axis=-1)
     real = jnp.arange(P)[None, :] < plens[:, None]
@@ -353,29 +319,12 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
     return agree / n, n
 
 
-def agreement_from_eta(eta: float, gamma: int) -> float:
-    """The a at which expected_tokens(a, gamma) == eta (bisection): the per-token agreement a
-    speculative call actually realised. It is higher than the teacher-forced mean when
-    agreement comes in runs (easy stretches accept whole chains), which is what the next
-    choice should plan with."""
-    eta = min(max(eta, 1.0), gamma + 1.0)
-    lo, hi = 0.0, 0.999
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < eta else (lo, mid)
-    return (lo + hi) / 2
-
-
 MIN_REALISED_ROUNDS = 64  # speculative rounds before the realised agreement replaces the prompt's
 
 
-def record_realised(target, draft, stats: dict, gamma: int) -> None:
-    """After a speculative call: pool its realised agreement (from eta at this gamma, weighted by
-    rounds) with earlier calls' for the pair, on disk."""
-    rounds = int(stats.get("target_calls", 0))
-    if rounds <= 0 or not stats.get("new_tokens"):
-        return
-    a = agreement_from_eta(float(stats["eta"]), gamma)
+def record_realised(target, draft, a: float, rounds: int) -> None:
+    """After a call: pool the agreement a it realised over `rounds` rounds (what its method's
+    `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
     _add("realised", key, (a * rounds, rounds), (0.0, 0))
 
@@ -386,22 +335,7 @@ def realised_agreement(target, draft) -> Optional[float]:
     return s / n if n >= MIN_REALISED_ROUNDS else None
 
 
-# ------------------------------------------------------------------------------------ the model
-def expected_tokens(a: float, gamma: int) -> float:
-    """Tokens per round of a chain of gamma draft tokens at per-token agreement a (accepted
-    prefix + the target's own token): (1 - a^(gamma+1)) / (1 - a)."""
-    a = min(max(a, 0.0), 0.999)
-    return (1 - a ** (gamma + 1)) / (1 - a)
-
-
-def phrase_gain(guesses: int, ngram: int) -> float:
-    """Expected extra tokens from the best of `guesses` (N-1)-token phrases for a key: some
-    phrase is right with 1 - (1 - PHRASE_HIT)^G, and then each of its tokens after the first
-    continues with PHRASE_CONTINUES."""
-    hit = 1 - (1 - PHRASE_HIT) ** guesses
-    return hit * sum(PHRASE_CONTINUES ** j for j in range(ngram - 1))
-
-
+# ------------------------------------------------------------------------------------ the choice
 @dataclasses.dataclass
 class Choice:
     method: str  # the method the call runs: the asked one, or "vanilla" when nothing pays
@@ -412,8 +346,6 @@ class Choice:
     tables: tuple = (None, None)  # (target, draft) latency tables the choice was made with
 
     def as_stats(self, asked: str) -> dict:
-        from .spec import recipe_of
-
         return {"asked": asked, "method": self.method,
                 "config": recipe_of(self.config) if self.config is not None else None,
                 "predicted_speedup": round(self.predicted_speedup, 3),
@@ -421,46 +353,14 @@ class Choice:
                 "reason": self.reason}
 
 
-def vanilla_rate(tt):
-    return 1.0 / (lookup(tt, 1) * (1 + VANILLA_OVERHEAD))
-
-
-def speculative_rate(a, gamma, tt, td):
-    t_round = (gamma * lookup(td, 1) + lookup(tt, gamma + 1)
-               + (ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * gamma) * lookup(tt, 1))
-    return expected_tokens(a, gamma) / t_round
-
-
-def lookahead_rate(window, ngram, guesses, tt):
-    n_t = (window + guesses) * (ngram - 1)
-    tokens = 1 + phrase_gain(guesses, ngram)
-    # measured: a lookahead round costs no more than the probe's forward of its size (its pool
-    # work overlaps the forward's), so no per-round term
-    return tokens / lookup(tt, n_t)
-
-
-def ouroboros_rate(a, gamma, window, ngram, guesses, suffixes, tt, td):
-    m = ngram - 1
-    n_t = 1 + gamma + suffixes * m
-    n_s = (window + guesses) * m
-    c = 1 + phrase_gain(guesses, ngram) * a  # draft tokens per draft forward (phrase drafting)
-    draft_forwards = gamma / c  # on average: a forward yields 1 to N-1 tokens
-    # lengthening: when the whole chain is accepted, one of X pool phrases may go on
-    bonus = a ** gamma * (1 - (1 - PHRASE_HIT) ** suffixes) * sum(a ** j for j in range(1, m + 1))
-    tokens = expected_tokens(a, gamma) + bonus
-    t_round = (draft_forwards * lookup(td, n_s) + lookup(tt, n_t)
-               + (ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + POOL_OVERHEAD) * lookup(tt, 1))
-    return tokens / t_round
-
-
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
     {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN. The
-    candidates and their predicted rates are the method's own (`MethodSpec.auto_grid`,
-    `MethodSpec.auto_rate`) over `GRID`."""
+    candidates are the method's knob grid (`MethodSpec.auto_grid`, from its config's `KNOBS`)
+    and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py)."""
     spec = _spec(method)
-    candidates = spec.auto_grid(GRID)
-    rates = [spec.auto_rate(c, agreement, tt, td) for c in candidates]
+    candidates = spec.auto_grid()
+    rates = [spec.rate(c, agreement, tt, td) for c in candidates]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
     gain = best_rate / vanilla_rate(tt)
@@ -475,17 +375,14 @@ def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[f
     """Predicted tokens/s of one config (vanilla's when cfg is None)."""
     if cfg is None:
         return vanilla_rate(tt)
-    return _spec(method).auto_rate(cfg, a, tt, td)
+    return _spec(method).rate(cfg, a, tt, td)
 
 
 def _spec(method: str):
     """The registered MethodSpec of a method `config="auto"` can size."""
-    # imported here: the registry imports the method modules, which import this module's rates
-    from . import METHODS
-
     spec = METHODS.get(method)
-    if spec is None or spec.auto_grid is None:
-        known = sorted(m for m, s in METHODS.items() if s.auto_grid is not None)
+    if spec is None or spec.round_model is None:
+        known = sorted(m for m, s in METHODS.items() if s.round_model is not None)
         raise ValueError(f"config='auto' knows {', '.join(known)}, not {method!r}")
     return spec
 

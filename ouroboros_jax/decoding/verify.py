@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from ..models.kv_cache import KVCache, NewKV, commit
+from ..tree import np_depths
 
 
 @struct.dataclass
@@ -39,13 +40,6 @@ class Accepted:
     count: jax.Array
 
 
-def max_depth(parents: np.ndarray) -> int:
-    depth = np.zeros(len(parents), np.int32)
-    for i, p in enumerate(parents):
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    return int(depth.max())
-
-
 def accept_walk(parents: np.ndarray, node_tokens: jax.Array, node_valid: jax.Array,
                 choices: jax.Array) -> Accepted:
     """parents int[T] (static numpy, node 0 the root); node_tokens int32[B,T];
@@ -55,7 +49,7 @@ def accept_walk(parents: np.ndarray, node_tokens: jax.Array, node_valid: jax.Arr
     """
     parents = np.asarray(parents)
     T = len(parents)
-    A = max_depth(parents) + 1
+    A = int(np_depths(parents).max()) + 1
     child_of = jnp.asarray(parents[None, :] == np.arange(T)[:, None])  # [T(parent), T(child)]
     B = node_tokens.shape[0]
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .kv_cache import init_cache
-from .llama import forward
+from .llama import causal_mask, forward
 
 
 def _inputs(model, n: int, context: int, slots: int, batch: int):
@@ -27,7 +27,7 @@ def _inputs(model, n: int, context: int, slots: int, batch: int):
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, n), jnp.int32)
     pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool))[None], (batch, n, n))
+    mask = causal_mask(batch, n)
     return tokens, pos, mask, cache
 
 

@@ -1,0 +1,139 @@
+"""The pure cost model: tokens per round, phrase gains, one latency interpolator, and each
+method's predicted rate from its own forward sizes.
+
+A round of any method costs
+
+    t_round = draft_forwards * t_S(n_S) + t_T(n_T) + overhead * t_T(1)
+
+where n_T, n_S are the method's forward sizes (`MethodSpec.forward_sizes`: tokens per target
+and per draft forward, fixed shapes as compiled), draft_forwards and overhead come from the
+method's `RoundModel` (`MethodSpec.round_model(config, agreement)`), and t_T, t_S are latency
+tables {tokens: seconds} read through `interpolate`. The predicted rate is the round model's
+expected tokens over t_round. `config="auto"` (decoding/auto.py) maximises it over a method's
+knob grid; the bench's cost model (bench/cost_model.py) uses the same interpolator and forward
+sizes to predict a measured run from its counted forwards.
+
+Nothing here touches a device: the functions are plain arithmetic over numbers and dicts, so
+they are cheap to call in a grid search and easy to test by hand.
+
+Priors that are not measured (named constants below) describe how often pool phrases pay: they
+come from the demo pair's measured counters (bench, W 4 N 3 G 4: lookahead eta 1.74, Ouroboros
+c 1.25) and only shape the choice between tree sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+# Work outside the forwards, in units of the target's 1-token forward, fitted on the demo pair at
+# batch 1 (measured seconds minus the probe's forward times, per round): per vanilla step
+# (sampling, emit, commit), per round of any method (tree, accept walk, commits), per draft
+# forward (its sampling and cache commit) and per Ouroboros round for the pool (lookups,
+# recycling, inserts).
+VANILLA_OVERHEAD = 0.18
+ROUND_OVERHEAD = 0.1
+DRAFT_STEP_OVERHEAD = 0.06
+POOL_OVERHEAD = 0.25
+# Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
+# right continuation, and the chance that each further token of a right phrase is also right;
+# fitted to the demo pair's lookahead counters (W 2, N 3, G 2: eta 1.31 over 128-token and 1.47
+# over 512-token generations, the pool filling as a generation goes on).
+PHRASE_HIT = 0.1
+PHRASE_CONTINUES = 0.8
+
+
+def interpolate(table: dict, n: int) -> float:
+    """Seconds at n tokens from a {tokens: seconds} table (keys may be strings, as JSON gives
+    them): exact at measured sizes, linear between them, linear from the last two past the
+    largest, and the smallest size's time below it (a forward never gets cheaper than that)."""
+    if not table:
+        raise ValueError("latency table is empty")
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    xs = [x for x, _ in pts]
+    ys = [y for _, y in pts]
+    if n <= xs[0]:
+        return ys[0]
+    if n <= xs[-1]:
+        return float(np.interp(n, xs, ys))
+    if len(xs) == 1:
+        return ys[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (n - xs[-1])
+
+
+def expected_tokens(a: float, gamma: int) -> float:
+    """Tokens per round of a chain of gamma draft tokens at per-token agreement a (accepted
+    prefix + the target's own token): (1 - a^(gamma+1)) / (1 - a)."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+def agreement_from_eta(eta: float, gamma: int) -> float:
+    """The a at which expected_tokens(a, gamma) == eta (bisection): the per-token agreement a
+    speculative call actually realised. It is higher than the teacher-forced mean when
+    agreement comes in runs (easy stretches accept whole chains), which is what the next
+    choice should plan with."""
+    eta = min(max(eta, 1.0), gamma + 1.0)
+    lo, hi = 0.0, 0.999
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < eta else (lo, mid)
+    return (lo + hi) / 2
+
+
+def phrase_gain(guesses: int, ngram: int) -> float:
+    """Expected extra tokens from the best of `guesses` (N-1)-token phrases for a key: some
+    phrase is right with 1 - (1 - PHRASE_HIT)^G, and then each of its tokens after the first
+    continues with PHRASE_CONTINUES."""
+    hit = 1 - (1 - PHRASE_HIT) ** guesses
+    return hit * sum(PHRASE_CONTINUES ** j for j in range(ngram - 1))
+
+
+def branch_gain(a: float, gamma: int, suffixes: int, ngram: int) -> float:
+    """Expected tokens a round gains from lengthening: when the whole chain of gamma is accepted
+    (a^gamma), one of X pool phrases of N-1 tokens may go on, each token agreeing with a."""
+    m = ngram - 1
+    return a ** gamma * (1 - (1 - PHRASE_HIT) ** suffixes) * sum(a ** j for j in range(1, m + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundModel:
+    """What one round of a method yields and costs besides its forwards' sizes.
+
+    Attributes:
+        tokens: expected tokens emitted per round.
+        draft_forwards: expected draft forwards per round.
+        overhead: work outside the forwards, in units of the target's 1-token forward.
+    """
+
+    tokens: float
+    draft_forwards: float = 0.0
+    overhead: float = 0.0
+
+
+VANILLA_ROUND = RoundModel(tokens=1.0, overhead=VANILLA_OVERHEAD)
+
+
+def round_seconds(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float:
+    """Predicted seconds of one round: sizes = (n_T, n_S, ...) from `MethodSpec.forward_sizes`,
+    tt / td the target's and draft's latency tables (td unused without draft forwards)."""
+    n_t, n_s = sizes[0], sizes[1]
+    t = interpolate(tt, n_t)
+    if model.draft_forwards:
+        t = model.draft_forwards * interpolate(td, n_s) + t
+    if model.overhead:
+        t = t + model.overhead * interpolate(tt, 1)
+    return t
+
+
+def rate(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float:
+    """Predicted tokens per second of a round described by its forward sizes and model."""
+    return model.tokens / round_seconds(sizes, model, tt, td)
+
+
+def vanilla_rate(tt: dict) -> float:
+    """Vanilla's predicted tokens per second: one target forward of one token per token."""
+    return rate((1, 0), VANILLA_ROUND, tt, None)

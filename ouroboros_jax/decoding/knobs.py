@@ -1,0 +1,140 @@
+"""The knob vocabulary: one description per method config of the fields the tools vary.
+
+A method config names its knobs once (`KnobSpace`, the config class's `KNOBS`), and everything
+that enumerates configs derives from that description:
+
+- `config="auto"`'s candidates (`KnobSpace.grid` over each knob's `auto` values);
+- `ouroboros-jax tune`'s one-knob-at-a-time search (the `tune` values and `start`; `--quick`
+  uses `quick` / `quick_start`);
+- `recipe_of`, the evaluable `Config(field=value, ...)` string that tune prints and
+  `stats["auto"]` reports;
+- the paper's Table 4 ablation steps (`KnobSpace.ablation_steps`, from the mechanism switches).
+
+Two rules tie knobs together, stated once here: G = W (as many pool guesses as window columns,
+the paper's setting; `tied_to`) and X <= W (never more suffix branches than window columns;
+`at_most`). A grid drops the points that break `at_most`; `make` (what tune builds from a point)
+clamps them instead, so tune's search may name any value on its axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One integer field of a method config that the tools vary.
+
+    Attributes:
+        field: the config field.
+        auto: values `config="auto"` searches (empty for a tied knob).
+        tune: values `ouroboros-jax tune` tries (the paper's Algorithm 1 grid).
+        start: tune's value for this knob before it is chosen.
+        quick, quick_start: the same for `tune --quick` (tiny models, seconds).
+        tied_to: this field always equals that one's (G = W); it is never searched itself.
+        at_most: this field never exceeds that one's (X <= W).
+    """
+
+    field: str
+    auto: tuple = ()
+    tune: tuple = ()
+    start: Optional[int] = None
+    quick: tuple = ()
+    quick_start: Optional[int] = None
+    tied_to: Optional[str] = None
+    at_most: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A mechanism switch (a bool config field), in the order Table 4 adds mechanisms."""
+
+    field: str
+    label: str
+
+
+# The shared vocabulary: a knob means the same and takes the same values in every method.
+GAMMA = Knob("gamma", auto=(1, 2, 3, 4, 6, 8, 10, 12), tune=(4, 8, 12), start=8,
+             quick=(2, 4), quick_start=4)
+WINDOW = Knob("window", auto=(2, 4, 8, 15, 20), tune=(8, 15, 20), start=15, quick=(4,),
+              quick_start=4)
+NGRAM = Knob("ngram", auto=(3, 4, 5, 7), tune=(5, 6, 7, 8), start=6, quick=(4,),
+             quick_start=4)
+GUESSES = Knob("guesses", tied_to="window")
+SUFFIXES = Knob("suffixes", auto=(1, 2, 3), tune=(1, 3, 5), start=3, quick=(1, 2),
+                quick_start=2, at_most="window")
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobSpace:
+    """A method config's knobs (in search order) and mechanism switches.
+
+    Attributes:
+        knobs: the integer knobs, searched and tied, in the order recipes name them.
+        switches: mechanism switches in ablation order (empty: no ablation).
+        baseline: the label of the ablation step with every switch off.
+    """
+
+    knobs: tuple
+    switches: tuple = ()
+    baseline: str = "SD"
+
+    @property
+    def searched(self) -> tuple:
+        """The knobs a search varies (tied ones follow their leader), in search order."""
+        return tuple(k for k in self.knobs if k.tied_to is None)
+
+    def values(self, which: str) -> dict:
+        """{field: values} of the searched knobs for "auto", "tune" or "quick"."""
+        return {k.field: tuple(getattr(k, which)) for k in self.searched}
+
+    def starts(self, quick: bool = False) -> dict:
+        """{field: tune's starting value} of the searched knobs."""
+        return {k.field: k.quick_start if quick else k.start for k in self.searched}
+
+    def make(self, cfg_type, point: dict, **fixed):
+        """cfg_type(**point) with the tie rules applied: tied knobs copied from their leader,
+        `at_most` knobs clamped to theirs; `fixed` fields passed as given."""
+        kw = {k.field: point[k.field] for k in self.searched}
+        for k in self.knobs:
+            if k.tied_to is not None:
+                kw[k.field] = kw[k.tied_to]
+        for k in self.searched:
+            if k.at_most is not None:
+                kw[k.field] = min(kw[k.field], kw[k.at_most])
+        return cfg_type(**kw, **fixed)
+
+    def grid(self, cfg_type, values: Optional[dict] = None) -> list:
+        """Every config over the product of the searched knobs' values (`values`, default each
+        knob's `auto`), in knob order, dropping points that break an `at_most` rule."""
+        values = {**self.values("auto"), **(values or {})}
+        fields = [k.field for k in self.searched]
+        out = []
+        for combo in itertools.product(*(values[f] for f in fields)):
+            point = dict(zip(fields, combo))
+            if all(k.at_most is None or point[k.field] <= point[k.at_most]
+                   for k in self.searched):
+                out.append(self.make(cfg_type, point))
+        return out
+
+    def recipe(self, cfg) -> str:
+        """`Config(field=value, ...)` over the knobs, evaluable back into cfg."""
+        body = ", ".join(f"{k.field}={getattr(cfg, k.field)}" for k in self.knobs)
+        return f"{type(cfg).__name__}({body})"
+
+    def ablation_steps(self) -> tuple:
+        """((label, {switch: bool}), ...): every switch off, then one more on per step (paper
+        Table 4)."""
+        steps = []
+        for i in range(len(self.switches) + 1):
+            on = {s.field: j < i for j, s in enumerate(self.switches)}
+            steps.append((self.baseline if i == 0 else f"+{self.switches[i - 1].label}", on))
+        return tuple(steps)
+
+
+def recipe_of(cfg) -> str:
+    """`Config(field=value, ...)` over a method config's knobs (its class's `KNOBS`), evaluable
+    back into cfg (what `tune` prints and `stats["auto"]` reports)."""
+    return type(cfg).KNOBS.recipe(cfg)

@@ -1,0 +1,254 @@
+"""A generation request as the engine sees it: validation of what a caller passes, and the
+shapes a call compiles for. Shared by `generate`, the serving engine and the bench.
+
+Shapes that reach `jit` are bucketed, and every knob that may change between calls
+(`max_new_tokens`, seed, temperature, top-k, top-p, EOS ids) is an array, so calls within a
+bucket reuse the compiled loop:
+
+- prompt width P: the longest prompt rounded up to a power of two (at least 16);
+- cache slots S: with `max_cache_len` given, from it alone (max(P, max_cache_len) + the method's
+  margin, to a power of two), so `max_new_tokens` never changes the compiled loop; without it,
+  P + max_new_tokens + margin to a power of two (the smallest cache), so changing
+  `max_new_tokens` recompiles only when it crosses a power of two;
+- EOS ids: up to 8 share one shape (padded with -1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .bounds import (MEMORY_SHARE, PAST_POSITIONS_ENV, available_bytes, estimate_bytes,
+                     forward_sizes, gib)
+from .decoding.common import Limits
+from .decoding.knobs import recipe_of
+from .models.config import normalize_eos
+from .models.loading import Model
+from .pool import DEFAULT_MAX_ROWS
+from .sampling import SamplingParams
+
+MIN_PROMPT_BUCKET = 16
+EOS_BUCKET = 8
+
+
+def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def cache_slots(prompt_width: int, max_new_tokens: int, margin: int,
+                max_cache_len: Optional[int] = None) -> int:
+    """Cache slots of a call, rounded up to a power of two: the bucketed prompt width, the new
+    tokens and the method's margin (tree nodes scored past the last kept token); or, when
+    `max_cache_len` is given, max(prompt width, max_cache_len) + margin, independent of
+    max_new_tokens."""
+    if max_cache_len is not None:
+        return bucket(max(prompt_width, max_cache_len) + margin, minimum=64)
+    return bucket(prompt_width + max_new_tokens + margin, minimum=64)
+
+
+def default_eos_ids(model: Model) -> Optional[int | tuple]:
+    """EOS id(s) `generate` stops at by default, as transformers picks them: generation_config.json,
+    else config.json, else the tokenizer's eos token. None when there is none."""
+    for src in (model.generation_config.get("eos_token_id"), model.config.eos_token_id):
+        if src is not None:
+            return src
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        return int(model.tokenizer.eos_token_id)
+    return None
+
+
+def eos_array(eos, vocab_size: Optional[int] = None) -> np.ndarray:
+    """int32[n_eos] of EOS ids padded with -1 (never a token) to a multiple of EOS_BUCKET."""
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if vocab_size is not None:
+        ids = [i for i in ids if i < vocab_size]  # an id the model cannot emit never matches
+    width = max(EOS_BUCKET, -(-len(ids) // EOS_BUCKET) * EOS_BUCKET)
+    return np.array(ids + [-1] * (width - len(ids)), np.int32)
+
+
+def check_model(m, name: str) -> None:
+    if not isinstance(m, Model):
+        hint = (f"; load it first: oj.load_model({m!r})" if isinstance(m, (str, bytes))
+                or hasattr(m, "__fspath__") else "")
+        raise ValueError(f"{name} must be a model returned by oj.load_model, got "
+                         f"{type(m).__name__}{hint}")
+
+
+def is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_))
+
+
+def explicit_eos(eos_token_id, vocab_size: int):
+    """A caller's eos_token_id: an id, a list of ids, or -1 / [] for "no EOS"."""
+    if is_int(eos_token_id) and eos_token_id == -1:
+        return None
+    if isinstance(eos_token_id, (list, tuple, np.ndarray)):
+        eos_token_id = list(eos_token_id)
+        if not eos_token_id:
+            return None
+    ids = normalize_eos(eos_token_id, "eos_token_id")
+    if any(i >= vocab_size for i in ([ids] if isinstance(ids, int) else ids)):
+        raise ValueError(f"eos_token_id must hold token ids in [0, {vocab_size}) (or be -1 / [] "
+                         f"for none), got {eos_token_id!r}")
+    return ids
+
+
+def as_token_lists(target: Model, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError("prompts must be a list of strings or of token-id lists, got "
+                         f"{type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if target.tokenizer is None:
+                raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
+                                 "token-id lists instead")
+            try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompts[{i}] is not valid Unicode text: {e}") from None
+            ids = list(target.tokenizer(p)["input_ids"])
+        else:
+            if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):
+                raise ValueError(f"prompts[{i}] is neither a string nor a list of token ids, "
+                                 f"got {type(p).__name__}")
+            bad = next((t for t in p if not is_int(t)), None)
+            if bad is not None:
+                raise ValueError(f"prompts[{i}] holds {bad!r} ({type(bad).__name__}); token ids "
+                                 "must be integers")
+            ids = [int(t) for t in p]
+        if len(ids) == 0:
+            raise ValueError(f"prompts[{i}] is empty (no tokens); every prompt needs at least one")
+        bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
+                             f"[0, {target.config.vocab_size})")
+        out.append(ids)
+    return out
+
+
+def validate_scalars(max_new_tokens, temperature, top_p, top_k, seed):
+    if not is_int(max_new_tokens) or not 0 < max_new_tokens < 2**31:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (a number; 0 = greedy), got {temperature!r}")
+    if not is_real(top_p) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (a number), got {top_p!r}")
+    if not is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def check_draft(target: Model, draft: Optional[Model], method: str, needs_draft: bool):
+    if needs_draft and draft is None:
+        raise ValueError(f"method={method!r} needs a draft model: pass draft=")
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the "
+                         f"target's ({target.config.vocab_size}): draft and target must share "
+                         "a tokenizer")
+
+
+def check_cache_len(target: Model, token_lists: list, max_new_tokens: int,
+                    max_cache_len: Optional[int]) -> int:
+    """Refuses a max_cache_len that is not an integer >= 2, and prompts that with
+    max_new_tokens would pass the cache limit (max_cache_len, else the target's
+    max_position_embeddings). Returns the longest prompt's length."""
+    if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 2):
+        raise ValueError(f"max_cache_len must be an integer >= 2 (prompt + new tokens), got "
+                         f"{max_cache_len!r}")
+    limit = target.config.max_position_embeddings if max_cache_len is None else max_cache_len
+    longest = max(len(t) for t in token_lists)
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompts: the longest prompt has {longest} tokens, which with "
+                         f"max_new_tokens={max_new_tokens} exceeds the cache limit of {limit} "
+                         "tokens (max_cache_len / the model's max_position_embeddings)")
+    return longest
+
+
+def pad_prompts(token_lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> (prompt int32[B, P] right-padded with 0, lengths int32[B]), P the
+    longest prompt's bucket (`bucket`)."""
+    P = bucket(max(len(t) for t in token_lists))
+    prompt = np.zeros((len(token_lists), P), np.int32)
+    for i, t in enumerate(token_lists):
+        prompt[i, :len(t)] = t
+    return prompt, np.array([len(t) for t in token_lists], np.int32)
+
+
+def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: float, top_k: int,
+              top_p: float, seed: int, vocab_size: int) -> tuple[Limits, SamplingParams]:
+    """One call's knobs as per-row arrays (every row the same): Limits (max_new_tokens int32[B],
+    EOS ids int32[B, n_eos]) and SamplingParams whose row b draws from stream b of `seed`
+    (fold_in(key(seed), b), the keys generate has always used)."""
+    B = rows
+    limits = Limits(max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
+                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32))
+    # top_k >= V keeps every token, as transformers' min(top_k, V)
+    sp = SamplingParams(
+        temperature=jnp.full((B,), float(temperature) if temperature > 0 else 1.0, jnp.float32),
+        top_k=jnp.full((B,), min(int(top_k), vocab_size), jnp.int32),
+        top_p=jnp.full((B,), float(top_p), jnp.float32),
+        seed=jnp.full((B,), int(seed), jnp.uint32), stream=jnp.arange(B, dtype=jnp.int32))
+    return limits, sp
+
+
+def check_call(spec, cfg, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
+               max_cache_len: Optional[int], mesh=None) -> None:
+    """Refuses, by the parameter's name, a call whose sizes its models or device cannot hold;
+    `generate` calls it after validating its arguments and before allocating anything.
+
+    cfg None stands for vanilla's sizes (config="auto" chooses from a bounded grid later)."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        hint = "; build one with ouroboros_jax.sharding.make_mesh(data, model)" \
+            if isinstance(mesh, str) else ""
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (or None), got "
+                         f"{type(mesh).__name__} {mesh!r}{hint}")
+    positions = target.config.max_position_embeddings
+    if (max_cache_len is not None and max_cache_len > positions
+            and os.environ.get(PAST_POSITIONS_ENV) != "1"):
+        raise ValueError(f"max_cache_len={max_cache_len} exceeds the target's "
+                         f"max_position_embeddings ({positions}): tokens past it sit at "
+                         "positions the model was never trained on. Set "
+                         f"{PAST_POSITIONS_ENV}=1 to allow it on purpose")
+    limit = positions if max_cache_len is None else max_cache_len
+    n_t, n_s, n_first = forward_sizes(spec, cfg)
+    for tokens, who in ((n_t, "target"), (max(n_s, n_first), "draft")):
+        if tokens > limit:
+            raise ValueError(f"config {recipe_of(cfg)} scores {tokens} tokens in one {who} "
+                             f"forward, more than the cache holds ({limit} positions: "
+                             "max_cache_len / the target's max_position_embeddings); choose a "
+                             "smaller tree")
+    V = target.config.vocab_size
+    rows = getattr(cfg, "pool_rows", None)
+    if rows is not None and rows > V:
+        raise ValueError(f"{type(cfg).__name__}.pool_rows={rows} exceeds the vocabulary ({V}): "
+                         f"key k lives in row k % rows, so rows past {V} are never used")
+    if hasattr(cfg, "guesses") and rows is None:
+        rows = min(V, DEFAULT_MAX_ROWS)
+    margin = 0 if cfg is None else spec.margin(cfg)
+    slots = cache_slots(prompt_width, max_new_tokens, margin, max_cache_len)
+    need = estimate_bytes(spec, cfg, target, draft, batch, prompt_width, slots, rows)
+    if mesh is not None:
+        need //= max(1, mesh.size)  # batch and heads split over the mesh's devices
+    free = available_bytes()
+    if free is not None and need > MEMORY_SHARE * free:
+        raise ValueError(f"this call needs about {gib(need)} of device memory ({batch} rows x "
+                         f"{slots} cache slots: batch, max_cache_len / max_new_tokens"
+                         f"{', the config' if cfg is not None else ''}), more than the "
+                         f"{gib(free)} free; use fewer rows or a smaller max_cache_len")

@@ -1,0 +1,87 @@
+"""One knob description per method config (decoding/knobs.py) and the pure cost model
+(decoding/cost.py): auto's grid, tune's search, recipes and the ablation steps all come from
+the same description; rates are the forward sizes priced by hand-checkable arithmetic."""
+
+import itertools
+
+import pytest
+
+from ouroboros_jax.bench import configs, tune
+from ouroboros_jax.decoding import METHODS, cost
+from ouroboros_jax.decoding.knobs import recipe_of
+from ouroboros_jax.decoding.lookahead import LookaheadConfig
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+
+def test_auto_grid_applies_the_tie_rules():
+    values = {"gamma": (2, 3), "window": (2, 4), "ngram": (3,), "suffixes": (1, 3)}
+    grid = METHODS["ouroboros"].auto_grid(values)
+    want = [(g, w, 3, w, x) for g, w, x in itertools.product((2, 3), (2, 4), (1, 3)) if x <= w]
+    assert [(c.gamma, c.window, c.ngram, c.guesses, c.suffixes) for c in grid] == want
+    la = METHODS["lookahead"].auto_grid({"window": (2, 8), "ngram": (3, 5)})
+    assert [(c.window, c.ngram, c.guesses) for c in la] == [(2, 3, 2), (2, 5, 2), (8, 3, 8),
+                                                             (8, 5, 8)]
+
+
+def test_tune_make_clamps_what_the_grid_drops():
+    space = OuroborosConfig.KNOBS
+    cfg = space.make(OuroborosConfig, {"gamma": 4, "window": 2, "ngram": 5, "suffixes": 3})
+    assert (cfg.guesses, cfg.suffixes) == (2, 2)  # G = W, X clamped to W
+    assert tune._cfg({"gamma": 4, "window": 2, "ngram": 5, "suffixes": 3}) == cfg
+
+
+def test_auto_and_tune_search_the_same_knobs():
+    for m, space in tune.tunable().items():
+        auto_fields = set(METHODS[m].knobs.values("auto"))
+        assert auto_fields == set(space.values("tune")) == set(tune._grid(m))
+    assert sorted(tune.tunable()) == ["lookahead", "ouroboros", "speculative"]
+    assert [k.field for k in tune.tunable()["lookahead"].searched] == ["window", "ngram"]
+
+
+@pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=7), LookaheadConfig(window=3, ngram=4,
+                                                                              guesses=3),
+                                 OuroborosConfig(gamma=5, window=6, ngram=4, guesses=6,
+                                                 suffixes=2)])
+def test_recipe_evaluates_back_into_the_config(cfg):
+    r = recipe_of(cfg)
+    assert r.startswith(type(cfg).__name__ + "(")
+    assert eval(r, {type(cfg).__name__: type(cfg)}) == cfg
+
+
+def test_ablation_steps_add_one_mechanism_each():
+    steps = configs.ablation_steps()
+    assert [s for s, _ in steps] == ["SD", "+phrase drafting", "+lengthening", "+recycling",
+                                     "+history"]
+    on = [sum(sw.values()) for _, sw in steps]
+    assert on == [0, 1, 2, 3, 4]
+    runs = configs.method_runs(["ablation"])
+    assert runs[0].config.phrase_drafting is False and runs[-1].config.history is True
+
+
+def test_interpolate_by_hand():
+    t = {"1": 1.0, "4": 2.0, "8": 4.0}  # string keys, as JSON gives them
+    assert cost.interpolate(t, 1) == 1.0 and cost.interpolate(t, 0) == 1.0
+    assert cost.interpolate(t, 2) == pytest.approx(1 + 1 / 3)
+    assert cost.interpolate(t, 6) == pytest.approx(3.0)
+    assert cost.interpolate(t, 16) == pytest.approx(8.0)  # slope 0.5 past the last size
+    with pytest.raises(ValueError, match="empty"):
+        cost.interpolate({}, 1)
+
+
+def test_rates_priced_from_forward_sizes_by_hand():
+    tt = {1: 1.0, 5: 2.0}
+    td = {1: 0.1}
+    a, g = 0.5, 4
+    # speculative: 4 one-token draft forwards + a 5-token target forward + overhead
+    want = cost.expected_tokens(a, g) / (4 * 0.1 + 2.0 + (cost.ROUND_OVERHEAD
+                                                          + cost.DRAFT_STEP_OVERHEAD * 4) * 1.0)
+    assert METHODS["speculative"].rate(SpeculativeConfig(gamma=g), a, tt, td) == pytest.approx(want)
+    assert cost.expected_tokens(a, g) == pytest.approx(1 + .5 + .25 + .125 + .0625)
+    # lookahead W 1 N 3 G 1: a (1+1)*2 = 4-token forward, no overhead
+    la = LookaheadConfig(window=1, ngram=3, guesses=1)
+    assert METHODS["lookahead"].forward_sizes(la)[0] == 4
+    assert METHODS["lookahead"].rate(la, None, tt, None) == pytest.approx(
+        (1 + cost.phrase_gain(1, 3)) / 1.75)
+    assert cost.phrase_gain(1, 3) == pytest.approx(0.1 * (1 + 0.8))
+    assert cost.vanilla_rate(tt) == pytest.approx(1 / (1 + cost.VANILLA_OVERHEAD))
