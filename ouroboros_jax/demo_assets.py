@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .models.loading import load_model
+
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 
 
@@ -26,8 +28,6 @@ def _require():
 
 def demo_pair(dtype: str = "float32"):
     """(target, draft) as `ouroboros_jax.models.Model`s, tokenizer attached to each."""
-    from ouroboros_jax.models.loading import load_model
-
     _require()
     return load_model(str(DEMO_DIR / "target"), dtype), load_model(str(DEMO_DIR / "draft"), dtype)
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from .bounds import (MEMORY_SHARE, PAST_POSITIONS_ENV, available_bytes, estimate_bytes,
                      forward_sizes, gib)
+from .chat import apply_chat, is_conversation
 from .decoding.common import Limits
 from .decoding.knobs import recipe_of
 from .models.config import normalize_eos
@@ -107,39 +108,54 @@ def explicit_eos(eos_token_id, vocab_size: int):
 
 
 def as_token_lists(target: Model, prompts) -> list[list[int]]:
+    """A batch of prompts -> token-id lists: strings, token-id lists or chat conversations
+    (lists of {"role", "content"} messages; one conversation may be given on its own)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of strings or of token-id lists, got "
                          f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
-    out = []
+    if all(isinstance(p, dict) for p in prompts):
+        prompts = [prompts]  # one conversation: [{"role": ..., "content": ...}, ...]
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if target.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
-                                 "token-id lists instead")
-            try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
-                p.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompts[{i}] is not valid Unicode text: {e}") from None
-            ids = list(target.tokenizer(p)["input_ids"])
-        else:
-            if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):
-                raise ValueError(f"prompts[{i}] is neither a string nor a list of token ids, "
-                                 f"got {type(p).__name__}")
-            bad = next((t for t in p if not is_int(t)), None)
-            if bad is not None:
-                raise ValueError(f"prompts[{i}] holds {bad!r} ({type(bad).__name__}); token ids "
-                                 "must be integers")
-            ids = [int(t) for t in p]
-        if len(ids) == 0:
-            raise ValueError(f"prompts[{i}] is empty (no tokens); every prompt needs at least one")
-        bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary "
-                             f"[0, {target.config.vocab_size})")
-        out.append(ids)
-    return out
+        if isinstance(p, dict):
+            raise ValueError(f"prompts[{i}] is a chat message among other prompts; give a "
+                             "conversation as a list of messages: prompts=[[{'role': 'user', "
+                             "'content': ...}], ...]")
+    return [prompt_ids(target, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def prompt_ids(target: Model, p, name: str = "prompt") -> list[int]:
+    """One prompt (a string, token ids, or a chat conversation rendered with the tokenizer's
+    template and generation prompt) -> its token ids inside the vocabulary; ValueError naming
+    `name` otherwise."""
+    if is_conversation(p):
+        ids = apply_chat(target.tokenizer, p, name)
+    elif isinstance(p, str):
+        if target.tokenizer is None:
+            raise ValueError(f"{name} is text but the target has no tokenizer; pass "
+                             "token-id lists instead")
+        try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name} is not valid Unicode text: {e}") from None
+        ids = list(target.tokenizer(p)["input_ids"])
+    else:
+        if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):
+            raise ValueError(f"{name} is neither a string nor a list of token ids, "
+                             f"got {type(p).__name__}")
+        bad = next((t for t in p if not is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"{name} holds {bad!r} ({type(bad).__name__}); token ids "
+                             "must be integers")
+        ids = [int(t) for t in p]
+    if len(ids) == 0:
+        raise ValueError(f"{name} is empty (no tokens); every prompt needs at least one")
+    bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
+    if bad:
+        raise ValueError(f"{name} holds token id {bad[0]} outside the vocabulary "
+                         f"[0, {target.config.vocab_size})")
+    return ids
 
 
 def validate_scalars(max_new_tokens, temperature, top_p, top_k, seed):

@@ -309,3 +309,30 @@ def test_mesh_gives_same_tokens(tiny_target, noisy_draft, random_prompts):
     ref = ouro(tiny_target, noisy_draft, prompts, **kw).tokens
     got = ouro(tiny_target, noisy_draft, prompts, mesh=make_mesh(2, 4), **kw).tokens
     assert got == ref
+
+
+def test_caches_are_placed_on_the_mesh(tiny_target, noisy_draft):
+    """Under a mesh every method's empty caches take `sharding.cache_spec`'s layout (rows over
+    "data", kv heads over "model"), not whatever XLA gives a buffer of zeros."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.common import make_pair
+    from ouroboros_jax.sharding import cache_spec, make_mesh, shard_model
+
+    mesh = make_mesh(2, 2)
+    pair = make_pair(shard_model(tiny_target, mesh), shard_model(noisy_draft, mesh))
+    assert pair.mesh is mesh
+    for name in ("vanilla", "speculative", "lookahead", "ouroboros"):
+        spec = METHODS[name]
+        cfg = spec.quick_config() if spec.quick_config else None
+        loop_cfg, pool = spec.prepare(cfg, None, tiny_target.config.vocab_size) \
+            if spec.prepare else (cfg, None)
+        state = jax.jit(spec.init, static_argnums=(1, 2, 3))(pair, loop_cfg, 4, 64, pool)
+        for attr, cfg_m in (("cache", pair.tconfig), ("tcache", pair.tconfig),
+                            ("dcache", pair.dconfig)):
+            if hasattr(state, attr):
+                k = getattr(state, attr).k
+                want = NamedSharding(mesh, cache_spec(cfg_m, 4, 64, mesh))
+                assert k.sharding.is_equivalent_to(want, k.ndim), (name, attr, k.sharding)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ..decoding import METHODS
+from ..generate import generate
+from .runner import encode
 from .workloads import Prompt
 
 
@@ -35,10 +38,6 @@ def batch_throughput(target, draft, prompts: list[Prompt], methods: list[str], b
     `config`: "auto" (default) or {method: config}. Vanilla runs first at each batch size; a
     method's speedup is its tokens/s over vanilla's at the same batch. Times are wall time of
     the whole call (auto's choice included), best of `repeats` after a warm-up call."""
-    from ..decoding import METHODS
-    from ..generate import generate
-    from .runner import encode
-
     log = log or (lambda m: None)
     ids = [encode(target, p.turns[0]) for p in prompts]
     n_new = max_new_tokens or max(p.max_new_tokens for p in prompts)

@@ -23,6 +23,8 @@ import json
 
 import numpy as np
 
+from ..decoding import METHODS
+from ..request import cache_slots
 from .cost_model import (LatencyTable, context_mix, first_draft_timer, forward_sizes,
                          forward_timer, predict_seconds, prompt_bucket)
 
@@ -49,9 +51,6 @@ def main(argv=None):
                  "speculative, lookahead, ouroboros")
 
     import ouroboros_jax as oj
-    from ouroboros_jax.decoding import METHODS
-    from ouroboros_jax.request import cache_slots
-
     target, draft = oj.demo_pair("float32")
     texts = [p["text"] for p in oj.demo_prompts()[:a.prompts]]
     plens = [len(target.tokenizer(t)["input_ids"]) for t in texts]

@@ -34,6 +34,9 @@ import numpy as np
 
 from ..decoding import METHODS
 from ..decoding.cost import interpolate
+from ..models.attention import BLOCK
+from ..models.timing import forward_timer as timer, sequence_timer
+from ..request import bucket
 
 
 @dataclasses.dataclass
@@ -112,8 +115,6 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
 
 
 def prompt_bucket(n: int) -> int:
-    from ..request import bucket
-
     return bucket(int(n))
 
 
@@ -125,8 +126,6 @@ def context_mix(prompt_lengths, new_tokens: int, block: Optional[int] = None) ->
     A call with prompt length p and n new tokens ignoring EOS runs its forwards after p - 1 ..
     p + n - 2 committed tokens; a method emitting several tokens per round samples the same
     range more sparsely, so the mix is the same for every method."""
-    from ..models.attention import BLOCK
-
     C = block or BLOCK
     groups: dict = {}
     for p in prompt_lengths:
@@ -178,8 +177,6 @@ def _slots(context: int, n: int, slots: Optional[int]) -> int:
 
 def forward_timer(model, n: int, context: int, inner: int = 8, slots: Optional[int] = None):
     """`models.timing.forward_timer` at batch 1, in a cache of `_slots` slots."""
-    from ..models.timing import forward_timer as timer
-
     return timer(model, n, context, _slots(context, n, slots), batch=1, inner=inner)
 
 
@@ -188,8 +185,6 @@ def first_draft_timer(target, n_target: int, draft, n: int, context: int, inner:
     """Seconds of a target forward of n_target tokens followed by a draft forward of n (a
     round's verification, then the next round's first draft forward), at batch 1; subtract
     the target's own time to get t_S1(n)."""
-    from ..models.timing import sequence_timer
-
     S = _slots(context, max(n, n_target), slots)
     return sequence_timer([(target, n_target), (draft, n)], context, S, batch=1, inner=inner)
 

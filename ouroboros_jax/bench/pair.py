@@ -7,14 +7,15 @@ import os
 import tempfile
 from typing import Optional
 
+from ..demo_assets import demo_pair
+from ..models import load_model
+
 
 def quick_pair(dir_: Optional[str] = None):
     """A tiny random Llama target/draft pair saved with transformers (HF layout, so the peers
     can load it too) -> (target, draft) Models."""
     import torch
     import transformers
-
-    from ..models import load_model
 
     dir_ = dir_ or tempfile.mkdtemp(prefix="oj_bench_")
     paths = []
@@ -41,16 +42,12 @@ def load_models(target: Optional[str] = None, draft: Optional[str] = None, *,
                 dtype: str = "float32", quick: bool = False, quick_dir: Optional[str] = None):
     """(target, draft, source): the given directories, else the demo pair, else (quick) the
     tiny random pair."""
-    from ..models import load_model
-
     if target:
         t = load_model(target, dtype=dtype)
         d = load_model(draft, dtype=dtype) if draft else None
         return t, d, "given"
     if not quick:
         try:
-            from ..demo_assets import demo_pair
-
             t, d = demo_pair(dtype)
             return t, d, "demo"
         except FileNotFoundError:

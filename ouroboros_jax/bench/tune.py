@@ -20,8 +20,10 @@ import sys
 
 from ..decoding import METHODS
 from ..decoding.knobs import recipe_of
+from .pair import load_models
 from .runner import MethodRun, run_method
-from .workloads import Prompt
+from .suite import workload_of_args
+from .workloads import Prompt, load_workload
 
 
 def tunable() -> dict:
@@ -99,10 +101,6 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
 
 def tune_main(a) -> dict:
     """The CLI layer of `ouroboros-jax tune`: flags -> plain arguments of `tune`."""
-    from .pair import load_models
-    from .suite import workload_of_args
-    from .workloads import load_workload
-
     quick = a.quick
     per_task = a.prompts_per_task if a.prompts_per_task is not None else (2 if quick else 4)
     workload = workload_of_args(a, per_task)  # flag errors before any model loads

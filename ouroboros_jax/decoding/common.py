@@ -24,10 +24,12 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
 
 from ..models import causal_mask, forward
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
+from ..sharding import cache_spec
 from ..pool import pool_occupancy
 
 
@@ -84,13 +86,32 @@ class Pair:
     dparams: Any = None
     tconfig: ModelConfig = struct.field(pytree_node=False, default=None)
     dconfig: Optional[ModelConfig] = struct.field(pytree_node=False, default=None)
+    mesh: Optional[Mesh] = struct.field(pytree_node=False, default=None)
 
 
 def make_pair(target, draft=None) -> Pair:
-    """A Pair from `Model`s (draft None: no draft)."""
+    """A Pair from `Model`s (draft None: no draft). When the target's params live on a mesh
+    (`sharding.shard_model`), the pair carries it, so caches are placed on it too."""
+    sharding = getattr(target.params["embed"], "sharding", None)
     return Pair(tparams=target.params, tconfig=target.config,
                 dparams=None if draft is None else draft.params,
-                dconfig=None if draft is None else draft.config)
+                dconfig=None if draft is None else draft.config,
+                mesh=sharding.mesh if isinstance(sharding, NamedSharding) else None)
+
+
+def empty_cache(pair: Pair, which: str, rows: int, slots: int) -> KVCache:
+    """An empty KV cache for the pair's "target" or "draft" (B = rows, S = slots), in the
+    model's dtype. On a mesh it is placed as `sharding.cache_spec` says (rows over "data", kv
+    heads over "model"), so every method's caches are laid out like the K/V the sharded
+    forward computes instead of wherever XLA's propagation puts a buffer of zeros."""
+    config, params = (pair.tconfig, pair.tparams) if which == "target" else (pair.dconfig,
+                                                                              pair.dparams)
+    cache = init_cache(config, rows, slots, params["embed"].dtype)
+    if pair.mesh is None:
+        return cache
+    place = NamedSharding(pair.mesh, cache_spec(config, rows, slots, pair.mesh))
+    return cache.replace(k=jax.lax.with_sharding_constraint(cache.k, place),
+                         v=jax.lax.with_sharding_constraint(cache.v, place))
 
 
 def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> Sequences:

@@ -23,14 +23,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
-from ..models.kv_cache import KVCache, init_cache
+from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
-                     counters_dict, emit, empty_sequences, insert_sequences, init_stats,
-                     loop_config, make_pair, make_runner, plain_step, pool_summary, prefill_rows,
-                     set_rows)
+from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter, counters_dict,
+                     emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
+                     make_pair, make_runner, plain_step, pool_summary, prefill_rows, set_rows)
 from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .cost import RoundModel, phrase_gain
 from .knobs import GUESSES, NGRAM, WINDOW, KnobSpace
@@ -105,7 +104,7 @@ def lookahead_init(pair: Pair, cfg: LookaheadConfig, rows: int, slots: int, pool
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     own = LookaheadCounters(guess_tokens_accepted=counter(), pool_hits=counter())
     return LookaheadState(empty_sequences(rows, slots),
-                          init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+                          empty_cache(pair, "target", rows, slots),
                           empty_window(layout, rows), pool, init_stats(rows, cfg.ngram + 1, own))
 
 

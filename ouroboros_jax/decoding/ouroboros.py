@@ -51,14 +51,14 @@ from flax import struct
 
 from ..models import forward
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
-from ..models.kv_cache import KVCache, init_cache
+from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
-                     counter, counters_dict, emit, empty_sequences, follow_draft,
-                     insert_sequences, init_stats, loop_config, make_pair, make_runner,
-                     plain_step, pool_summary, prefill_rows, set_rows)
+                     counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
+                     init_stats, insert_sequences, loop_config, make_pair, make_runner, plain_step,
+                     pool_summary, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step,
                      tree_forward)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
@@ -380,8 +380,8 @@ def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool
                             draft_accepted=counter())
     return OuroborosState(
         empty_sequences(rows, slots),
-        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
-        init_cache(pair.dconfig, rows, slots, pair.dparams["embed"].dtype),
+        empty_cache(pair, "target", rows, slots),
+        empty_cache(pair, "draft", rows, slots),
         empty_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), rows), pool,
         init_stats(rows, 2 + cfg.gamma + (cfg.ngram - 1 if x else 0), own))
 

@@ -45,17 +45,18 @@ from flax import struct
 
 from ..bounds import MAX_TREE_TOKENS
 from ..models import forward
-from ..models.kv_cache import KVCache, commit_prefix, init_cache, rollback
+from ..models.kv_cache import KVCache, commit_prefix, rollback
 from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys,
                         token_probability)
 from ..tree import chain_parents, tree_depths, tree_mask
+from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
+                     counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
+                     init_stats, insert_sequences, make_pair, make_runner, plain_step,
+                     prefill_rows)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
 from .knobs import GAMMA, KnobSpace
 from .spec import MethodSpec
-from .common import (Limits, Pair, make_pair, Sequences, Stats, check_fraction, check_int, count_round,
-                     counter, counters_dict, emit, empty_sequences, follow_draft,
-                     insert_sequences, init_stats, make_runner, plain_step, prefill_rows)
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -240,8 +241,8 @@ def speculative_init(pair: Pair, cfg: SpeculativeConfig, rows: int, slots: int, 
     """B = rows empty rows (done) of S = slots."""
     return SpeculativeState(
         empty_sequences(rows, slots),
-        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
-        init_cache(pair.dconfig, rows, slots, pair.dparams["embed"].dtype),
+        empty_cache(pair, "target", rows, slots),
+        empty_cache(pair, "draft", rows, slots),
         init_stats(rows, cfg.gamma + 2, SpeculativeCounters(drafted_tokens=counter())))
 
 

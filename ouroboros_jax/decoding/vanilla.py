@@ -6,13 +6,12 @@ Seam functions (decoding/spec.py): `vanilla_init`, `vanilla_insert`, `vanilla_st
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import struct
 
-from ..models.kv_cache import KVCache, init_cache
+from ..models.kv_cache import KVCache
 from ..sampling import SamplingParams
-from .common import (Limits, Pair, Sequences, Stats, count_round, empty_sequences,
-                     insert_sequences, init_stats, make_runner, plain_step, prefill_rows)
+from .common import (Limits, Pair, Sequences, Stats, count_round, empty_cache, empty_sequences,
+                     init_stats, insert_sequences, make_runner, plain_step, prefill_rows)
 
 
 @struct.dataclass
@@ -34,7 +33,7 @@ class VanillaState:
 def vanilla_init(pair: Pair, cfg, rows: int, slots: int, pool=None) -> VanillaState:
     """B = rows empty rows (done) of S = slots."""
     return VanillaState(empty_sequences(rows, slots),
-                        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+                        empty_cache(pair, "target", rows, slots),
                         init_stats(rows, 2))
 
 

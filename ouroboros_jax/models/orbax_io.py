@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .llama import init_params
 from .loading import Model, load_tokenizer
 
 
@@ -45,8 +46,6 @@ def load_orbax(path: str, dtype=None) -> Model:
     pdir = os.path.join(path, "params")
     if not os.path.isdir(pdir):
         raise FileNotFoundError(f"{pdir} not found (orbax params missing)")
-    from .llama import init_params
-
     stored = jnp.dtype(raw.get("torch_dtype") or "float32")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(

@@ -46,8 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ouroboros_jax.generate import generate
 from ouroboros_jax.models.config import ModelConfig
 from ouroboros_jax.models.llama import causal_mask, forward, init_params
+from ouroboros_jax.models.loading import Model, load_model, load_tokenizer, save_hf_checkpoint
+from ouroboros_jax.training import corpus
+from ouroboros_jax.training.report import causal_argmax, heldout_prompts
+from ouroboros_jax.training.train import Checkpointer, make_optimizer, restore_params
 
 EVAL_NEW_TOKENS = 128
 HELDOUT_SHARE = 0.02
@@ -123,9 +128,6 @@ def load_sources(a, target) -> Sources:
     def_prompts: list[list[int]] = []
     eval_prompts: list[list[int]] = []
     if a.manifest:
-        from ouroboros_jax.training import corpus
-        from ouroboros_jax.training.report import heldout_prompts
-
         m = corpus.load_manifest(a.manifest)
         train_t, held_t = corpus.read_texts(m, "train"), corpus.read_texts(m, "heldout")
 
@@ -265,8 +267,6 @@ def teacher_forced_matches(params, cfg: ModelConfig, prompts: list[list[int]], c
     rows = np.full((len(prompts), width), pad, np.int32)
     for i, (p, c) in enumerate(zip(prompts, conts)):
         rows[i, : len(p) + len(c)] = list(p) + list(c)
-    from ouroboros_jax.training.report import causal_argmax
-
     pred = np.asarray(causal_argmax(params, cfg, jnp.asarray(rows)))
     return [pred[i, len(p) - 1 : len(p) - 1 + len(c)] == np.asarray(c, np.int64)
             for i, (p, c) in enumerate(zip(prompts, conts))]
@@ -302,14 +302,10 @@ def agreement_report(draft_params, dcfg, prompts, conts, gammas=(4, 8)) -> dict:
 # ------------------------------------------------------------------------------------ run
 def _load(path: str, what: str):
     """A Model from a Hugging Face directory, or from a training run directory (run.json)."""
-    from ouroboros_jax.models.loading import Model, load_model, load_tokenizer
-
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"--{what} {path}: not a directory")
     if (p / "run.json").exists():
-        from ouroboros_jax.training.train import restore_params
-
         cfg, params, _ = restore_params(p)
         tok_dir = json.loads((p / "run.json").read_text())["args"].get("tokenizer")
         return Model(cfg, params, load_tokenizer(tok_dir) if tok_dir else None, str(p))
@@ -412,8 +408,6 @@ class Distiller:
         packed rows and masks; a pure function of (seed, k)."""
         if k == self._chunk_id:
             return self._chunk
-        from ouroboros_jax.generate import generate
-
         a, pad = self.a, self.target.config.pad_token_id or 0
         prompts = chunk_prompts(self.src, k, a.gen_batch, a.prompt_tokens, a.seed)
         n_sample = int(round(a.gen_batch * a.sample_share))
@@ -457,8 +451,6 @@ class Distiller:
     def eval_set(self):
         """The target's greedy 128-token continuations of the eval prompts (computed once)."""
         if self._eval is None:
-            from ouroboros_jax.generate import generate
-
             out = generate(self.target, self.src.eval_prompts, method="vanilla", max_new_tokens=EVAL_NEW_TOKENS)
             keep = [i for i, t in enumerate(out.tokens) if t]
             self._eval = ([self.src.eval_prompts[i] for i in keep], [out.tokens[i] for i in keep])
@@ -471,8 +463,6 @@ class Distiller:
     # -- loop
     def run(self) -> dict:
         from tqdm import tqdm
-
-        from ouroboros_jax.training.train import Checkpointer
 
         a = self.a
         run = {"target": a.target, "init": a.init, "model": dataclasses.asdict(self.dcfg), "args": vars(a),
@@ -549,8 +539,6 @@ class Distiller:
     def finish(self, step: int) -> dict:
         """Writes `<out>/hf` (the draft, Hugging Face layout, the target's tokenizer) and
         `<out>/report.json`; prints the agreement report."""
-        from ouroboros_jax.models.loading import save_hf_checkpoint
-
         hf = self.out / "hf"
         src = Path(self.target.path or "")
         tok_files = [src / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -572,8 +560,6 @@ class Distiller:
 
 
 def _optimizer(a):
-    from ouroboros_jax.training.train import make_optimizer
-
     return make_optimizer(a.lr, a.warmup, a.steps, a.weight_decay, a.clip, "wsd", a.decay_frac)
 
 

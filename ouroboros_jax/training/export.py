@@ -21,17 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ouroboros_jax.models.llama import causal_mask, forward
+from ouroboros_jax.models.loading import load_model, save_hf_checkpoint
 from ouroboros_jax.training import corpus, report
 from ouroboros_jax.training.tokenizer import load_tokenizer
+from ouroboros_jax.training.train import restore_params
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "assets" / "demo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def stage_member(run_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
-    from ouroboros_jax.models.loading import save_hf_checkpoint
-    from ouroboros_jax.training.train import restore_params
-
     cfg, params, meta = restore_params(run_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -51,9 +51,6 @@ def check_transformers(hf_dir: Path, rtol: float = 1e-4) -> float:
     """Max |logits_hf - logits_jax| / max|logits_jax| in fp32 on a fixed 200-token sequence."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from ouroboros_jax.models.llama import causal_mask, forward
-    from ouroboros_jax.models.loading import load_model
 
     m = load_model(str(hf_dir), "float32")
     ids = np.random.default_rng(0).integers(3, m.config.vocab_size, size=(1, 200)).astype(np.int32)

@@ -39,9 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax.models.config import ModelConfig
+from ouroboros_jax.models.kv_cache import commit_prefix, init_cache
 from ouroboros_jax.models.llama import causal_mask, forward
+from ouroboros_jax.models.loading import load_model
 from ouroboros_jax.training import corpus, data
 from ouroboros_jax.training.tokenizer import BOS_ID, EOS_ID, PAD_ID, load_tokenizer
+from ouroboros_jax.training.train import restore_params
 
 GAMMA = 8
 NGRAM = 8
@@ -55,13 +58,9 @@ def load_member(path: str | Path):
     """(config, fp32 params, info) from a run directory or a Hugging Face directory."""
     path = Path(path)
     if (path / "run.json").exists():
-        from ouroboros_jax.training.train import restore_params
-
         cfg, params, meta = restore_params(path)
         return cfg, params, {"source": f"{path} step {meta['step']}", "step": meta["step"],
                              "train_tokens": meta["tokens"], "wall_s": meta["wall_s"]}
-    from ouroboros_jax.models.loading import load_model
-
     m = load_model(str(path), "float32")
     return m.config, m.params, {"source": str(path)}
 
@@ -125,8 +124,6 @@ def greedy_continue(params, cfg, prompts: list[list[int]], n_new: int) -> list[l
 def _greedy_cached(params, cfg: ModelConfig, toks, lens, n_new: int):
     """Greedy continuation with the KV cache: prefill the right-padded prompts toks[B, P] (true
     lengths lens[B]), then n_new single-token steps in one scan. Returns int32[B, n_new]."""
-    from ouroboros_jax.models.kv_cache import commit_prefix, init_cache
-
     B, P = toks.shape
     cache = init_cache(cfg, B, P + n_new, params["embed"].dtype)
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))

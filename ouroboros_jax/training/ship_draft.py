@@ -24,6 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ouroboros_jax.generate import generate
 from ouroboros_jax.training import distill, export, report
 
 GATE_AGREEMENT = 0.75
@@ -57,8 +58,6 @@ def main(argv=None):
     ap.add_argument("--stage", default="runs/ship_draft")
     a = ap.parse_args(argv)
     import ouroboros_jax as oj
-    from ouroboros_jax.generate import generate
-
     run, demo, stage = Path(a.run), Path(a.demo), Path(a.stage)
     if not (run / "hf" / "model.safetensors").exists():
         raise SystemExit(f"--run {run}: no hf/model.safetensors (run `ouroboros-jax distill` to the end first)")

@@ -38,7 +38,8 @@ from ouroboros_jax.models.config import ModelConfig
 from ouroboros_jax.models.llama import causal_mask, forward
 from ouroboros_jax.training import corpus, data, report
 from ouroboros_jax.training.tokenizer import BOS_ID, EOS_ID, load_tokenizer
-from ouroboros_jax.training.train import Checkpointer, make_optimizer, make_steps, restore_state
+from ouroboros_jax.training.train import (Checkpointer, heldout_loss, make_optimizer, make_steps,
+                                          restore_state)
 
 
 def repeat_mask(cont: np.ndarray, n: int) -> np.ndarray:
@@ -193,8 +194,6 @@ def finetune(a) -> dict:
         print(json.dumps(rec), flush=True)
 
     def evaluate(step):
-        from ouroboros_jax.training.train import heldout_loss
-
         rec = {"step": step, "ul_step": ul["steps"], "heldout_loss": heldout_loss(eval_step, params, held, a.eval_windows),
                **watch(params, cfg, watch_ids, 128), "tokens": int(meta["tokens"]), "wall_s": meta["wall_s"]}
         log(rec)
