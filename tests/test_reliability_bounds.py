@@ -588,3 +588,18 @@ def test_distill_refuses_an_out_that_is_a_file(tmp_path, distill_target):
         distill.main(["--target", distill_target, "--draft-config", '{"num_layers": 1}',
                       "--data", str(f), "--out", str(f)])
     assert f.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------ 8. the serving engine
+def test_engine_sizes_are_bounded_before_anything_is_allocated(tiny_pair):
+    from ouroboros_jax.serving.engine import Engine
+
+    target, draft, _ = tiny_pair
+    _quick_refusal(lambda: Engine(target, slots=10**6, max_cache_len=1024),
+                   r"device memory \(1000000 rows x .*slots")
+    _quick_refusal(lambda: Engine(target, method="lookahead",
+                                  config=LookaheadConfig(pool_rows=10**9)),
+                   "pool_rows=1000000000 exceeds the vocabulary")
+    _quick_refusal(lambda: Engine(target, draft, method="speculative",
+                                  config=SpeculativeConfig(gamma=2000)),
+                   "2001 tokens in one target forward")
