@@ -225,7 +225,7 @@ def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: floa
 
 
 def check_call(spec, cfg, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
-               max_cache_len: Optional[int], mesh=None) -> None:
+               max_cache_len: Optional[int], mesh=None, batch_name: str = "batch") -> None:
     """Refuses, by the parameter's name, a call whose sizes its models or device cannot hold;
     `generate` calls it after validating its arguments and before allocating anything.
 
@@ -265,6 +265,6 @@ def check_call(spec, cfg, target, draft, batch: int, prompt_width: int, max_new_
     free = available_bytes()
     if free is not None and need > MEMORY_SHARE * free:
         raise ValueError(f"this call needs about {gib(need)} of device memory ({batch} rows x "
-                         f"{slots} cache slots: batch, max_cache_len / max_new_tokens"
+                         f"{slots} cache slots: {batch_name}, max_cache_len / max_new_tokens"
                          f"{', the config' if cfg is not None else ''}), more than the "
                          f"{gib(free)} free; use fewer rows or a smaller max_cache_len")

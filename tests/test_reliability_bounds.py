@@ -44,10 +44,6 @@ def _cache_file(d):
     return d / "auto.json"
 
 
-def _stats(rounds=100, eta=2.0):
-    return {"target_calls": rounds, "new_tokens": int(rounds * eta), "eta": eta}
-
-
 def _usable(section, v) -> bool:
     """What a cache entry must be for a decision to use it (the issue's spec, written here
     independently of auto.py's own check)."""
@@ -393,21 +389,26 @@ def test_every_bit_flip_and_truncation_is_refused_or_harmless(tmp_path, pool_byt
 
 
 # ------------------------------------------------------------------ 5. the pool clock
-def test_pool_clock_never_wraps_and_a_pool_past_it_saves_and_loads(tmp_path):
-    CLOCK_MAX = 2**31 - 1  # the largest int32 stamp
-
-    ins, ins_many = jax.jit(insert), jax.jit(insert_many)
-    pool = init_pool(11, 3, 2, rows=5)
-    pool = ins(ins(pool, 1, jnp.array([2, 3])), 1, jnp.array([4, 5]))  # A, B under key 1
-    pool = ins(pool, 2, jnp.array([6, 7]))  # C under key 2 (row 2)
-    # as after ~2**31 writes: same order, stamps at the top of the int32 range
-    shift = CLOCK_MAX - 3 - int(pool.clock)
-    pool = pool.replace(stamps=jnp.where(pool.stamps > 0, pool.stamps + shift, 0),
+def _near_the_top(pool, room):
+    """The pool as after ~2**31 writes: same order, stamps shifted so that `room` writes are
+    left before the int32 clock passes 2**31 - 1."""
+    shift = CLOCK_MAX - room - int(pool.clock)
+    return pool.replace(stamps=jnp.where(pool.stamps > 0, pool.stamps + shift, 0),
                         clock=pool.clock + shift)
-    pool = ins(pool, 1, jnp.array([8, 9]))  # D
+
+
+CLOCK_MAX = 2**31 - 1  # the largest int32 stamp
+
+
+def test_pool_clock_never_wraps_and_a_pool_past_it_saves_and_loads(tmp_path):
+    pool = init_pool(11, 3, 2, rows=5)
+    pool = insert(insert(pool, 1, jnp.array([2, 3])), 1, jnp.array([4, 5]))  # A, B under key 1
+    pool = insert(pool, 2, jnp.array([6, 7]))  # C under key 2 (row 2)
+    pool = _near_the_top(pool, 3)
+    pool = insert(pool, 1, jnp.array([8, 9]))  # D
     assert int(pool.clock) == CLOCK_MAX - 2
-    for k in range(6):  # twelve more writes (rows 1 and 3): past 2**31 - 1 without renumbering
-        pool = ins_many(pool, jnp.array([1, 3], jnp.int32),
+    for k in range(3):  # six more writes (rows 1 and 3): past 2**31 - 1 without renumbering
+        pool = insert_many(pool, jnp.array([1, 3], jnp.int32),
                            jnp.array([[k, k], [k + 1, k]], jnp.int32))
     stamps = np.asarray(pool.stamps)
     live = stamps[stamps > 0]
@@ -416,7 +417,7 @@ def test_pool_clock_never_wraps_and_a_pool_past_it_saves_and_loads(tmp_path):
     # key 1's newest three phrases, newest first (LRU order survived the renumbering)
     phrases, found = lookup(pool, jnp.int32(1), 3)
     assert np.asarray(found).all()
-    assert np.asarray(phrases).tolist() == [[5, 5], [4, 4], [3, 3]]
+    assert np.asarray(phrases).tolist() == [[2, 2], [1, 1], [0, 0]]
     # and key 2's phrase (oldest of all) is still there
     phrases, found = lookup(pool, jnp.int32(2), 1)
     assert bool(found[0]) and np.asarray(phrases[0]).tolist() == [6, 7]
@@ -424,6 +425,24 @@ def test_pool_clock_never_wraps_and_a_pool_past_it_saves_and_loads(tmp_path):
     back = load_pool(tmp_path / "p.npz")
     for n in ("keys", "phrases", "stamps", "clock"):
         np.testing.assert_array_equal(np.asarray(getattr(back, n)), np.asarray(getattr(pool, n)))
+
+
+def test_a_long_lived_pool_keeps_its_order_through_generate_and_saves(tiny_target, tmp_path):
+    from conftest import REPEAT, ngram_pool
+
+    cfg = LookaheadConfig(window=3, ngram=3, guesses=3)
+    kw = dict(method="lookahead", config=cfg, max_new_tokens=16, eos_token_id=-1)
+    pool = ngram_pool(tiny_target.config.vocab_size, REPEAT, 3, 3)
+    want = oj.generate(tiny_target, REPEAT[:2], pool=pool, **kw)
+    # the same pool after ~2**31 writes: a call writes hundreds more, past the int32 clock
+    old = _near_the_top(pool, 5)
+    out = oj.generate(tiny_target, REPEAT[:2], pool=old, **kw)
+    assert out.tokens == want.tokens  # the same tokens and the same pool, up to the numbering
+    stamps, ref = np.asarray(out.pool.stamps), np.asarray(want.pool.stamps)
+    assert (stamps >= 0).all() and ((stamps > 0) == (ref > 0)).all()
+    assert (np.argsort(stamps[stamps > 0]) == np.argsort(ref[ref > 0])).all()
+    save_pool(tmp_path / "p.npz", out.pool)
+    np.testing.assert_array_equal(np.asarray(load_pool(tmp_path / "p.npz").stamps), stamps)
 
 
 def test_renumbering_keeps_the_order_of_every_slot():
@@ -569,3 +588,18 @@ def test_distill_refuses_an_out_that_is_a_file(tmp_path, distill_target):
         distill.main(["--target", distill_target, "--draft-config", '{"num_layers": 1}',
                       "--data", str(f), "--out", str(f)])
     assert f.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------ 8. the serving engine
+def test_engine_sizes_are_bounded_before_anything_is_allocated(tiny_pair):
+    from ouroboros_jax.serving.engine import Engine
+
+    target, draft, _ = tiny_pair
+    _quick_refusal(lambda: Engine(target, slots=10**6, max_cache_len=1024),
+                   r"device memory \(1000000 rows x .*slots")
+    _quick_refusal(lambda: Engine(target, method="lookahead",
+                                  config=LookaheadConfig(pool_rows=10**9)),
+                   "pool_rows=1000000000 exceeds the vocabulary")
+    _quick_refusal(lambda: Engine(target, draft, method="speculative",
+                                  config=SpeculativeConfig(gamma=2000)),
+                   "2001 tokens in one target forward")

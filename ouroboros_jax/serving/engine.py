@@ -56,7 +56,7 @@ from flax import struct
 
 from ..decoding import METHODS
 from ..decoding.common import (Limits, make_pair, read_emitted, run_rounds, set_rows)
-from ..request import (EOS_BUCKET, bucket, cache_slots, check_draft, check_model,
+from ..request import (EOS_BUCKET, bucket, cache_slots, check_call, check_draft, check_model,
                        default_eos_ids, eos_array, is_int, is_real, prompt_ids)
 from ..pool import PhrasePool, init_pool
 from ..sampling import SamplingParams
@@ -294,13 +294,16 @@ class Engine:
         self.shared_pool = shared_pool
         V = target.config.vocab_size
         self.vocab = V
-
+        # sizes against the models and device before auto's probes allocate (issue 24)
+        check_call(spec, None, target, draft, self.slots, 16, 0, limit, batch_name="slots")
         levels = self._levels(method, spec, config, target, draft)
         cfgs = [c for _, c in levels if c is not OFF]
         if not cfgs and method != "vanilla":  # speculation off at every load: plain decoding
             method, spec, levels = "vanilla", METHODS["vanilla"], [(1, None)]
             cfgs = [None]
         self.method, self.spec = method, spec
+        for c in cfgs:  # each load level's tree and pool against the cache and vocabulary
+            check_call(spec, c, target, draft, self.slots, 16, 0, limit, batch_name="slots")
         base = cfgs[0]
         if spec.family is not None:
             fam = {spec.family(c) for c in cfgs}
