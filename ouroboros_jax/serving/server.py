@@ -386,9 +386,42 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
             raise _bad(str(e), "messages") from None
         return max(int(limit) - n, 1)
 
+    def check_fits(prompt, fields: dict) -> None:
+        """The cache limit and the vocabulary checked here where the server can tell which
+        field is at fault (the engine checks again, naming the problem only in words)."""
+        limit = getattr(engine, "max_cache_len", None)
+        target = getattr(engine, "target", None)
+        ids = prompt if isinstance(prompt, list) and all(_is_int(t) for t in prompt) else None
+        if ids is not None and target is not None:
+            V = target.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise _bad(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {V})",
+                           "prompt")
+        if limit is None:
+            return
+        if ids is None:
+            enc = getattr(engine, "encode", None)
+            if enc is None:
+                return
+            try:
+                n = len(enc(prompt))
+            except ValueError as e:
+                raise _bad(str(e), "messages" if isinstance(prompt, list) else "prompt") from None
+        else:
+            n = len(ids)
+        mt = fields.get("max_tokens", 0)
+        if n >= limit:
+            raise _bad(f"prompt: {n} tokens, which leaves no room in the cache of {limit} "
+                       "tokens (prompt + max_tokens)", "prompt")
+        if n + mt > limit:
+            raise _bad(f"max_tokens={mt} with a prompt of {n} tokens exceeds the cache of "
+                       f"{limit} tokens; at most {limit - n}", "max_tokens")
+
     def submit(prompt, fields: dict):
         from .engine import QueueFull, RequestParams
 
+        check_fits(prompt, fields)
         if st.stopping:
             raise APIError(503, "the server is shutting down", type_="server_error",
                            code="shutting_down")
