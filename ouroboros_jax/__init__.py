@@ -27,7 +27,8 @@ from .generate import GenerationOutput, generate
 from .models import Model, ModelConfig, load_model, save_hf_checkpoint
 from .pool import PhrasePool, init_pool, load_pool, save_pool
 from .demo_assets import demo_pair, demo_prompts
+from . import serving
 
 __all__ = ["GenerationOutput", "LookaheadConfig", "Model", "ModelConfig", "OuroborosConfig",
            "PhrasePool", "SpeculativeConfig", "demo_pair", "demo_prompts", "generate",
-           "init_pool", "load_model", "load_pool", "save_hf_checkpoint", "save_pool"]
+           "init_pool", "load_model", "load_pool", "save_hf_checkpoint", "save_pool", "serving"]

@@ -247,11 +247,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         else:
             cfg = choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
-    limits = Limits(max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
-                    eos_token_id=jnp.asarray(eos, jnp.int32))
-    # top_k >= V keeps every token, as transformers' min(top_k, V)
-    sp = SamplingParams.make(float(temperature) if temperature > 0 else 1.0, min(int(top_k), V),
-                             float(top_p), int(seed))
+    limits, sp = row_knobs(B, max_new_tokens, eos, temperature, top_k, top_p, seed, V)
     greedy = temperature == 0.0
 
     if mesh is not None:
@@ -276,11 +272,26 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     stats = summarize_stats(stats, seconds)
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
-    if draft is not None and greedy and method == "speculative" and getattr(cfg, "confidence", 1) == 0:
-        from .decoding.auto import record_realised
-
-        record_realised(target, draft, stats, cfg.gamma)  # what the next "auto" plans with
+    if spec.learn is not None:
+        spec.learn(target, draft, cfg, stats, greedy)  # what the next "auto" plans with
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
+
+
+def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: float, top_k: int,
+              top_p: float, seed: int, vocab_size: int) -> tuple[Limits, SamplingParams]:
+    """One call's knobs as per-row arrays (every row the same): Limits (max_new_tokens int32[B],
+    EOS ids int32[B, n_eos]) and SamplingParams whose row b draws from stream b of `seed`
+    (fold_in(key(seed), b), the keys generate has always used)."""
+    B = rows
+    limits = Limits(max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
+                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32))
+    # top_k >= V keeps every token, as transformers' min(top_k, V)
+    sp = SamplingParams(
+        temperature=jnp.full((B,), float(temperature) if temperature > 0 else 1.0, jnp.float32),
+        top_k=jnp.full((B,), min(int(top_k), vocab_size), jnp.int32),
+        top_p=jnp.full((B,), float(top_p), jnp.float32),
+        seed=jnp.full((B,), int(seed), jnp.uint32), stream=jnp.arange(B, dtype=jnp.int32))
+    return limits, sp
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

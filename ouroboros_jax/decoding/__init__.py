@@ -1,27 +1,33 @@
-"""Decoding methods. Each registers a `MethodSpec`; `oj.generate` dispatches on its name.
+"""Decoding methods. Each registers a `MethodSpec`; `oj.generate` and the serving engine
+dispatch on its name.
 
-A method's `run(target, draft, prompt[B,P], prompt_lengths[B], limits, sampling, config, *,
-greedy, slots, pool) -> (Sequences, `common.Stats`, pool)` runs the whole generation as one
-jitted `lax.while_loop`. `margin(config)` is how many cache slots past prompt + max_new_tokens one
-round may touch.
+A method is described by its seam functions over B rows (init, insert, round, finish; see
+`decoding/spec.py`). Its `run(target, draft, prompt[B,P], prompt_lengths[B], limits, sampling,
+config, *, greedy, slots, pool) -> (Sequences, `common.Stats`, pool)` runs the whole generation
+as one jitted `lax.while_loop` over them. `margin(config)` is how many cache slots past prompt +
+max_new_tokens one round may touch.
 """
 
 from __future__ import annotations
 
+from .common import make_pair
 from .spec import MethodSpec, NoConfig
-from .vanilla import run_vanilla
+from .vanilla import (run_vanilla, vanilla_finish, vanilla_init, vanilla_insert,
+                      vanilla_step)
 
 
 def _run_vanilla(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
-    seq, stats = run_vanilla(target.params, target.config, prompt, plens, limits, sp,
-                             slots=slots, greedy=greedy)
+    seq, stats, _ = run_vanilla(make_pair(target), prompt, plens, limits, sp, None, cfg=None,
+                                slots=slots, greedy=greedy)
     return seq, stats, pool
 
 
 METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec(run=_run_vanilla, needs_draft=False, config_type=NoConfig,
                           default_config=lambda: None, margin=lambda cfg: 0,
-                          forward_sizes=lambda cfg: (1, 0, 0)),
+                          init=vanilla_init, insert=vanilla_insert, round=vanilla_step,
+                          finish=vanilla_finish, max_emit=lambda cfg: 1,
+                          family=lambda cfg: (), forward_sizes=lambda cfg: (1, 0, 0)),
 }
 
 

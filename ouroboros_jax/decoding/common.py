@@ -1,26 +1,34 @@
 """What every decoding method shares: the sequence buffer, emitting tokens with EOS and
-`max_new_tokens` cut-offs, prefill, and the on-device stats counters.
+`max_new_tokens` cut-offs, prefill, the on-device stats counters, and the drivers that run a
+method's seam functions (`decoding/spec.py`): `make_runner` (generate: init, insert every row,
+one while_loop of rounds) and `run_rounds` (the serving engine: k rounds, then read).
 
 Convention used by every method: a row's sequence holds `lengths[b]` tokens (prompt, then new
 tokens); its KV cache holds the first `lengths[b] - 1` of them. The last token is "pending": it
 is the root of the next forward, whose K/V are computed then. Vanilla decoding is the one-node
 case of the same rule.
 
-Letters (package glossary): B rows, P prompt width, S buffer slots (= cache slots), A tokens
-offered to `emit` at once.
+Empty rows (the engine's free slots) are done rows of one pending token at position 0; every
+round masks done rows, so they change nothing but take part in the shapes.
+
+Letters (package glossary): B rows, R rows inserted at once, P prompt width, S buffer slots
+(= cache slots), A tokens offered to `emit` at once, E tokens one read returns per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from functools import partial
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from ..models import forward
+from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
+from ..pool import pool_occupancy
 
 
 @struct.dataclass
@@ -51,15 +59,38 @@ class Sequences:
 
 @struct.dataclass
 class Limits:
-    """Dynamic stopping rules (arrays: changing them never recompiles).
+    """Dynamic stopping rules (arrays: changing them never recompiles), for the batch or per row.
 
     Attributes:
-        max_new_tokens: int32[], the most tokens a row generates.
-        eos_token_id: int32[n_eos] (or int32[]): a row stops after any of these ids; -1 pads.
+        max_new_tokens: int32[] or int32[B], the most tokens a row generates.
+        eos_token_id: int32[n_eos], int32[] or int32[B, n_eos] (per row): a row stops after any
+            of these ids; -1 pads.
     """
 
     max_new_tokens: jax.Array
     eos_token_id: jax.Array
+
+
+@struct.dataclass
+class Pair:
+    """The models a method runs, as one jit argument: params are traced, configs static.
+
+    Attributes:
+        tparams, tconfig: the target's params and ModelConfig.
+        dparams, dconfig: the draft's (None for methods without one).
+    """
+
+    tparams: Any
+    dparams: Any = None
+    tconfig: ModelConfig = struct.field(pytree_node=False, default=None)
+    dconfig: Optional[ModelConfig] = struct.field(pytree_node=False, default=None)
+
+
+def make_pair(target, draft=None) -> Pair:
+    """A Pair from `Model`s (draft None: no draft)."""
+    return Pair(tparams=target.params, tconfig=target.config,
+                dparams=None if draft is None else draft.params,
+                dconfig=None if draft is None else draft.config)
 
 
 def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> Sequences:
@@ -69,6 +100,48 @@ def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> 
     return Sequences(tokens=tokens, lengths=prompt_lengths.astype(jnp.int32),
                      prompt_lengths=prompt_lengths.astype(jnp.int32),
                      done=jnp.zeros((B,), bool))
+
+
+def empty_sequences(rows: int, slots: int) -> Sequences:
+    """B = rows empty rows (done, one pending token 0 at position 0) of S = slots."""
+    one = jnp.ones((rows,), jnp.int32)
+    return Sequences(tokens=jnp.zeros((rows, slots), jnp.int32), lengths=one, prompt_lengths=one,
+                     done=jnp.ones((rows,), bool))
+
+
+def set_rows(tree, rows: jax.Array, values):
+    """Every leaf x [B, ...] of tree with x[rows] = the matching leaf of values [R, ...]."""
+    return jax.tree_util.tree_map(lambda x, v: x.at[rows].set(v.astype(x.dtype)), tree, values)
+
+
+def insert_sequences(seq: Sequences, rows: jax.Array, prompt: jax.Array,
+                     prompt_lengths: jax.Array) -> Sequences:
+    """Rows int32[R] of seq restart with prompt int32[R,P] (right-padded), prompt_lengths
+    int32[R]: live, nothing generated yet."""
+    fresh = init_sequences(prompt, prompt_lengths, seq.tokens.shape[1])
+    return set_rows(seq, rows, fresh)
+
+
+def set_cache_rows(cache: KVCache, rows: jax.Array, fresh: KVCache) -> KVCache:
+    """cache [L, B, S, ...] with rows int32[R] replaced by fresh [L, R, S, ...]."""
+    return KVCache(k=cache.k.at[:, rows].set(fresh.k), v=cache.v.at[:, rows].set(fresh.v),
+                   lengths=cache.lengths.at[rows].set(fresh.lengths))
+
+
+def prefill_rows(params, config, cache: KVCache, rows: jax.Array, prompt: jax.Array,
+                 prompt_lengths: jax.Array) -> KVCache:
+    """The rows int32[R] of cache refilled from prompt int32[R,P] (`prefill` of those rows)."""
+    fresh = prefill(params, config, prompt, prompt_lengths, cache.num_slots, cache.k.dtype)
+    return set_cache_rows(cache, rows, fresh)
+
+
+def read_emitted(seq: Sequences, since: jax.Array, width: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The tokens each row received after position since int32[B]: -> (tokens int32[B,E=width],
+    counts int32[B]); slots past counts hold garbage. The engine reads what a step emitted."""
+    S = seq.tokens.shape[1]
+    idx = jnp.clip(since[:, None] + jnp.arange(width, dtype=jnp.int32)[None], 0, S - 1)
+    return jnp.take_along_axis(seq.tokens, idx, 1), jnp.minimum(seq.lengths - since, width)
 
 
 def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
@@ -83,6 +156,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
     room = limits.max_new_tokens - seq.generated
     valid = (a < counts[:, None]) & (a < room[:, None]) & ~seq.done[:, None]
     eos = jnp.atleast_1d(limits.eos_token_id)
+    eos = eos[:, None, :] if eos.ndim == 2 else eos  # per row: [B, 1, n_eos]
     is_eos = jnp.any(new[..., None] == eos, axis=-1) & valid
     first_eos = jnp.min(jnp.where(is_eos, a, A), axis=1)
     valid = valid & (a <= first_eos[:, None])
@@ -112,14 +186,12 @@ def prefill(params, config, prompt: jax.Array, prompt_lengths: jax.Array, slots:
     return commit_prefix(cache, new, prompt_lengths - 1)
 
 
-@struct.dataclass(kw_only=True)
+@struct.dataclass
 class Stats:
-    """On-device counters of one decode loop, named as in docs/algorithm.md section 4.
-
-    Every method counts the first six; a method's own counters and the summaries taken after
-    its loop are None where it does not have them (None is an empty pytree: no carry cost).
-    `to_dict` gives the named counters that `generate.summarize_stats` turns into the
-    user-facing stats dict.
+    """On-device counters of one decode loop, named as in docs/algorithm.md section 4: the ones
+    every method counts, plus the method's own (`own`, a dataclass of its counters, each with a
+    `to_dict`) and the summaries taken after its loop (`summary`, a dict). `to_dict` gives the
+    named counters that `generate.summarize_stats` turns into the user-facing stats dict.
 
     Attributes:
         new_tokens: int32[B], tokens each row received (EOS included, nothing after it).
@@ -129,46 +201,39 @@ class Stats:
         draft_tokens: int32[], draft tokens those forwards produced (c = draft_tokens /
             draft_calls).
         acceptance_histogram: int32[bins], rounds by the number of tokens a row kept.
-        drafted_tokens: speculative, int32[]: tokens proposed (adaptive drafting proposes
-            fewer than gamma).
-        draft_forwards: Ouroboros, int32[]: batch draft forwards.
-        guess_tokens_accepted: lookahead, int32[]: tokens accepted from pool guesses.
-        suffix_tokens_accepted: Ouroboros, int32[]: tokens accepted from pool branches.
-        pool_hits: lookahead and Ouroboros, int32[]: row rounds whose key had a pool phrase.
-        draft_matches: Ouroboros, int32[]: chain draft tokens equal to the target's choice.
-        draft_accepted: Ouroboros, int32[]: chain draft tokens accepted.
-        pool_hit_rate: after the loop (`pool_summary`), f32[]: pool_hits / rounds.
-        pool_occupancy: after the loop, int32[]: filled pool slots.
-        match_vs_accept: after Ouroboros' loop, f32[2]: draft_matches and draft_accepted per
-            round (paper Table 1).
-        pool_bytes: after the loop (host int): device bytes of the pool.
+        proposed: int32[B], draft tokens each row offered the target for verification (its
+            chain; lookahead: its best guess): the engine's per-request figure, not reported
+            by `generate`.
+        own: the method's own counters (speculative `SpeculativeCounters`, lookahead
+            `LookaheadCounters`, Ouroboros `OuroborosCounters`), None for vanilla.
+        summary: {name: value} taken after the loop (pool_hit_rate, pool_occupancy,
+            match_vs_accept; pool_bytes added on the host), None before.
     """
 
-    # Declared in name order (keyword-only): the loop carry's leaves then come in the order the
-    # former dict of counters had, so the compiled loops are the same programs.
-    acceptance_histogram: jax.Array
-    draft_accepted: Optional[jax.Array] = None
-    draft_calls: jax.Array
-    draft_forwards: Optional[jax.Array] = None
-    draft_matches: Optional[jax.Array] = None
-    draft_tokens: jax.Array
-    drafted_tokens: Optional[jax.Array] = None
-    guess_tokens_accepted: Optional[jax.Array] = None
-    match_vs_accept: Optional[jax.Array] = None
     new_tokens: jax.Array
-    pool_bytes: Optional[int] = None
-    pool_hit_rate: Optional[jax.Array] = None
-    pool_hits: Optional[jax.Array] = None
-    pool_occupancy: Optional[jax.Array] = None
     rounds: jax.Array
-    suffix_tokens_accepted: Optional[jax.Array] = None
     target_calls: jax.Array
+    draft_calls: jax.Array
+    draft_tokens: jax.Array
+    acceptance_histogram: jax.Array
+    proposed: jax.Array
+    own: Any = None
+    summary: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        """{name: value} of every counter this method has (the None ones left out), in name
-        order: what `generate.summarize_stats` reads."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
+        """{name: value} of every counter this method has, in name order: what
+        `generate.summarize_stats` reads."""
+        d = {n: getattr(self, n) for n in ("new_tokens", "rounds", "target_calls",
+                                           "draft_calls", "draft_tokens", "acceptance_histogram")}
+        if self.own is not None:
+            d.update(self.own.to_dict())
+        d.update(self.summary or {})
+        return dict(sorted(d.items()))
+
+
+def counters_dict(counters) -> dict:
+    """A method's counters dataclass -> {field name: value} (its `to_dict`)."""
+    return {f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)}
 
 
 def counter() -> jax.Array:
@@ -176,18 +241,22 @@ def counter() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
-def init_stats(batch: int, hist_bins: int) -> Stats:
-    """Zeroed common counters (a method adds its own with `.replace(name=counter())`)."""
+def init_stats(batch: int, hist_bins: int, own=None) -> Stats:
+    """Zeroed common counters, with the method's own zeroed counters `own`."""
     return Stats(new_tokens=jnp.zeros((batch,), jnp.int32), rounds=jnp.zeros((batch,), jnp.int32),
                  target_calls=counter(), draft_calls=counter(), draft_tokens=counter(),
-                 acceptance_histogram=jnp.zeros((hist_bins,), jnp.int32))
+                 acceptance_histogram=jnp.zeros((hist_bins,), jnp.int32),
+                 proposed=jnp.zeros((batch,), jnp.int32), own=own)
 
 
-def count_round(stats: Stats, live: jax.Array, kept: jax.Array) -> Stats:
-    """Adds one target forward: live bool[B] (rows not finished before it), kept int32[B]."""
+def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None) -> Stats:
+    """Adds one target forward: live bool[B] (rows not finished before it), kept int32[B],
+    proposed int32[B] (draft tokens each row offered; None: none)."""
     bins = stats.acceptance_histogram.shape[0]
     hist = stats.acceptance_histogram.at[jnp.clip(kept, 0, bins - 1)].add(
         live.astype(jnp.int32))
+    if proposed is not None:
+        stats = stats.replace(proposed=stats.proposed + jnp.where(live, proposed, 0))
     return stats.replace(new_tokens=stats.new_tokens + kept,
                          rounds=stats.rounds + live.astype(jnp.int32),
                          target_calls=stats.target_calls + 1, acceptance_histogram=hist)
@@ -223,11 +292,79 @@ def decode_loop(step, state):
     return jax.lax.while_loop(lambda s: ~jnp.all(s.seq.done), step, state)
 
 
-def pool_summary(stats: Stats, pool) -> Stats:
-    """Stats of a pool-keeping method after its loop: pool_hit_rate (rounds whose key had a
-    phrase / rounds) and pool_occupancy."""
-    from ..pool import pool_occupancy
-
+def pool_summary(stats: Stats, pool) -> dict:
+    """Summaries of a pool-keeping method after its loop: pool_hit_rate (rounds whose key had
+    a phrase / rounds) and pool_occupancy."""
     rounds = jnp.maximum(jnp.sum(stats.rounds), 1)
-    return stats.replace(pool_hit_rate=stats.pool_hits / rounds,
-                         pool_occupancy=pool_occupancy(pool))
+    return dict(pool_hit_rate=stats.own.pool_hits / rounds, pool_occupancy=pool_occupancy(pool))
+
+
+def plain_step(params, config, greedy: bool, sp, limits: Limits, seq: Sequences,
+               cache: KVCache) -> tuple[Sequences, KVCache, jax.Array, jax.Array]:
+    """One vanilla token per row: forward the pending token, choose the next, commit the
+    pending KV. -> (seq, cache, live bool[B] before the step, kept int32[B])."""
+    from ..sampling import choose_tokens
+
+    B = seq.tokens.shape[0]
+    pos = (seq.lengths - 1)[:, None]
+    logits, new = forward(params, config, seq.last[:, None], pos, jnp.ones((B, 1, 1), bool),
+                          cache)
+    tok = choose_tokens(logits, pos + 1, sp, greedy)
+    live = ~seq.done
+    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits)
+    return seq, commit_prefix(cache, new, kept), live, kept
+
+
+def follow_draft(params, config, seq_before: Sequences, cache: KVCache, kept: jax.Array
+                 ) -> KVCache:
+    """Keeps a draft's cache as far behind the sequence as it was, across a round without
+    drafting (`plain_step`, kept int32[B] tokens per row, 0 or 1): the draft processes the one
+    token at its cache length. Its lag behind the pending token, which each method's first
+    draft forward of a round catches up on, is then unchanged."""
+    B, S = seq_before.tokens.shape
+    pos = cache.lengths[:, None]
+    tok = jnp.take_along_axis(seq_before.tokens, jnp.minimum(pos, S - 1), 1)
+    _, new = forward(params, config, tok, pos, jnp.ones((B, 1, 1), bool), cache,
+                     select=jnp.zeros((B, 1), jnp.int32))
+    return commit_prefix(cache, new, kept)
+
+
+def make_runner(init, insert, round_fn, finish):
+    """generate's loop over a method's seam functions, jitted: init B empty rows, insert every
+    row's prompt, rounds under one while_loop until every row is done, then `finish`.
+
+    The runner's signature, the same for every method: (pair, prompt int32[B,P],
+    prompt_lengths int32[B], limits, sampling, pool, *, cfg, slots, greedy) -> (Sequences,
+    Stats, pool or None)."""
+
+    def run(pair: Pair, prompt, prompt_lengths, limits: Limits, sp, pool, *, cfg, slots: int,
+            greedy: bool):
+        B = prompt.shape[0]
+        state = init(pair, cfg, B, slots, pool)
+        state = insert(pair, cfg, state, jnp.arange(B, dtype=jnp.int32), prompt, prompt_lengths)
+        state = decode_loop(partial(round_fn, pair, cfg, greedy, sp, limits), state)
+        return state.seq, finish(state), getattr(state, "pool", None)
+
+    return jax.jit(run, static_argnames=("cfg", "slots", "greedy"))
+
+
+def run_rounds(round_fn, rounds: int, state):
+    """Up to `rounds` (static) calls of round_fn(state) -> state, stopping early once every row
+    is done: the engine's device step. Returns (state, kept int32[rounds, B], live
+    bool[rounds, B], proposed int32[rounds, B]): what each round gave each row."""
+    B = state.seq.tokens.shape[0]
+    z = jnp.zeros((rounds, B), jnp.int32)
+
+    def body(c):
+        i, st, kept, live, prop = c
+        new = round_fn(st)
+        d_kept = new.stats.new_tokens - st.stats.new_tokens
+        d_live = new.stats.rounds - st.stats.rounds
+        d_prop = new.stats.proposed - st.stats.proposed
+        return (i + 1, new, kept.at[i].set(d_kept), live.at[i].set(d_live),
+                prop.at[i].set(d_prop))
+
+    i, state, kept, live, prop = jax.lax.while_loop(
+        lambda c: (c[0] < rounds) & ~jnp.all(c[1].seq.done), body,
+        (jnp.zeros((), jnp.int32), state, z, z, z))
+    return state, kept, live.astype(bool), prop

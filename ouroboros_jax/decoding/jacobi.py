@@ -78,6 +78,13 @@ def init_window(layout: JacobiLayout, prompt: jax.Array, prompt_lengths: jax.Arr
     return JacobiWindow(grid=grid.astype(jnp.int32), steps=jnp.zeros((B,), jnp.int32))
 
 
+def empty_window(layout: JacobiLayout, rows: int) -> JacobiWindow:
+    """B = rows zero windows (the engine's free slots; `init_window` restarts a row)."""
+    m, w = layout.ngram - 1, layout.window
+    return JacobiWindow(grid=jnp.zeros((rows, m, w), jnp.int32),
+                        steps=jnp.zeros((rows,), jnp.int32))
+
+
 def tree_forward(params, config, cache: KVCache, tokens: jax.Array, parents: np.ndarray,
                  depths: np.ndarray, valid: jax.Array, select: np.ndarray,
                  prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None
@@ -153,7 +160,8 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
                 pool: PhrasePool, last: jax.Array, active: jax.Array,
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
                 prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
-                with_confidence: bool = False) -> JacobiResult:
+                with_confidence: bool = False, key_offset: Optional[jax.Array] = None
+                ) -> JacobiResult:
     """One lookahead step of rows `active` (bool[B]); inactive rows keep window and pool.
 
     last int32[B]: the pending token (root), at position cache.lengths (+ prefix_count).
@@ -162,6 +170,8 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     the target. Window predictions always use argmax (they are only candidates).
     Nothing is committed here: the caller commits `acc.path` (see `commit_with_prefix`).
     with_confidence (static): also return the model's probability of each walked token.
+    key_offset int32[B] (None: 0): added to the row's pool keys, lookups and inserts alike
+    (the engine's per-request pools give each slot its own key range).
     """
     B = last.shape[0]
     w, n, g = layout.window, layout.ngram, layout.guesses
@@ -175,7 +185,7 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     tokens = tokens.at[:, li[1:].reshape(-1)].set(window.grid[:, 1:].reshape(B, -1))  # N >= 3
     valid = jnp.ones((B, T), bool)
     if g:
-        guesses, found = lookup(pool, last, g)  # [B,G,M], [B,G]
+        guesses, found = lookup(pool, last if key_offset is None else last + key_offset, g)
         tokens = tokens.at[:, gi.reshape(-1)].set(guesses.reshape(B, -1))
         valid = valid.at[:, gi.reshape(-1)].set(jnp.repeat(found, m, axis=1))
     else:
@@ -223,6 +233,8 @@ def jacobi_step(params, config, layout: JacobiLayout, cache: KVCache, window: Ja
     # -- harvest each column's n-gram: key, level1..level(N-2), new prediction
     warm = active & (window.steps >= n - 2)
     keys = tokens[:, ki]  # [B,W]: last, then level0
+    if key_offset is not None:
+        keys = keys + key_offset[:, None]
     phr = jnp.concatenate([jnp.transpose(window.grid[:, 1:], (0, 2, 1)), preds[:, :, None]], 2)
     pool = insert_many(pool, keys.reshape(-1), phr.reshape(-1, m), jnp.repeat(warm, w))
 

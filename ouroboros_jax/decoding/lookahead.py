@@ -6,25 +6,31 @@ Letters (package glossary): B rows, W window, N n-gram size, G guesses, R pool r
 
 Greedy output equals vanilla's token for token; sampled output equals vanilla sampling's for
 the same seed (keys fold (row, position); the walk only ever emits the target's own choice).
+
+Seam functions (decoding/spec.py): `lookahead_init`, `lookahead_insert`, `lookahead_step` (one
+round), `lookahead_plain` (a round without the window and guesses), `lookahead_finish`;
+`run_lookahead` is generate's loop over them. `key_offset` (per row, None in generate) moves a
+row's pool keys into its own range: the engine's per-request pools.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, init_cache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import (Limits, Sequences, Stats, check_int, count_round, counter, decode_loop, emit,
-                     init_sequences, init_stats, loop_config, pool_summary, prefill)
-from .jacobi import JacobiWindow, commit_with_prefix, init_window, jacobi_step
+from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
+                     counters_dict, emit, empty_sequences, insert_sequences, init_stats,
+                     loop_config, make_pair, make_runner, plain_step, pool_summary, prefill_rows,
+                     set_rows)
+from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .auto import lookahead_rate
 from .spec import MethodSpec
 
@@ -55,6 +61,18 @@ class LookaheadConfig:
 
 
 @struct.dataclass
+class LookaheadCounters:
+    """Lookahead's own counters, int32[]: guess_tokens_accepted (tokens accepted from pool
+    guesses), pool_hits (row rounds whose key had a pool phrase)."""
+
+    guess_tokens_accepted: jax.Array
+    pool_hits: jax.Array
+
+    def to_dict(self) -> dict:
+        return counters_dict(self)
+
+
+@struct.dataclass
 class LookaheadState:
     """The carry of lookahead decoding's while_loop.
 
@@ -64,8 +82,8 @@ class LookaheadState:
         window: the target's Jacobi window (W columns, N-1 levels) rolled forward every step.
         pool: the n-gram pool (keyed by a token, phrases of N-1 tokens), fed by the window's
             harvested n-grams and looked up with the pending token.
-        stats: the on-device counters (`common.Stats`), with guess_tokens_accepted and
-            pool_hits.
+        stats: the on-device counters (`common.Stats`), own = `LookaheadCounters`.
+        key_offset: int32[B] added to every pool key of the row (per-request pools), or None.
     """
 
     seq: Sequences
@@ -73,9 +91,31 @@ class LookaheadState:
     window: JacobiWindow
     pool: PhrasePool
     stats: Stats
+    key_offset: Optional[jax.Array] = None
 
 
-def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
+def lookahead_init(pair: Pair, cfg: LookaheadConfig, rows: int, slots: int, pool: PhrasePool
+                   ) -> LookaheadState:
+    """B = rows empty rows (done) of S = slots, around `pool`."""
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    own = LookaheadCounters(guess_tokens_accepted=counter(), pool_hits=counter())
+    return LookaheadState(empty_sequences(rows, slots),
+                          init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+                          empty_window(layout, rows), pool, init_stats(rows, cfg.ngram + 1, own))
+
+
+def lookahead_insert(pair: Pair, cfg: LookaheadConfig, state: LookaheadState, rows, prompt,
+                     prompt_lengths) -> LookaheadState:
+    """Rows int32[R] start prompt int32[R,P]: cache prefilled, window started from it."""
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    return state.replace(
+        seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
+        cache=prefill_rows(pair.tparams, pair.tconfig, state.cache, rows, prompt,
+                           prompt_lengths),
+        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)))
+
+
+def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
                    limits: Limits, state: LookaheadState) -> LookaheadState:
     """One lookahead step (docs/algorithm.md section 1), one target forward.
 
@@ -85,7 +125,7 @@ def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: Sampl
     n-grams go into the pool.
 
     Args:
-        params, config: the target's params and (static) config.
+        pair: the target's params and (static) config (no draft).
         cfg: the (static) LookaheadConfig: window W, ngram N, guesses G.
         greedy: static; True takes the target's argmax, False draws with `sp`.
         sp: SamplingParams (temperature, top-k, top-p, seed); keys fold (row, position).
@@ -100,41 +140,48 @@ def lookahead_step(params, config, cfg: LookaheadConfig, greedy: bool, sp: Sampl
     seq = state.seq
     live = ~seq.done
     choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
-    res = jacobi_step(params, config, layout, state.cache, state.window, state.pool, seq.last,
-                      live, choose)
+    res = jacobi_step(pair.tparams, pair.tconfig, layout, state.cache, state.window,
+                      state.pool, seq.last, live, choose, key_offset=state.key_offset)
     seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits)
     cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
-    stats = count_round(state.stats, live, kept)
-    stats = stats.replace(
-        guess_tokens_accepted=stats.guess_tokens_accepted
+    # the best guess offered N-1 tokens when the key had a phrase
+    stats = count_round(state.stats, live, kept, jnp.where(res.guess_found, cfg.ngram - 1, 0))
+    own = stats.own
+    stats = stats.replace(own=LookaheadCounters(
+        guess_tokens_accepted=own.guess_tokens_accepted
         + jnp.sum(jnp.maximum(jnp.minimum(res.acc.count, kept) - 1, 0)),
-        pool_hits=stats.pool_hits + jnp.sum(live & res.guess_found))
-    return LookaheadState(seq, cache, res.window, res.pool, stats)
+        pool_hits=own.pool_hits + jnp.sum(live & res.guess_found)))
+    return state.replace(seq=seq, cache=cache, window=res.window, pool=res.pool, stats=stats)
 
 
-@partial(jax.jit, static_argnames=("config", "cfg", "slots", "greedy"))
-def run_lookahead(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams,
-                  pool: PhrasePool, *, cfg: LookaheadConfig, slots: int, greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences, Stats, pool)."""
-    B = prompt.shape[0]
-    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
-    seq = init_sequences(prompt, prompt_lengths, slots)
-    cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
-    stats = init_stats(B, cfg.ngram + 1).replace(guess_tokens_accepted=counter(),
-                                                  pool_hits=counter())
-    state = LookaheadState(seq, cache, init_window(layout, prompt, prompt_lengths), pool, stats)
-    state = decode_loop(partial(lookahead_step, params, config, cfg, greedy, sp, limits), state)
-    return state.seq, pool_summary(state.stats, state.pool), state.pool
+def lookahead_plain(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,
+                    limits: Limits, state: LookaheadState) -> LookaheadState:
+    """A round of plain decoding (one target token per row). The window is left as it was:
+    its tokens are only candidates, verified when lookahead resumes."""
+    seq, cache, live, kept = plain_step(pair.tparams, pair.tconfig, greedy, sp, limits,
+                                        state.seq, state.cache)
+    return state.replace(seq=seq, cache=cache, stats=count_round(state.stats, live, kept))
+
+
+def lookahead_finish(state: LookaheadState) -> Stats:
+    return state.stats.replace(summary=pool_summary(state.stats, state.pool))
+
+
+run_lookahead = make_runner(lookahead_init, lookahead_insert, lookahead_step, lookahead_finish)
+
+
+def _prepare(cfg: LookaheadConfig, pool, vocab: int):
+    """(the config the compiled loop sees, the pool a call starts from)."""
+    return loop_config(cfg), prepare_pool(pool, vocab, cfg.guesses, cfg.ngram - 1,
+                                          cfg.pool_rows, cfg.history)
 
 
 def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, greedy, slots,
          pool):
-    pool = prepare_pool(pool, target.config.vocab_size, cfg.guesses, cfg.ngram - 1,
-                        cfg.pool_rows, cfg.history)
-    seq, stats, pool = run_lookahead(target.params, target.config, prompt, plens, limits, sp,
-                                     pool, cfg=loop_config(cfg),
-                                     slots=slots, greedy=greedy)
-    return seq, stats.replace(pool_bytes=pool_bytes(pool)), pool
+    loop_cfg, pool = _prepare(cfg, pool, target.config.vocab_size)
+    seq, stats, pool = run_lookahead(make_pair(target), prompt, plens, limits, sp, pool,
+                                     cfg=loop_cfg, slots=slots, greedy=greedy)
+    return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
 
 
 def _margin(cfg: LookaheadConfig) -> int:
@@ -148,6 +195,10 @@ def _forward_sizes(cfg: LookaheadConfig) -> tuple[int, int, int]:
 
 SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
                   default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
+                  init=lookahead_init, insert=lookahead_insert, round=lookahead_step,
+                  plain_round=lookahead_plain, finish=lookahead_finish, prepare=_prepare,
+                  max_emit=lambda cfg: cfg.ngram,
+                  family=lambda cfg: (cfg.window, cfg.ngram, cfg.guesses, cfg.pool_rows),
                   quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4),
                   # G = W: as many pool guesses as window columns (the paper's setting)
                   auto_grid=lambda grid: [LookaheadConfig(window=w, ngram=n, guesses=w)

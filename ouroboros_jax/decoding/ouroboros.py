@@ -30,6 +30,11 @@ Stats (docs/algorithm.md section 4; draft counters are per row: `draft_calls` = 
 draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
 excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
 
+Seam functions (decoding/spec.py): `ouroboros_init`, `ouroboros_insert`, `ouroboros_round`,
+`ouroboros_plain` (a round without drafting, the draft's cache following), `ouroboros_finish`;
+`run_ouroboros` is generate's loop over them. `key_offset` (per row, None in generate) moves a
+row's pool keys into its own range: the engine's per-request pools.
+
 Letters (package glossary): B rows, γ gamma (`gamma` in code), W window, N n-gram, M = N-1,
 G guesses, X suffixes (`x` in code), U prefix slot, T tree nodes.
 """
@@ -37,7 +42,6 @@ G guesses, X suffixes (`x` in code), U prefix slot, T tree nodes.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Optional
 
 import jax
@@ -46,14 +50,15 @@ import numpy as np
 from flax import struct
 
 from ..models import forward
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, init_cache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_round, counter,
-                     decode_loop, emit, init_sequences, init_stats, loop_config, pool_summary,
-                     prefill)
-from .jacobi import (JacobiWindow, commit_with_prefix, init_window, jacobi_step,
+from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
+                     counter, counters_dict, emit, empty_sequences, follow_draft,
+                     insert_sequences, init_stats, loop_config, make_pair, make_runner,
+                     plain_step, pool_summary, prefill_rows, set_rows)
+from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step,
                      tree_forward)
 from .auto import ouroboros_rate
 from .spec import MethodSpec
@@ -106,6 +111,23 @@ class OuroborosConfig:
 
 
 @struct.dataclass
+class OuroborosCounters:
+    """Ouroboros' own counters, int32[]: draft_forwards (batch draft forwards),
+    suffix_tokens_accepted (tokens accepted from pool branches), pool_hits (row rounds whose
+    key had a pool phrase), draft_matches (chain draft tokens equal to the target's choice),
+    draft_accepted (chain draft tokens accepted)."""
+
+    draft_accepted: jax.Array
+    draft_forwards: jax.Array
+    draft_matches: jax.Array
+    pool_hits: jax.Array
+    suffix_tokens_accepted: jax.Array
+
+    def to_dict(self) -> dict:
+        return counters_dict(self)
+
+
+@struct.dataclass
 class OuroborosState:
     """The carry of Ouroboros' while_loop.
 
@@ -118,8 +140,8 @@ class OuroborosState:
         pool: the phrase pool shared by drafting (phrases the draft verifies), lengthening
             (branches after the chain) and recycling (verified phrases go back in); it
             persists across calls when `history` is on.
-        stats: the on-device counters (`common.Stats`), with draft_forwards,
-            suffix_tokens_accepted, pool_hits, draft_matches and draft_accepted.
+        stats: the on-device counters (`common.Stats`), own = `OuroborosCounters`.
+        key_offset: int32[B] added to every pool key of the row (per-request pools), or None.
     """
 
     seq: Sequences
@@ -128,6 +150,7 @@ class OuroborosState:
     window: JacobiWindow
     pool: PhrasePool
     stats: Stats
+    key_offset: Optional[jax.Array] = None
 
 
 def _greedy(logits, positions):
@@ -139,7 +162,7 @@ _ZERO = np.array([0], np.int32)
 
 
 def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool, last, active,
-                   prefix=None, prefix_count=None):
+                   prefix=None, prefix_count=None, key_offset=None):
     """One draft forward -> (Accepted in tree indices, NewKV, window, pool, confidence f32[B,A]
     of acc.tokens or None when cfg.confidence is 0)."""
     B = last.shape[0]
@@ -147,7 +170,8 @@ def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool,
     if cfg.phrase_drafting:
         layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
         res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
-                          prefix=prefix, prefix_count=prefix_count, with_confidence=adaptive)
+                          prefix=prefix, prefix_count=prefix_count, with_confidence=adaptive,
+                          key_offset=key_offset)
         return res.acc, res.new, res.window, res.pool, res.confidence
     logits, new, _ = tree_forward(dparams, dconfig, dcache, last[:, None], _ONE, _ZERO,
                                   jnp.ones((B, 1), bool), _ZERO, prefix, prefix_count)
@@ -178,7 +202,7 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
         active = live & (nd < gamma) & going
         acc, new, window, pool, conf = _draft_forward(
             dparams, dconfig, cfg, dcache, window, pool, last, active,
-            prefix if first else None, pc if first else None)
+            prefix if first else None, pc if first else None, state.key_offset)
         cnt = jnp.where(active, acc.count, 0)
         if conf is not None:  # adaptive: keep up to the first token below the threshold
             a = jnp.arange(conf.shape[1], dtype=jnp.int32)[None]
@@ -196,7 +220,7 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
         stats = stats.replace(
             draft_calls=stats.draft_calls + jnp.sum(active, dtype=jnp.int32),
             draft_tokens=stats.draft_tokens + jnp.sum(jnp.minimum(cnt, gamma - nd)),
-            draft_forwards=stats.draft_forwards + 1)
+            own=stats.own.replace(draft_forwards=stats.own.draft_forwards + 1))
         return dcache, window, pool, dbuf, nd + cnt, last, going, stats
 
     carry = (dcache, state.window, state.pool, jnp.zeros((B, buf), jnp.int32),
@@ -209,7 +233,7 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
 
 
 def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, matched, live,
-             drafted):
+             drafted, key_offset=None):
     """Mechanism 3 (see module docstring). tokens/choices int32[B,T] of the target tree,
     found bool[B,X] branch validity, matched int32[B] chain draft tokens accepted, drafted
     int32[B] chain slots the draft filled (γ unless adaptive drafting stopped it)."""
@@ -243,14 +267,17 @@ def _recycle(cfg: OuroborosConfig, pool, tokens, choices, found, acc: Accepted, 
         valid.append(found & unused & (matched == gamma)[:, None] & live[:, None])
     if not keys:
         return pool
-    keys = jnp.concatenate(keys, 1).reshape(-1)
+    keys = jnp.concatenate(keys, 1)
+    if key_offset is not None:
+        keys = keys + key_offset[:, None]
+    keys = keys.reshape(-1)
     phrases = jnp.concatenate(phrases, 1).reshape(-1, m)
     valid = jnp.concatenate(valid, 1).reshape(-1)
     return insert_many(pool, keys, phrases, valid)
 
 
-def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, greedy: bool,
-                    sp: SamplingParams, limits: Limits, state: OuroborosState) -> OuroborosState:
+def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: SamplingParams,
+                    limits: Limits, state: OuroborosState) -> OuroborosState:
     """One Ouroboros round (docs/algorithm.md section 2), one target forward.
 
     The draft drafts γ tokens phrase by phrase (`_draft_phase`); the chain [last, d_1..d_γ] is
@@ -260,8 +287,7 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
     phrases. Rows already done take part in the shapes but change nothing.
 
     Args:
-        tparams, tconfig: the target's params and (static) config.
-        dparams, dconfig: the draft's.
+        pair: the target's and the draft's params and (static) configs.
         cfg: the (static) OuroborosConfig: γ, W, N, G, X and the four mechanism switches.
         greedy: static; True takes the target's argmax, False draws with `sp`.
         sp: SamplingParams (temperature, top-k, top-p, seed); keys fold (row, position).
@@ -272,13 +298,15 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
         The OuroborosState after the round: seq with up to γ + 1 (+ M from a branch) new tokens
         per row, tcache/dcache/window/pool updated, stats counting the round.
     """
+    tparams, tconfig = pair.tparams, pair.tconfig
     seq = state.seq
     B = seq.tokens.shape[0]
     gamma, m = cfg.gamma, cfg.ngram - 1
     live = ~seq.done
     L = seq.lengths
 
-    d, drafted, dcache, window, pool, stats = _draft_phase(dparams, dconfig, cfg, state, live)
+    d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg, state,
+                                                           live)
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)
     in_chain = jnp.arange(gamma, dtype=jnp.int32)[None] < drafted[:, None]  # [B,γ]
 
@@ -288,7 +316,8 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
     chain = jnp.concatenate([seq.last[:, None], d], axis=1)
     chain_valid = jnp.concatenate([jnp.ones((B, 1), bool), in_chain], axis=1)
     if x:
-        branches, found = lookup(pool, d[:, gamma - 1], x)  # [B,X,M], [B,X]
+        key = d[:, gamma - 1] if state.key_offset is None else d[:, gamma - 1] + state.key_offset
+        branches, found = lookup(pool, key, x)  # [B,X,M], [B,X]
         found = found & (drafted == gamma)[:, None]  # branches hang after d_γ
         tokens = jnp.concatenate([chain, branches.reshape(B, -1)], axis=1)
         valid = jnp.concatenate([chain_valid, jnp.repeat(found, m, axis=1)], 1)
@@ -311,59 +340,91 @@ def ouroboros_round(tparams, tconfig, dparams, dconfig, cfg: OuroborosConfig, gr
                                                 jnp.minimum(L + matched, seq.lengths - 1)))
 
     if cfg.recycling:
-        pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live, drafted)
+        pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live, drafted,
+                        state.key_offset)
 
     # -- stats
-    stats = count_round(stats, live, kept)
+    stats = count_round(stats, live, kept, drafted)
     q = jnp.arange(acc.path.shape[1] - 1)[None]
     from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > gamma)
     lv = live.astype(jnp.int32)
-    stats = stats.replace(
-        suffix_tokens_accepted=stats.suffix_tokens_accepted
+    own = stats.own
+    stats = stats.replace(own=own.replace(
+        suffix_tokens_accepted=own.suffix_tokens_accepted
         + jnp.sum(from_branch, dtype=jnp.int32),
-        pool_hits=stats.pool_hits + jnp.sum(lv * jnp.any(found, axis=1)),
-        draft_matches=stats.draft_matches
+        pool_hits=own.pool_hits + jnp.sum(lv * jnp.any(found, axis=1)),
+        draft_matches=own.draft_matches
         + jnp.sum(lv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
-        draft_accepted=stats.draft_accepted + jnp.sum(lv * matched))
-    return OuroborosState(seq, tcache, dcache, window, pool, stats)
+        draft_accepted=own.draft_accepted + jnp.sum(lv * matched)))
+    return state.replace(seq=seq, tcache=tcache, dcache=dcache, window=window, pool=pool,
+                         stats=stats)
 
 
-@partial(jax.jit, static_argnames=("tconfig", "dconfig", "cfg", "slots", "greedy"))
-def run_ouroboros(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
-                  sp: SamplingParams, pool: PhrasePool, *, cfg: OuroborosConfig, slots: int,
-                  greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences, Stats, pool)."""
-    B = prompt.shape[0]
-    gamma, m = cfg.gamma, cfg.ngram - 1
+def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool: PhrasePool
+                   ) -> OuroborosState:
+    """B = rows empty rows (done) of S = slots, around `pool`."""
     x = cfg.suffixes if cfg.lengthening else 0
-    seq = init_sequences(prompt, prompt_lengths, slots)
-    tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
-    dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
-    window = init_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), prompt,
-                         prompt_lengths)
-    stats = init_stats(B, 2 + gamma + (m if x else 0)).replace(
-        draft_forwards=counter(), suffix_tokens_accepted=counter(), pool_hits=counter(),
-        draft_matches=counter(), draft_accepted=counter())
-    state = OuroborosState(seq, tcache, dcache, window, pool, stats)
-    state = decode_loop(
-        partial(ouroboros_round, tparams, tconfig, dparams, dconfig, cfg, greedy, sp, limits), state)
-    stats = pool_summary(state.stats, state.pool)
+    own = OuroborosCounters(draft_forwards=counter(), suffix_tokens_accepted=counter(),
+                            pool_hits=counter(), draft_matches=counter(),
+                            draft_accepted=counter())
+    return OuroborosState(
+        empty_sequences(rows, slots),
+        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+        init_cache(pair.dconfig, rows, slots, pair.dparams["embed"].dtype),
+        empty_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), rows), pool,
+        init_stats(rows, 2 + cfg.gamma + (cfg.ngram - 1 if x else 0), own))
+
+
+def ouroboros_insert(pair: Pair, cfg: OuroborosConfig, state: OuroborosState, rows, prompt,
+                     prompt_lengths) -> OuroborosState:
+    """Rows int32[R] start prompt int32[R,P]: both caches prefilled, the draft's window
+    started from the prompt."""
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    return state.replace(
+        seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
+        tcache=prefill_rows(pair.tparams, pair.tconfig, state.tcache, rows, prompt,
+                            prompt_lengths),
+        dcache=prefill_rows(pair.dparams, pair.dconfig, state.dcache, rows, prompt,
+                            prompt_lengths),
+        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)))
+
+
+def ouroboros_plain(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: SamplingParams,
+                    limits: Limits, state: OuroborosState) -> OuroborosState:
+    """A round without drafting (one target token per row). The draft's cache follows, so its
+    lag behind the pending token (which the next round's prefix slot catches up on) is
+    unchanged; window and pool are left as they were (only candidates)."""
+    seq, tcache, live, kept = plain_step(pair.tparams, pair.tconfig, greedy, sp, limits,
+                                         state.seq, state.tcache)
+    dcache = follow_draft(pair.dparams, pair.dconfig, state.seq, state.dcache, kept)
+    return state.replace(seq=seq, tcache=tcache, dcache=dcache,
+                         stats=count_round(state.stats, live, kept))
+
+
+def ouroboros_finish(state: OuroborosState) -> Stats:
+    """The loop's stats with its summaries: pool hit rate and occupancy, and paper Table 1's
+    draft tokens agreeing with the target's own choice vs accepted, per round."""
+    stats = state.stats
     rounds = jnp.maximum(jnp.sum(stats.rounds), 1)
-    # paper Table 1: draft tokens agreeing with the target's own choice vs accepted, per round
-    stats = stats.replace(match_vs_accept=jnp.stack([stats.draft_matches / rounds,
-                                                     stats.draft_accepted / rounds]))
-    return state.seq, stats, state.pool
+    mva = jnp.stack([stats.own.draft_matches / rounds, stats.own.draft_accepted / rounds])
+    return stats.replace(summary={**pool_summary(stats, state.pool), "match_vs_accept": mva})
+
+
+run_ouroboros = make_runner(ouroboros_init, ouroboros_insert, ouroboros_round, ouroboros_finish)
+
+
+def _prepare(cfg: OuroborosConfig, pool, vocab: int):
+    """(the config the compiled loop sees, the pool a call starts from)."""
+    return loop_config(cfg), prepare_pool(pool, vocab, cfg.guesses, cfg.ngram - 1,
+                                          cfg.pool_rows, cfg.history)
 
 
 def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, greedy, slots,
          pool):
-    pool = prepare_pool(pool, target.config.vocab_size, cfg.guesses, cfg.ngram - 1,
-                        cfg.pool_rows, cfg.history)
-    seq, stats, pool = run_ouroboros(target.params, target.config, draft.params, draft.config,
-                                     prompt, plens, limits, sp, pool,
-                                     cfg=loop_config(cfg), slots=slots,
-                                     greedy=greedy)
-    return seq, stats.replace(pool_bytes=pool_bytes(pool)), pool
+    loop_cfg, pool = _prepare(cfg, pool, target.config.vocab_size)
+    seq, stats, pool = run_ouroboros(make_pair(target, draft), prompt, plens, limits, sp, pool,
+                                     cfg=loop_cfg, slots=slots, greedy=greedy)
+    return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
 
 
 def _margin(cfg: OuroborosConfig) -> int:
@@ -380,6 +441,12 @@ def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
     return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)
 
 
+def _family(cfg: OuroborosConfig):
+    # what shapes the state: the draft's window and the pool (gamma and suffixes may differ)
+    return (cfg.window, cfg.ngram, cfg.guesses, cfg.pool_rows, cfg.phrase_drafting,
+            cfg.lengthening)
+
+
 def _auto_grid(grid: dict) -> list:
     # G = W as in the paper; X suffixes never more than the window's columns
     return [OuroborosConfig(gamma=g, window=w, ngram=n, guesses=w, suffixes=x)
@@ -393,6 +460,10 @@ def _auto_rate(cfg: OuroborosConfig, a, tt, td) -> float:
 
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
+                  init=ouroboros_init, insert=ouroboros_insert, round=ouroboros_round,
+                  plain_round=ouroboros_plain, finish=ouroboros_finish, prepare=_prepare,
+                  max_emit=lambda cfg: 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0),
+                  family=_family,
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
                                                        suffixes=2),
                   auto_grid=_auto_grid, auto_rate=_auto_rate)

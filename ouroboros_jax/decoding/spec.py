@@ -1,7 +1,53 @@
-"""`MethodSpec`: how a decoding method describes itself to `generate` and the registry.
+"""`MethodSpec`: how a decoding method describes itself to `generate`, the serving engine and
+the registry.
 
 Its own module so that method modules and the registry (`decoding/__init__.py`) both import it
 without importing each other.
+
+## The seam
+
+A method is a handful of pure functions over a batch of B rows (`rows`), each row a sequence
+with its own length (`common.Sequences`: prompt, then emitted tokens; the last one pending).
+Every function is traced inside `jit`; `cfg` (the method's frozen config) and `greedy` are
+static, everything else an array:
+
+    init(pair, cfg, rows, slots, pool) -> state
+        B empty rows of S = slots cache slots: every row done (`common.empty_sequences`),
+        caches zero, the method's own buffers (a Jacobi window, ...) zero, `pool` held as is.
+        `state` is a `flax.struct` dataclass with at least `.seq` (Sequences) and `.stats`
+        (`common.Stats`, with the method's own counters in `.own`).
+    insert(pair, cfg, state, rows int32[R], prompt int32[R,P], prompt_lengths int32[R]) -> state
+        Rows `rows` restart with these prompts: sequences reset (`common.insert_sequences`),
+        each cache prefilled with all but the pending last token (`common.prefill_rows`), any
+        per-row buffer restarted from the prompt (`common.set_rows`). Other rows untouched.
+    round(pair, cfg, greedy, sampling, limits, state) -> state
+        One round on all rows: rows already done take part in the shapes and change nothing
+        (`common.emit` gives them no tokens). It emits through `common.emit`, which applies
+        each row's `Limits` (max_new_tokens, EOS ids), and counts through
+        `common.count_round(stats, live, kept, proposed)`.
+    plain_round(pair, cfg, greedy, sampling, limits, state) -> state  (optional)
+        A round without speculation (one target token per row, `common.plain_step`) that
+        leaves the state valid for `round` afterwards (a draft's cache follows with
+        `common.follow_draft`): the engine's "speculation off" load level.
+    finish(state) -> Stats
+        The stats with the summaries taken after a loop (`Stats.summary`).
+    prepare(cfg, pool, vocab) -> (loop cfg, pool)  (host side, optional)
+        The config the compiled functions see and the pool a call starts from.
+
+Reading: the tokens emitted since a point are `common.read_emitted(state.seq, since, E)`;
+every method shares it (no per-method reading). `max_emit(cfg)` bounds what one round gives
+a row, so k rounds give at most k * max_emit(cfg).
+
+Drivers: `common.make_runner(init, insert, round, finish)` is generate's loop (init, insert
+every row, one while_loop of rounds, finish), jitted once per method module (`run_vanilla`,
+...); `common.run_rounds(round, k, state)` is the engine's device step. A new method writes
+the five functions, its `make_runner`, `_run` (the `MethodSpec.run` adapter, the same
+signature for every method) and registers a MethodSpec in `decoding/__init__.py`.
+
+Sampling: `sampling.SamplingParams` holds one value or one per row; keys fold (seed, stream,
+position) (`sampling.token_keys`), so a row's draws depend on nothing but its own seed,
+stream and positions. In a sampling loop (greedy=False) rows flagged `greedy_rows` take the
+argmax path (`sampling.greedy_where`).
 """
 
 from __future__ import annotations
@@ -15,11 +61,19 @@ class MethodSpec:
     """Attributes:
         run: (target, draft, prompt[B,P], prompt_lengths[B], limits, sampling, config, *,
             greedy, slots, pool) -> (Sequences, `common.Stats`, pool): the whole generation, one
-            jitted while_loop.
+            jitted while_loop (`common.make_runner` over the seam functions below).
         needs_draft: whether the method needs a draft model.
         config_type: the method's config dataclass.
         default_config: () -> the paper's recipe (`config=None`).
         margin: config -> cache slots one round may touch past prompt + max_new_tokens.
+        init, insert, round, finish: the seam (module docstring).
+        plain_round: the seam's round without speculation (None: the method has no other).
+        prepare: (config, pool, vocab) -> (loop config, pool) on the host (None: (config, None)).
+        max_emit: config -> the most tokens one round gives a row.
+        family: config -> hashable; configs of one family share a state layout, so the engine
+            may switch between them from one step to the next (None: each config its own).
+        learn: (target, draft, config, stats dict, greedy) -> None, called after each
+            `generate` call: what `config="auto"` learns from it (None: nothing).
         forward_sizes: config -> (tokens per target forward, per draft forward, per first
             draft forward of a round), fixed shapes as compiled (masked slots cost as much
             as real ones); what the cost model prices. None: unknown.
@@ -35,6 +89,15 @@ class MethodSpec:
     config_type: Any
     default_config: Callable[[], Any]
     margin: Callable[[Any], int]
+    init: Optional[Callable] = None
+    insert: Optional[Callable] = None
+    round: Optional[Callable] = None
+    finish: Optional[Callable] = None
+    plain_round: Optional[Callable] = None
+    prepare: Optional[Callable] = None
+    max_emit: Callable[[Any], int] = lambda cfg: 1
+    family: Optional[Callable[[Any], Any]] = None
+    learn: Optional[Callable[..., None]] = None
     forward_sizes: Optional[Callable[[Any], tuple]] = None
     quick_config: Optional[Callable[[], Any]] = None
     auto_grid: Optional[Callable[[dict], list]] = None

@@ -21,8 +21,14 @@ of the new length n'; otherwise it holds n'-1. The next round's first draft forw
 takes the two tokens at positions [draft_len, draft_len+1] as a causal chain and reads the
 logits at the pending token (for rows already caught up, the second token is ignored).
 
-Random keys (sampling): `token_key(seed, row, position)` folded with a purpose constant, so the
-draft's draws, the uniform accept tests and the target's residual/bonus draw never share a key.
+Random keys (sampling): `token_key(seed, stream, position)` folded with a purpose constant, so
+the draft's draws, the uniform accept tests and the target's residual/bonus draw never share a
+key. In a sampling loop, rows marked greedy (`SamplingParams.greedy_rows`, the serving engine's
+greedy requests) draft their argmax and take the greedy accept walk.
+
+Seam functions (decoding/spec.py): `speculative_init`, `speculative_insert`, `speculative_step`
+(one round), `speculative_plain` (a round without drafting: the engine's "speculation off" load
+level), `speculative_finish`; `run_speculative` is generate's loop over them.
 
 Letters (package glossary): B rows, γ (`gamma`) draft tokens per round, V vocab, S cache slots.
 """
@@ -37,13 +43,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..models import forward
-from ..models.kv_cache import KVCache, commit_prefix, rollback
-from ..sampling import SamplingParams, process_logits, token_key, token_probability
+from ..models.kv_cache import KVCache, commit_prefix, init_cache, rollback
+from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys,
+                        token_probability)
 from ..tree import chain_parents, tree_depths, tree_mask
 from .auto import speculative_rate
 from .spec import MethodSpec
-from .common import (Limits, Sequences, Stats, check_fraction, check_int, count_round, counter,
-                     decode_loop, emit, init_sequences, init_stats, prefill)
+from .common import (Limits, Pair, make_pair, Sequences, Stats, check_fraction, check_int, count_round,
+                     counter, counters_dict, emit, empty_sequences, follow_draft,
+                     insert_sequences, init_stats, make_runner, plain_step, prefill_rows)
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -72,6 +80,17 @@ class SpeculativeConfig:
 
 
 @struct.dataclass
+class SpeculativeCounters:
+    """Speculative decoding's own counters. drafted_tokens: int32[], tokens proposed (adaptive
+    drafting proposes fewer than gamma)."""
+
+    drafted_tokens: jax.Array
+
+    def to_dict(self) -> dict:
+        return counters_dict(self)
+
+
+@struct.dataclass
 class SpeculativeState:
     """The carry of speculative decoding's while_loop.
 
@@ -80,21 +99,13 @@ class SpeculativeState:
         tcache: the target's KV cache (lengths - 1 tokens).
         dcache: the draft's KV cache (lengths - 1, or lengths - 2 after a fully accepted round:
             the draft then catches up on one token in its next first forward).
-        stats: the on-device counters (`common.Stats`), with `drafted_tokens` (tokens
-            proposed; adaptive drafting proposes fewer than gamma).
+        stats: the on-device counters (`common.Stats`), own = `SpeculativeCounters`.
     """
 
     seq: Sequences
     tcache: KVCache  # target: lengths - 1 tokens
     dcache: KVCache  # draft: lengths - 1 or lengths - 2 tokens (see the module docstring)
     stats: Stats
-
-
-def round_keys(sp: SamplingParams, positions: jax.Array) -> jax.Array:
-    """positions int[B,T] -> token_key(seed, row, position) [B,T], derived once per round."""
-    B, T = positions.shape
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return jax.vmap(jax.vmap(lambda r, p: token_key(sp.seed, r, p)))(rows, positions)
 
 
 def _fold(keys: jax.Array, purpose: int) -> jax.Array:
@@ -108,15 +119,21 @@ def _draw(logits: jax.Array, keys, sp: SamplingParams, greedy: bool):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logq = process_logits(logits, sp)
     draw = jax.vmap(jax.vmap(jax.random.categorical))
-    return draw(_fold(keys, DRAFT_KEY), logq).astype(jnp.int32), logq
+    tok = draw(_fold(keys, DRAFT_KEY), logq).astype(jnp.int32)
+    return greedy_where(sp, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok), logq
 
 
-def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool) -> jax.Array:
+def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool,
+                sp: SamplingParams = None) -> jax.Array:
     """Probability the draft gave its own token: logits [B,T,V], drafts int32[B,T] -> f32[B,T]
-    (from logq, the distribution drawn from, when sampling; the plain softmax when greedy)."""
+    (from logq, the distribution drawn from, when sampling; the plain softmax when greedy, and
+    for the greedy rows of a sampling loop)."""
     if greedy:
         return token_probability(logits, drafts)
-    return jnp.exp(jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0])
+    sampled = jnp.exp(jnp.take_along_axis(logq, drafts[..., None], -1)[..., 0])
+    if sp is None or sp.greedy_rows is None:
+        return sampled
+    return greedy_where(sp, token_probability(logits, drafts), sampled)
 
 
 def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
@@ -146,7 +163,7 @@ def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
     logqs = None if greedy else jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(logq[:, 0])
     active = jnp.ones((B,), bool)
     if confidence > 0:
-        active = _confidence(logits, d, logq, greedy)[:, 0] >= confidence
+        active = _confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence
     drafted = jnp.ones((B,), jnp.int32)
 
     def cond(c):
@@ -166,7 +183,7 @@ def draft_propose(params, config, gamma: int, greedy: bool, sp: SamplingParams,
             logqs = jax.lax.dynamic_update_slice_in_dim(logqs, logq, i, axis=1)
         drafted = drafted + active.astype(jnp.int32)
         if confidence > 0:
-            active = active & (_confidence(logits, d, logq, greedy)[:, 0] >= confidence)
+            active = active & (_confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence)
         return i + 1, drafts, logqs, cache, active, drafted
 
     i, drafts, logqs, cache, _, drafted = jax.lax.while_loop(
@@ -211,28 +228,62 @@ def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
     return Accepted(path=path, tokens=tokens, count=a + 1)
 
 
-def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, confidence: float,
-                     greedy: bool, accept_rule, sp: SamplingParams, limits: Limits,
-                     state: SpeculativeState) -> SpeculativeState:
-    """One round: up to γ draft forwards, one target forward over the chain, accept, commit."""
+def speculative_init(pair: Pair, cfg: SpeculativeConfig, rows: int, slots: int, pool=None
+                     ) -> SpeculativeState:
+    """B = rows empty rows (done) of S = slots."""
+    return SpeculativeState(
+        empty_sequences(rows, slots),
+        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+        init_cache(pair.dconfig, rows, slots, pair.dparams["embed"].dtype),
+        init_stats(rows, cfg.gamma + 2, SpeculativeCounters(drafted_tokens=counter())))
+
+
+def speculative_insert(pair: Pair, cfg: SpeculativeConfig, state: SpeculativeState, rows,
+                       prompt, prompt_lengths) -> SpeculativeState:
+    """Rows int32[R] start prompt int32[R,P]: both caches prefilled with all but its last token."""
+    return state.replace(
+        seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
+        tcache=prefill_rows(pair.tparams, pair.tconfig, state.tcache, rows, prompt,
+                            prompt_lengths),
+        dcache=prefill_rows(pair.dparams, pair.dconfig, state.dcache, rows, prompt,
+                            prompt_lengths))
+
+
+def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: SamplingParams,
+                     limits: Limits, state: SpeculativeState,
+                     accept_rule=None) -> SpeculativeState:
+    """One round: up to γ draft forwards, one target forward over the chain, accept, commit.
+
+    accept_rule: the sampling acceptance function (None: `leviathan_accept`); tests pass
+    deliberately wrong rules to show the distribution test has the power to reject them."""
+    accept_rule = leviathan_accept if accept_rule is None else accept_rule
+    gamma, confidence = cfg.gamma, float(cfg.confidence)
     seq = state.seq
     B = seq.tokens.shape[0]
     parents = chain_parents(gamma + 1)
     positions = (seq.lengths - 1)[:, None] + tree_depths(parents)[None]  # [B, γ+1]
-    keys = None if greedy else round_keys(sp, positions + 1)
-    drafts, logq, drafted, forwards, dcache = draft_propose(dparams, dconfig, gamma, greedy, sp,
-                                                            keys, seq, state.dcache, confidence)
+    keys = None if greedy else token_keys(sp, positions + 1)
+    drafts, logq, drafted, forwards, dcache = draft_propose(
+        pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence)
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
-    logits, new = forward(tparams, tconfig, chain, positions, mask, state.tcache)
-    if greedy:
+    logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, state.tcache)
+
+    def walk():
         choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         valid = jnp.arange(gamma + 1, dtype=jnp.int32)[None] <= drafted[:, None]
-        acc = accept_walk(parents, chain, valid, choices)
-    elif confidence > 0:
-        acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
+        return accept_walk(parents, chain, valid, choices)
+
+    if greedy:
+        acc = walk()
     else:
-        acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
+        if confidence > 0:
+            acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
+        else:
+            acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
+        if sp.greedy_rows is not None:  # greedy rows of a mixed batch: the greedy walk
+            g = walk()
+            acc = jax.tree_util.tree_map(lambda a, b: greedy_where(sp, a, b), g, acc)
 
     live = ~seq.done
     seq, kept = emit(seq, acc.tokens, acc.count, limits)
@@ -240,45 +291,78 @@ def speculative_step(tparams, tconfig, dparams, dconfig, gamma: int, confidence:
     # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)
-    stats = count_round(state.stats, live, kept)
+    stats = count_round(state.stats, live, kept, drafted)
     stats = stats.replace(draft_calls=stats.draft_calls + forwards,
                           draft_tokens=stats.draft_tokens + forwards,
-                          drafted_tokens=stats.drafted_tokens
-                          + jnp.sum(jnp.where(live, drafted, 0)))
+                          own=SpeculativeCounters(
+                              drafted_tokens=stats.own.drafted_tokens
+                              + jnp.sum(jnp.where(live, drafted, 0))))
     return SpeculativeState(seq, tcache, dcache, stats)
 
 
-@partial(jax.jit, static_argnames=("tconfig", "dconfig", "gamma", "slots", "greedy",
-                                   "accept_rule", "confidence"))
-def run_speculative(tparams, tconfig, dparams, dconfig, prompt, prompt_lengths, limits: Limits,
-                    sp: SamplingParams, *, gamma: int, slots: int, greedy: bool,
-                    accept_rule=leviathan_accept, confidence: float = 0.0):
-    """prompt int32[B,P] right-padded -> (Sequences with S = slots, Stats).
+def speculative_plain(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: SamplingParams,
+                      limits: Limits, state: SpeculativeState) -> SpeculativeState:
+    """A round without drafting (one target token per row); the draft's cache follows, so its
+    lag (0 or 1, see the module docstring) is the same after it."""
+    seq, tcache, live, kept = plain_step(pair.tparams, pair.tconfig, greedy, sp, limits,
+                                         state.seq, state.tcache)
+    dcache = follow_draft(pair.dparams, pair.dconfig, state.seq, state.dcache, kept)
+    return SpeculativeState(seq, tcache, dcache, count_round(state.stats, live, kept))
 
-    slots must leave γ+1 slots past prompt + max_new_tokens. accept_rule (static) is the
-    sampling acceptance function, `leviathan_accept`; tests pass deliberately wrong rules to
-    show the distribution test has the power to reject them.
-    """
-    seq = init_sequences(prompt, prompt_lengths, slots)
-    tcache = prefill(tparams, tconfig, prompt, prompt_lengths, slots, tparams["embed"].dtype)
-    dcache = prefill(dparams, dconfig, prompt, prompt_lengths, slots, dparams["embed"].dtype)
-    stats = init_stats(prompt.shape[0], gamma + 2).replace(drafted_tokens=counter())
-    state = SpeculativeState(seq, tcache, dcache, stats)
-    step = partial(speculative_step, tparams, tconfig, dparams, dconfig, gamma, confidence, greedy,
-                   accept_rule, sp, limits)
-    state = decode_loop(step, state)
-    return state.seq, state.stats
+
+def speculative_finish(state: SpeculativeState) -> Stats:
+    return state.stats
+
+
+_run_speculative = make_runner(speculative_init, speculative_insert, speculative_step,
+                               speculative_finish)
+
+
+def run_speculative(pair: Pair, prompt, prompt_lengths, limits: Limits, sp: SamplingParams,
+                    pool=None, *, cfg: SpeculativeConfig, slots: int, greedy: bool,
+                    accept_rule=None):
+    """generate's loop (`common.make_runner`): prompt int32[B,P] right-padded -> (Sequences with
+    S = slots, Stats, None). slots must leave γ+1 slots past prompt + max_new_tokens.
+    accept_rule: a test hook, see `speculative_step`."""
+    if accept_rule is None:
+        return _run_speculative(pair, prompt, prompt_lengths, limits, sp, pool, cfg=cfg,
+                                slots=slots, greedy=greedy)
+    runner = _RULE_RUNNERS.get(accept_rule)
+    if runner is None:
+        runner = _RULE_RUNNERS[accept_rule] = make_runner(
+            speculative_init, speculative_insert,
+            partial(_step_with_rule, accept_rule), speculative_finish)
+    return runner(pair, prompt, prompt_lengths, limits, sp, pool, cfg=cfg, slots=slots,
+                  greedy=greedy)
+
+
+def _step_with_rule(rule, pair, cfg, greedy, sp, limits, state):
+    return speculative_step(pair, cfg, greedy, sp, limits, state, accept_rule=rule)
+
+
+_RULE_RUNNERS: dict = {}
+
+
+def _learn(target, draft, cfg: SpeculativeConfig, stats: dict, greedy: bool) -> None:
+    """What `config="auto"` learns from a call: a greedy call drafting a fixed gamma realises
+    an agreement (from its eta) that the next choice plans with."""
+    if draft is not None and greedy and cfg.confidence == 0:
+        from .auto import record_realised  # auto's disk store; imported where it is used
+
+        record_realised(target, draft, stats, cfg.gamma)
 
 
 def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
-    seq, stats = run_speculative(target.params, target.config, draft.params, draft.config,
-                                 prompt, plens, limits, sp, gamma=cfg.gamma, slots=slots,
-                                 greedy=greedy, confidence=float(cfg.confidence))
-    return seq, stats, pool
+    return _run_speculative(make_pair(target, draft), prompt, plens, limits, sp, None, cfg=cfg,
+                            slots=slots, greedy=greedy)
 
 
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
+                  init=speculative_init, insert=speculative_insert, round=speculative_step,
+                  plain_round=speculative_plain, finish=speculative_finish,
+                  max_emit=lambda cfg: cfg.gamma + 1, family=lambda cfg: (),
+                  learn=_learn,
                   forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),
                   quick_config=lambda: SpeculativeConfig(gamma=4),
                   auto_grid=lambda grid: [SpeculativeConfig(gamma=g) for g in grid["gamma"]],

@@ -1,18 +1,18 @@
-"""Vanilla autoregressive decoding: one target forward per token, the whole loop on device."""
+"""Vanilla autoregressive decoding: one target forward per token, the whole loop on device.
+
+Seam functions (decoding/spec.py): `vanilla_init`, `vanilla_insert`, `vanilla_step` (one round),
+`vanilla_finish`; `run_vanilla` is generate's loop over them.
+"""
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models import forward
-from ..models.kv_cache import KVCache, commit_prefix
-from ..sampling import SamplingParams, choose_tokens
-from .common import (Limits, Sequences, Stats, count_round, decode_loop, emit, init_sequences,
-                     init_stats, prefill)
+from ..models.kv_cache import KVCache, init_cache
+from ..sampling import SamplingParams
+from .common import (Limits, Pair, Sequences, Stats, count_round, empty_sequences,
+                     insert_sequences, init_stats, make_runner, plain_step, prefill_rows)
 
 
 @struct.dataclass
@@ -31,27 +31,32 @@ class VanillaState:
     stats: Stats
 
 
-def vanilla_step(params, config, greedy: bool, sp: SamplingParams, limits: Limits,
+def vanilla_init(pair: Pair, cfg, rows: int, slots: int, pool=None) -> VanillaState:
+    """B = rows empty rows (done) of S = slots."""
+    return VanillaState(empty_sequences(rows, slots),
+                        init_cache(pair.tconfig, rows, slots, pair.tparams["embed"].dtype),
+                        init_stats(rows, 2))
+
+
+def vanilla_insert(pair: Pair, cfg, state: VanillaState, rows, prompt, prompt_lengths
+                   ) -> VanillaState:
+    """Rows int32[R] start prompt int32[R,P] (right-padded), prompt_lengths int32[R]."""
+    return state.replace(
+        seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
+        cache=prefill_rows(pair.tparams, pair.tconfig, state.cache, rows, prompt,
+                           prompt_lengths))
+
+
+def vanilla_step(pair: Pair, cfg, greedy: bool, sp: SamplingParams, limits: Limits,
                  state: VanillaState) -> VanillaState:
     """One token per row: forward the pending token, choose the next, commit the pending KV."""
-    seq, cache = state.seq, state.cache
-    B = seq.tokens.shape[0]
-    pos = (seq.lengths - 1)[:, None]
-    logits, new = forward(params, config, seq.last[:, None], pos, jnp.ones((B, 1, 1), bool),
-                          cache)
-    tok = choose_tokens(logits, pos + 1, sp, greedy)
-    live = ~seq.done
-    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits)
-    cache = commit_prefix(cache, new, kept)
+    seq, cache, live, kept = plain_step(pair.tparams, pair.tconfig, greedy, sp, limits,
+                                        state.seq, state.cache)
     return VanillaState(seq, cache, count_round(state.stats, live, kept))
 
 
-@partial(jax.jit, static_argnames=("config", "slots", "greedy"))
-def run_vanilla(params, config, prompt, prompt_lengths, limits: Limits, sp: SamplingParams, *,
-                slots: int, greedy: bool):
-    """prompt int32[B,P] right-padded -> (Sequences with S = slots, Stats)."""
-    seq = init_sequences(prompt, prompt_lengths, slots)
-    cache = prefill(params, config, prompt, prompt_lengths, slots, params["embed"].dtype)
-    state = VanillaState(seq, cache, init_stats(prompt.shape[0], 2))
-    state = decode_loop(partial(vanilla_step, params, config, greedy, sp, limits), state)
-    return state.seq, state.stats
+def vanilla_finish(state: VanillaState) -> Stats:
+    return state.stats
+
+
+run_vanilla = make_runner(vanilla_init, vanilla_insert, vanilla_step, vanilla_finish)
