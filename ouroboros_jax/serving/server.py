@@ -202,8 +202,8 @@ def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(31)  # OpenAI: no seed -> not reproducible
-    elif not _is_int(seed) or seed < 0 or seed >= 2 ** 31:
-        raise _bad(f"seed must be an integer in [0, 2**31), got {seed!r}", "seed")
+    elif not _is_int(seed) or seed < 0 or seed >= 2 ** 32:
+        raise _bad(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) and t >= 0
                                                                  for t in ids)):
@@ -237,6 +237,17 @@ def _stream_options(body: dict) -> bool:
     if not body.get("stream"):
         raise _bad("stream_options is only allowed with stream=true", "stream_options")
     return bool(so.get("include_usage", False))
+
+
+def engine_limit(engine) -> Optional[int]:
+    """The engine's prompt + max_tokens limit (`max_cache_len`, else its `limit`)."""
+    v = getattr(engine, "max_cache_len", None)
+    return v if v is not None else getattr(engine, "limit", None)
+
+
+def engine_encoder(engine):
+    """The engine's prompt -> ids function (the ids submit would use), or None."""
+    return getattr(engine, "encode", None) or getattr(engine, "_tokens", None)
 
 
 def _param_of(message: str) -> Optional[str]:
@@ -344,6 +355,11 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
     async def _api_error(request, e: APIError):
         return error_response(e)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):  # a bug: still an OpenAI-shaped 500
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                       type_="server_error"))
+
     async def read_body(request) -> dict:
         raw = await request.body()
         try:
@@ -377,7 +393,7 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
     def chat_default_max_tokens(messages) -> Optional[int]:
         """OpenAI's chat without max_tokens runs to the end of the context: here, what is left
         of the engine's cache after the prompt (None: the engine's default)."""
-        limit, enc = getattr(engine, "max_cache_len", None), getattr(engine, "encode", None)
+        limit, enc = engine_limit(engine), engine_encoder(engine)
         if limit is None or enc is None:
             return None
         try:
@@ -389,7 +405,7 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
     def check_fits(prompt, fields: dict) -> None:
         """The cache limit and the vocabulary checked here where the server can tell which
         field is at fault (the engine checks again, naming the problem only in words)."""
-        limit = getattr(engine, "max_cache_len", None)
+        limit = engine_limit(engine)
         target = getattr(engine, "target", None)
         ids = prompt if isinstance(prompt, list) and all(_is_int(t) for t in prompt) else None
         if ids is not None and target is not None:
@@ -401,7 +417,7 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
         if limit is None:
             return
         if ids is None:
-            enc = getattr(engine, "encode", None)
+            enc = engine_encoder(engine)
             if enc is None:
                 return
             try:
@@ -483,7 +499,11 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
                         elif kind == "done":
                             done = True
                             finished(item)
-                            if item.finish_reason == "cancelled":
+                            if getattr(handle, "error", None) is not None:
+                                err = APIError(500, f"generation failed: {handle.error!r}",
+                                               type_="server_error")
+                                yield "data: " + json.dumps(err.body()) + "\n\n"
+                            elif item.finish_reason == "cancelled":
                                 err = APIError(503, "the request was cancelled: the server is "
                                                "shutting down", type_="server_error",
                                                code="cancelled")
@@ -512,16 +532,22 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
+        async def disconnected():
+            """Returns when the client has gone (uvicorn's receive() after the body)."""
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         text, ids = [], []
+        gone = asyncio.ensure_future(disconnected())
         try:
             while True:
-                try:
-                    kind, item = await asyncio.wait_for(pump.queue.get(), 0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        handle.cancel()
-                        return Response(status_code=499)  # nobody reads it; nginx's code
-                    continue
+                get = asyncio.ensure_future(pump.queue.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:  # the client went away: free the slot, answer nobody
+                    get.cancel()
+                    handle.cancel()
+                    return Response(status_code=499)  # nginx's "client closed request"
+                kind, item = get.result()
                 if kind == "delta":
                     text.append(item.text or "")
                     ids.extend(item.token_ids)
@@ -532,8 +558,12 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
         except asyncio.CancelledError:
             handle.cancel()
             raise
+        finally:
+            gone.cancel()
         r = item
         finished(r)
+        if getattr(handle, "error", None) is not None:
+            raise APIError(500, f"generation failed: {handle.error!r}", type_="server_error")
         if r.finish_reason == "cancelled":
             raise APIError(503, "the request was cancelled: the server is shutting down",
                            type_="server_error", code="cancelled")
@@ -588,7 +618,7 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
 
     @app.get("/v1/models")
     async def models():
-        limit = getattr(engine, "max_cache_len", None)
+        limit = engine_limit(engine)
         return {"object": "list",
                 "data": [{"id": n, "object": "model", "created": st.created,
                           "owned_by": "ouroboros-jax", "root": names[0],
