@@ -7,11 +7,32 @@ import json
 import sys
 
 
+def _generate_prompts(a) -> list:
+    """--prompt texts and --chat messages (each one conversation, after --system if given)."""
+    prompts = list(a.prompt or [])
+    for text in a.chat or []:
+        chat = [{"role": "system", "content": a.system}] if a.system else []
+        prompts.append(chat + [{"role": "user", "content": text}])
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or --chat MESSAGE")
+    if a.system and not a.chat:
+        raise ValueError("--system applies to --chat messages; give --chat MESSAGE too")
+    return prompts
+
+
 def _cmd_generate(a):
     from . import generate, load_model
 
-    target = load_model(a.target, dtype=a.dtype)
-    draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+    prompts = _generate_prompts(a)
+    if a.target:
+        target = load_model(a.target, dtype=a.dtype)
+        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+    else:  # the shipped pair, as `demo` uses it
+        from .demo_assets import demo_pair
+
+        target, draft = demo_pair(a.dtype)
+        if a.draft:
+            draft = load_model(a.draft, dtype=a.dtype)
     mesh = None
     if a.mesh:
         from .sharding import make_mesh
@@ -32,7 +53,7 @@ def _cmd_generate(a):
             config = METHODS[a.method].config_type(**fields)
         except TypeError as e:
             raise ValueError(f"--config for method {a.method!r}: {e}") from None
-    out = generate(target, a.prompt, draft=draft, method=a.method, config=config,
+    out = generate(target, prompts, draft=draft, method=a.method, config=config,
                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                    top_k=a.top_k, seed=a.seed, mesh=mesh)
     for i, toks in enumerate(out.tokens):
@@ -157,10 +178,15 @@ def main(argv=None):
                                  description="Ouroboros speculative decoding for JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a Hugging Face model directory")
-    g.add_argument("--target", required=True, help="target model directory (HF layout)")
-    g.add_argument("--draft", help="draft model directory (same tokenizer)")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    g = sub.add_parser("generate", help="generate text from a Hugging Face model directory or "
+                                        "a GGUF file (default: the shipped demo pair)")
+    g.add_argument("--target", help="target model: an HF directory or a .gguf file (default: "
+                                    "the shipped demo target, with its draft)")
+    g.add_argument("--draft", help="draft model directory or .gguf file (same tokenizer)")
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--chat", action="append", help="a user message to an instruct model, "
+                   "rendered with its chat template (repeatable: one conversation each)")
+    g.add_argument("--system", help="a system message put before each --chat message")
     g.add_argument("--method", default="vanilla")
     g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\' (default: auto)')
     g.add_argument("--max-new-tokens", type=int, default=128)

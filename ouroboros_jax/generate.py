@@ -130,9 +130,19 @@ def _as_token_lists(target: Model, prompts) -> list[list[int]]:
                          f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
+    from .chat import apply_chat, is_conversation
+
+    if all(isinstance(p, dict) for p in prompts):
+        prompts = [prompts]  # one conversation: [{"role": ..., "content": ...}, ...]
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
+        if isinstance(p, dict):
+            raise ValueError(f"prompts[{i}] is a chat message among other prompts; give a "
+                             "conversation as a list of messages: prompts=[[{'role': 'user', "
+                             "'content': ...}], ...]")
+        if is_conversation(p):
+            ids = apply_chat(target.tokenizer, p, f"prompts[{i}]")
+        elif isinstance(p, str):
             if target.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text but the target has no tokenizer; pass "
                                  "token-id lists instead")
@@ -185,7 +195,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
              max_cache_len: Optional[int] = None) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
-    prompts: list of strings (tokenized with the target's tokenizer) or of token-id lists.
+    prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
+    chat conversations (lists of {"role", "content"} messages, rendered with the tokenizer's
+    chat template and its generation prompt; one conversation may be given on its own).
     method: "vanilla", "speculative", "lookahead" or "ouroboros"; config: that method's config
     object, "auto" (default: chosen for this device, batch and pair by `decoding.auto`, which may
     turn speculation off for the call; `stats["auto"]` says what it chose and why) or None (the

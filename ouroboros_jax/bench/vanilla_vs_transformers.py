@@ -1,6 +1,6 @@
 """Vanilla decoding: ouroboros-jax vs transformers' own greedy `generate`, same weights, CPU.
 
-    python -m ouroboros_jax.bench.vanilla_vs_transformers [--model DIR] [--prompts 5]
+    python -m ouroboros_jax.bench.vanilla_vs_transformers [--model DIR|FILE.gguf] [--prompts 5]
         [--max-new-tokens 128] [--torch-threads 1]
 
 Without --model a ~25M-parameter random Llama (the demo target's shape) is built locally.
@@ -53,8 +53,13 @@ def main(argv=None):
     if path is None:
         path = tempfile.mkdtemp()
         _build_random_llama(path)
-    model = oj.load_model(path)
-    tm = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = oj.load_model(path, dtype="float32")
+    if path.lower().endswith(".gguf"):  # both read the same GGUF file (transformers needs gguf)
+        tm = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+            dtype=torch.float32).eval()
+    else:
+        tm = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rs = np.random.RandomState(0)
     V = model.config.vocab_size
     prompts = [rs.randint(3, V, size=a.prompt_len).tolist() for _ in range(a.prompts)]

@@ -13,22 +13,48 @@ from typing import Any, Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-# Fields of a Hugging Face config.json that carry no meaning for inference numerics.
-_IGNORED_HF_FIELDS = frozenset({
-    "architectures", "attention_dropout", "dtype", "torch_dtype", "initializer_range",
-    "transformers_version", "use_cache", "pretraining_tp", "_name_or_path", "output_attentions",
-    "output_hidden_states", "return_dict", "tokenizer_class", "auto_map", "model_type",
-    "max_window_layers", "layer_types", "use_sliding_window", "sliding_window", "bos_token_id",
-    "eos_token_id", "pad_token_id", "vocab_size", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps", "tie_word_embeddings",
-    "max_position_embeddings", "hidden_act", "attention_bias", "mlp_bias",
-    "embd_pdrop", "resid_pdrop", "chunk_size_feed_forward", "is_decoder", "is_encoder_decoder",
-    "problem_type", "id2label", "label2id", "task_specific_params", "finetuning_task",
-    "tf_legacy_loss", "use_bfloat16", "torchscript", "pruned_heads", "tie_encoder_decoder",
-    "cross_attention_hidden_size", "add_cross_attention", "bad_words_ids", "begin_suppress_tokens",
-    "decoder_start_token_id", "sep_token_id", "prefix", "num_labels", "use_return_dict",
+# Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
+_READ_HF_FIELDS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+    "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+    "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+    "bos_token_id", "eos_token_id", "pad_token_id",
 })
+
+# Hub config fields accepted without effect because they do not change inference numerics
+# (README "Real models" lists them). Metadata and transformers' bookkeeping: names, versions,
+# the class to build, which kernel or dtype to run with (we run what `load_model` is told).
+HF_METADATA_FIELDS = frozenset({
+    "architectures", "_name_or_path", "_model_name_or_path", "_commit_hash",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
+    "_from_model_config", "transformers_version", "transformers.js_config", "dtype",
+    "torch_dtype", "use_bfloat16", "torchscript", "auto_map", "tokenizer_class",
+    "is_llama_config", "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "use_cache",
+    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+    "task_specific_params", "prefix", "bad_words_ids", "begin_suppress_tokens",
+    "is_decoder", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "pruned_heads", "chunk_size_feed_forward", "tf_legacy_loss",
+})
+# Training-only fields: dropout is off at inference, initialisers and tensor-parallel
+# pretraining slices (pretraining_tp) compute the same function.
+HF_TRAINING_FIELDS = frozenset({
+    "attention_dropout", "embd_pdrop", "resid_pdrop", "hidden_dropout", "initializer_range",
+    "pretraining_tp",
+})
+# Qwen2 bookkeeping that only matters with use_sliding_window=true (refused).
+HF_QWEN2_WINDOW_FIELDS = frozenset({"max_window_layers", "layer_types"})
+# Fields accepted only at the value that leaves the numerics as implemented; any other value
+# is refused by name.
+HF_NEUTRAL_VALUES: dict[str, tuple] = {
+    "rope_interleaved": (False,),  # SmolLM2: rotate-half rope, as implemented
+    "use_mrope": (False,),  # Qwen2.5: multimodal rope off
+    "partial_rotary_factor": (1, 1.0),  # rope over the whole head
+}
+NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_QWEN2_WINDOW_FIELDS
+                           | frozenset(HF_NEUTRAL_VALUES))
+_IGNORED_HF_FIELDS = _READ_HF_FIELDS | NUMERICS_NEUTRAL_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +151,12 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"{source}: unsupported config field(s) {unknown}; refusing to load "
                              "a model whose numerics might differ from what is implemented")
+        for name, allowed in HF_NEUTRAL_VALUES.items():
+            if name in d and d[name] is not None and (
+                    isinstance(d[name], bool) != isinstance(allowed[0], bool)
+                    or d[name] not in allowed):
+                raise ValueError(f"{source}: {name}={d[name]!r} is unsupported (only "
+                                 f"{allowed[0]!r} is implemented)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
         if d.get("mlp_bias"):

@@ -209,22 +209,64 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "auto") -> Model:
-    """Loads a local Hugging Face Llama/Mistral/Qwen2 directory.
+    """Loads a local Hugging Face Llama/Mistral/Qwen2 directory or a GGUF file (`.gguf`:
+    llama or qwen2 architecture, any tensor type the `gguf` package dequantizes; config,
+    tokenizer and chat template all come from the file, see `gguf.py`).
 
     dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "float32" or "bfloat16" (params are
-    cast; RoPE and softmax always run in fp32).
+    cast; RoPE and softmax always run in fp32). A model whose tokenizer has a chat template
+    also stops at its end-of-turn token by default (`chat.end_of_turn_id`).
     """
     dtype = resolve_dtype(dtype)
     if str(jnp.dtype(dtype)) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path must be a directory path, got {type(path).__name__}")
+        raise ValueError(f"path must be a directory or .gguf file path, got "
+                         f"{type(path).__name__}")
     path = os.fspath(path)
+    from .gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        return _load_gguf_model(path, jnp.dtype(dtype))
+    if os.path.isfile(path):
+        raise ValueError(f"{path!r} is a file but not a GGUF file; give a Hugging Face model "
+                         "directory or a .gguf file")
     config = read_config(path)
     gen = read_generation_config(path)
     params = load_params(path, config, jnp.dtype(dtype))
-    return Model(config=config, params=params, tokenizer=load_tokenizer(path), path=path,
-                 generation_config=gen)
+    tokenizer = load_tokenizer(path)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path,
+                 generation_config=_with_end_of_turn(gen, config, tokenizer))
+
+
+def _load_gguf_model(path: str, dtype) -> Model:
+    from .gguf import config_from_gguf, load_gguf_params, load_gguf_tokenizer, open_gguf
+
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, path)
+    params = load_gguf_params(reader, config, path, dtype)
+    tokenizer = load_gguf_tokenizer(reader, path)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path,
+                 generation_config=_with_end_of_turn({}, config, tokenizer))
+
+
+def _with_end_of_turn(gen: dict, config: ModelConfig, tokenizer) -> dict:
+    """generation_config with the chat template's end-of-turn token added to the default EOS
+    ids (as transformers' instruct checkpoints list it in generation_config.json), so that an
+    instruct model's reply stops where its turn ends. Unchanged without a chat template."""
+    from ..chat import end_of_turn_id
+    from .config import normalize_eos
+
+    eot = end_of_turn_id(tokenizer)
+    if eot is None or eot >= config.vocab_size:
+        return gen
+    base = gen.get("eos_token_id", config.eos_token_id)
+    if base is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+        base = int(tokenizer.eos_token_id)
+    ids = [] if base is None else ([base] if isinstance(base, int) else list(base))
+    if eot in ids:
+        return gen
+    return {**gen, "eos_token_id": normalize_eos(ids + [eot], "eos_token_id")}
 
 
 def save_hf_checkpoint(out_dir: str, config: ModelConfig, params: Params,
