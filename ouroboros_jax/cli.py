@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Optional
 
 
 def _generate_prompts(a) -> list:
@@ -62,20 +64,27 @@ def _cmd_generate(a):
         print(json.dumps(out.stats, indent=2), file=sys.stderr)
 
 
-def _serve_config(method: str, text):
-    """--config JSON of `serve` -> the method's config object ("auto" when not given)."""
+def _serve_fields(text) -> Optional[dict]:
+    """--config JSON of `serve` -> its fields (None when not given); checked before any load."""
     if not text:
-        return "auto"
-    from .decoding import METHODS
-
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+        return None
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--config is not valid JSON: {e}") from None
     if not isinstance(fields, dict):
         raise ValueError(f"--config must be a JSON object of config fields, got {text!r}")
+    return fields
+
+
+def _serve_config(method: str, fields: Optional[dict]):
+    """The method's config object from --config's fields ("auto" when not given)."""
+    if fields is None:
+        return "auto"
+    from .decoding import METHODS
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     try:
         return METHODS[method].config_type(**fields)
     except TypeError as e:
@@ -89,6 +98,7 @@ def _cmd_serve(a):
     _positive("--max-queue", a.max_queue)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    fields = _serve_fields(a.config)
     if a.model:
         target = load_model(a.model, dtype=a.dtype)
         draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
@@ -99,15 +109,20 @@ def _cmd_serve(a):
         if a.draft:
             draft = load_model(a.draft, dtype=a.dtype)
     method = a.method or ("ouroboros" if draft is not None else "vanilla")
-    config = _serve_config(method, a.config)
+    config = _serve_config(method, fields)
     from .serving.engine import Engine
     from .serving.server import create_app, serve
 
     engine = Engine(target, draft, method=method, config=config, slots=a.slots,
                     max_cache_len=a.max_cache_len, max_queue=a.max_queue)
-    names = [a.served_model_name] if a.served_model_name else None
-    app = create_app(engine, model_names=names)
-    name = app.state.ouroboros.names[0]
+    if a.served_model_name:
+        name = a.served_model_name
+    elif a.model:  # the directory's or file's name, as clients would type it
+        name = os.path.basename(os.path.normpath(a.model))
+        name = name[:-len(".gguf")] if name.endswith(".gguf") else name
+    else:
+        name = "ouroboros-demo"
+    app = create_app(engine, model_names=[name])
     print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots) on "
           f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
     serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
@@ -217,7 +232,8 @@ def main(argv=None):
     s.add_argument("--max-cache-len", type=int, default=None,
                    help="longest prompt + max_tokens (default: the model's context)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
-                                               "engine's)")
+                                               "model's directory or file name; "
+                                               "ouroboros-demo for the demo pair)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on Ctrl-C before they are "

@@ -456,3 +456,76 @@ def test_stop_cancel_ends_streams_cleanly(tiny_chat_pair):
     assert not t.is_alive()
     assert len(errors) == 1 and "cancelled" in str(errors[0])
     assert engine.metrics()["busy_slots"] == 0
+
+
+def test_smollm2_streamed_chat_equals_non_streamed_and_generate(smollm2):
+    """SmolLM2-135M-Instruct from its GGUF (conftest.smollm2): a streamed chat completion's
+    text and ids equal the non-streamed one's, and both equal generate's on the conversation."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    n, cache = 24, 256
+    want = oj.generate(smollm2, [msgs], max_new_tokens=n, max_cache_len=cache).tokens[0]
+    engine = Engine(smollm2, method="vanilla", slots=2, max_cache_len=cache)
+    srv = ServerThread(create_app(engine, model_names=["smollm2"])).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=n,
+                                      temperature=0)
+        assert r.choices[0].token_ids == want
+        text = r.choices[0].message.content
+        assert text == smollm2.tokenizer.decode(want, skip_special_tokens=True)
+        assert "Paris" in text  # a real model answering, not just equal noise
+        chunks = list(c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=n,
+                                                temperature=0, stream=True))
+        assert "".join(ch.delta.content or "" for k in chunks for ch in k.choices) == text
+        assert [t for k in chunks for ch in k.choices for t in ch.token_ids] == want
+    finally:
+        srv.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serve_then_ctrl_c(tiny_chat_pair):
+    """`ouroboros-jax serve --model DIR` in its own process: it answers exactly, and Ctrl-C
+    (SIGINT) stops it cleanly (exit status 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    target = tiny_chat_pair[0]
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(oj.__file__)))] +
+        ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    proc = subprocess.Popen([sys.executable, "-m", "ouroboros_jax.cli", "serve", "--model",
+                             target.path, "--method", "vanilla", "--slots", "2", "--port",
+                             str(port), "--max-cache-len", str(CACHE)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is None and False
+
+        assert _wait_for(lambda: up() or proc.poll() is not None, timeout=240), "no server"
+        assert proc.poll() is None, proc.stdout.read()
+        c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+        name = os.path.basename(target.path)
+        assert [m.id for m in c.models.list().data] == [name]
+        r = c.completions.create(model=name, prompt=PROMPTS[2], max_tokens=12, temperature=0)
+        assert r.choices[0].token_ids == expected(tiny_chat_pair, PROMPTS[2], 12)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

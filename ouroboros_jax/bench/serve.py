@@ -231,9 +231,17 @@ def run_serve_bench(target, draft, prompts: list[list[int]], max_tokens: list[in
                "methods": {}, "mismatches": []}
     ref = None
     for name in methods:
-        res = bench_method(name, target, draft, jobs, concurrency=concurrency, rates=rates,
-                           rate_fractions=rate_fractions, requests_per_level=requests_per_level,
-                           slots=slots, max_cache_len=cache, ignore_eos=ignore_eos, log=log)
+        try:
+            res = bench_method(name, target, draft, jobs, concurrency=concurrency, rates=rates,
+                               rate_fractions=rate_fractions,
+                               requests_per_level=requests_per_level, slots=slots,
+                               max_cache_len=cache, ignore_eos=ignore_eos, log=log)
+        except Exception as e:  # noqa: BLE001  (one method's failure is a result, not the end)
+            if log:
+                log(f"[serve] {name}: FAILED {type(e).__name__}: {e}")
+            results["methods"][name] = {"method": name, "levels": [],
+                                        "error": f"{type(e).__name__}: {e}"}
+            continue
         rates = res["rates"]
         results["methods"][name] = res
         if ref is None:
@@ -273,6 +281,9 @@ def serve_markdown(results: dict) -> str:
                          f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} / "
                          f"{_ms(r['ttft_p99_s'])} | {_s(r['latency_p50_s'])} / "
                          f"{_s(r['latency_p95_s'])} / {_s(r['latency_p99_s'])} | {hit} |")
+    failed = {n: r["error"] for n, r in results["methods"].items() if r.get("error")}
+    for n, err in failed.items():
+        lines.append(f"| {n} | failed: {err[:120]} | | | | | |")
     if results.get("mismatches"):
         lines += ["", f"**Greedy outputs differ from the first method's for: "
                       f"{', '.join(results['mismatches'])}** (a bug)."]

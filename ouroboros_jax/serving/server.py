@@ -664,7 +664,10 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "i
     event, clients waiting on non-streamed requests a 503)."""
     import uvicorn
 
-    uvicorn.Server(_config(app, host, port, log_level, drain_timeout)).run()
+    try:
+        uvicorn.Server(_config(app, host, port, log_level, drain_timeout)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its shutdown
+        pass
 
 
 class ServerThread:
