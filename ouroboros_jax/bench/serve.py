@@ -214,9 +214,10 @@ def run_serve_bench(target, draft, prompts: list[list[int]], max_tokens: list[in
                     methods=DEFAULT_METHODS, concurrency=CONCURRENCY,
                     rate_fractions=RATE_FRACTIONS, rates: Optional[list[float]] = None,
                     requests_per_level: int = 32, slots: int = 8, ignore_eos: bool = True,
-                    log=None) -> dict:
+                    log=None, on_method=None) -> dict:
     """Every method at every level -> results dict (JSON-ready). prompts: token ids. The
-    Poisson rates (unless given) come from the first method's req/s at concurrency 8."""
+    Poisson rates (unless given) come from the first method's req/s at concurrency 8.
+    on_method(results): called after each method (e.g. to save what is done so far)."""
     jobs = list(zip(prompts, max_tokens))
     cache = max(len(p) + n for p, n in jobs)
     limit = target.config.max_position_embeddings
@@ -248,6 +249,10 @@ def run_serve_bench(target, draft, prompts: list[list[int]], max_tokens: list[in
             ref = res["outputs"]
         elif res["outputs"] != ref:
             results["mismatches"].append(name)
+        results["settings"]["rates"] = rates
+        if on_method is not None:
+            on_method({**results, "methods": {n: {k: v for k, v in r.items() if k != "outputs"}
+                                              for n, r in results["methods"].items()}})
     results["settings"]["rates"] = rates
     for r in results["methods"].values():
         r.pop("outputs", None)
@@ -356,15 +361,21 @@ def serve_main(a, target, draft, prompts, names, log) -> dict:
         raise ValueError(f"--serve-slots must be >= 1, got {slots}")
     fracs = (0.5,) if quick else RATE_FRACTIONS
     log(f"[serve] {len(ids)} prompts, methods {', '.join(methods)}, slots {slots}")
-    res = run_serve_bench(target, draft, ids, lens, methods=methods, concurrency=conc,
-                          rate_fractions=fracs, requests_per_level=n_req, slots=slots,
-                          ignore_eos=a.ignore_eos or quick, log=log)
-    res["settings"]["command"] = ("ouroboros-jax bench " + " ".join(sys.argv[2:])
-                                  if sys.argv[1:2] == ["bench"] else None)
     out = a.out or os.path.join("runs", "bench-serve-quick" if quick else "bench-serve")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "serve.json"), "w") as f:
-        json.dump(res, f, indent=1)
+
+    def save(r):
+        with open(os.path.join(out, "serve.json"), "w") as f:
+            json.dump(r, f, indent=1)
+
+    command = ("ouroboros-jax bench " + " ".join(sys.argv[2:])
+               if sys.argv[1:2] == ["bench"] else None)
+    res = run_serve_bench(target, draft, ids, lens, methods=methods, concurrency=conc,
+                          rate_fractions=fracs, requests_per_level=n_req, slots=slots,
+                          ignore_eos=a.ignore_eos or quick, log=log,
+                          on_method=lambda r: save({**r, "partial": True}))
+    res["settings"]["command"] = command
+    save(res)
     md = serve_markdown(res)
     with open(os.path.join(out, "serve.md"), "w") as f:
         f.write(md + "\n")
