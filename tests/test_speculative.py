@@ -16,7 +16,8 @@ from scipy import stats as sps
 
 import ouroboros_jax as oj
 from ouroboros_jax.decoding import speculative
-from ouroboros_jax.decoding.common import Limits, counter, init_sequences, init_stats, prefill
+from ouroboros_jax.decoding.common import (Limits, Pair, counter, init_sequences, init_stats,
+                                          make_pair, prefill)
 from ouroboros_jax.decoding.speculative import SpeculativeConfig, leviathan_accept
 from ouroboros_jax.models import forward
 from ouroboros_jax.models.llama import causal_mask
@@ -149,13 +150,14 @@ def test_draft_kv_stays_in_step_without_reforward(tiny_pair):
         init_sequences(prompt, plens, slots),
         prefill(params, config, prompt, plens, slots, jnp.float32),
         prefill(params, config, prompt, plens, slots, jnp.float32),
-        init_stats(2, GAMMA + 2).replace(drafted_tokens=counter()))
+        init_stats(2, GAMMA + 2, speculative.SpeculativeCounters(drafted_tokens=counter())))
     limits = Limits(max_new_tokens=jnp.asarray(2 * (GAMMA + 1) + 2, jnp.int32),
                     eos_token_id=jnp.asarray(-1, jnp.int32))
-    step = jax.jit(speculative.speculative_step, static_argnums=(1, 3, 4, 5, 6, 7))
+    step = jax.jit(speculative.speculative_step, static_argnums=(1, 2))
+    pair = Pair(tparams=params, dparams=params, tconfig=config, dconfig=config)
     for r, lag in ((1, 1), (2, 1), (3, 0)):  # 5, 5, then 2 tokens (max_new_tokens cut)
-        state = step(params, config, params, config, GAMMA, 0.0, True, leviathan_accept,
-                     SamplingParams.make(), limits, state)
+        state = step(pair, SpeculativeConfig(gamma=GAMMA), True, SamplingParams.make(), limits,
+                     state)
         n = np.asarray(state.seq.lengths)
         np.testing.assert_array_equal(n, np.asarray(plens) + min(r * (GAMMA + 1), 12))
         np.testing.assert_array_equal(np.asarray(state.tcache.lengths), n - 1)
@@ -237,9 +239,9 @@ def generated_with_rule(target, draft, seed, accept_rule):
     plens = jnp.full((S_ROWS,), len(S_PROMPT), jnp.int32)
     limits = Limits(max_new_tokens=jnp.asarray(S_NEW, jnp.int32),
                     eos_token_id=jnp.asarray(NO_EOS, jnp.int32))
-    seq, _ = speculative.run_speculative(
-        target.params, target.config, draft.params, draft.config, prompt, plens, limits,
-        SamplingParams.make(**S_KW, seed=seed), gamma=S_GAMMA, slots=16, greedy=False,
+    seq, _, _ = speculative.run_speculative(
+        make_pair(target, draft), prompt, plens, limits, SamplingParams.make(**S_KW, seed=seed),
+        None, cfg=SpeculativeConfig(gamma=S_GAMMA), slots=16, greedy=False,
         accept_rule=accept_rule)
     assert (np.asarray(seq.lengths) == len(S_PROMPT) + S_NEW).all()
     return np.asarray(seq.tokens)[:, len(S_PROMPT):len(S_PROMPT) + S_NEW]

@@ -200,6 +200,7 @@ class RequestHandle:
         while True:
             d = self._deltas.get()
             if d is None:
+                self._deltas.put(None)  # a second iteration ends at once
                 return
             yield d
 
@@ -353,6 +354,7 @@ class Engine:
                    eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32)))
 
         self._lock = threading.RLock()
+        self._dev_lock = threading.Lock()  # the device state: donated by every device call
         self._cv = threading.Condition(self._lock)
         self._waiting: collections.deque = collections.deque()
         self._running: list = [None] * B
@@ -414,7 +416,7 @@ class Engine:
             prompt = jnp.asarray([probe] * n, jnp.int32)
             plens = jnp.full((n,), len(probe), jnp.int32)
             ch = auto_config(method, target, draft, prompt, plens,
-                             cache_slots(32, 0, 0, target.config.max_position_embeddings))
+                             cache_slots(0, 0, 0, self.limit))
             c = OFF if ch.method == "vanilla" else ch.config
             if c is not OFF:
                 if first is None:
@@ -518,10 +520,12 @@ class Engine:
                            greedy_rows=jnp.asarray([greedy])),
             Limits(max_new_tokens=jnp.asarray([p.max_tokens], jnp.int32),
                    eos_token_id=jnp.asarray(h._eos[None, :EOS_BUCKET], jnp.int32)))
-        self._dev = _device_insert(self._pair, self._dev, jnp.asarray([slot], jnp.int32),
-                                   jnp.asarray(prompt), jnp.asarray([len(h.prompt)], jnp.int32),
-                                   row, insert_fn=self.spec.insert, cfg=self._base,
-                                   vocab=self.vocab, shared=self.shared_pool)
+        with self._dev_lock:
+            self._dev = _device_insert(self._pair, self._dev, jnp.asarray([slot], jnp.int32),
+                                       jnp.asarray(prompt),
+                                       jnp.asarray([len(h.prompt)], jnp.int32), row,
+                                       insert_fn=self.spec.insert, cfg=self._base,
+                                       vocab=self.vocab, shared=self.shared_pool)
         self._m["prompt_tokens"] += len(h.prompt)
 
     def step(self) -> bool:
@@ -546,22 +550,45 @@ class Engine:
             self._insert(i, h)
             self._stop_rows[i] = False
         busy = [i for i, h in enumerate(self._running) if h is not None]
-        if not busy:
-            if self._stop_rows.any():  # nothing to run; freed rows end with the next step
-                pass
+        if not busy:  # freed rows that are not done yet end at the next step
             return bool(self._waiting)
         cfg = self._level(len(busy))
         greedy = all(self._running[i].params.temperature == 0 for i in busy)
+        toks, counts, kept, live, prop, done, hits = self._device_step(cfg, greedy)
+        with self._lock:
+            return self._host_update(busy, cfg, toks, counts, kept, live, prop, done, hits)
+
+    def _device_step(self, cfg, greedy: bool):
         if cfg is OFF:
             round_fn, cfg_used = self.spec.plain_round, self._base
         else:
             round_fn, cfg_used = self.spec.round, cfg
-        out = _device_step(self._pair, self._dev, jnp.asarray(self._stop_rows),
-                           round_fn=round_fn, cfg=cfg_used, greedy=greedy, rounds=self.rounds,
-                           width=self._width)
-        self._dev = out[0]
-        toks, counts, kept, live, prop, done, hits = jax.device_get(out[1:])
-        self._stop_rows[:] = False
+        with self._dev_lock:
+            out = _device_step(self._pair, self._dev, jnp.asarray(self._stop_rows),
+                               round_fn=round_fn, cfg=cfg_used, greedy=greedy,
+                               rounds=self.rounds, width=self._width)
+            self._dev = out[0]
+            self._stop_rows[:] = False
+        return jax.device_get(out[1:])
+
+    def warmup(self, prompt_widths: Sequence[int] = (16,)) -> None:
+        """Compiles, while idle, the device step of every load level in both sampling modes
+        and the insert of each prompt-width bucket, so the first requests wait for none."""
+        with self._lock:
+            if self._waiting or any(h is not None for h in self._running):
+                raise RuntimeError("warmup() needs an idle engine")
+            for w in sorted({bucket(int(w)) for w in prompt_widths}):
+                h = RequestHandle(self, [0] * min(w, self.limit - 1), RequestParams(max_tokens=1),
+                                  self._default_eos, set())
+                self._insert(0, h)
+                self._m["prompt_tokens"] -= len(h.prompt)
+                self._stop_rows[0] = True  # the dummy row ends before any round
+            for _, c in self.levels:
+                for greedy in (True, False):
+                    self._device_step(c, greedy)
+                    self._stop_rows[0] = False
+
+    def _host_update(self, busy, cfg, toks, counts, kept, live, prop, done, hits) -> bool:
         self._m["steps"] += 1
         key = (len(busy), "off" if cfg is OFF else repr(cfg))
         self._levels_used[key] = self._levels_used.get(key, 0) + 1
@@ -743,8 +770,11 @@ class Engine:
     # ------------------------------------------------------------------ reporting
     @property
     def pool(self) -> Optional[PhrasePool]:
-        """The shared phrase pool (save with oj.save_pool); None for methods without one."""
-        return getattr(self._dev.state, "pool", None)
+        """A copy of the shared phrase pool as it is now (save with oj.save_pool); None for
+        methods without one. (A copy: every device step donates the engine's own.)"""
+        with self._dev_lock:
+            pool = getattr(self._dev.state, "pool", None)
+            return None if pool is None else jax.tree_util.tree_map(jnp.copy, pool)
 
     def metrics(self) -> dict:
         """Cumulative counters (vLLM's spec-decode names), pool hit rate, load and the config
