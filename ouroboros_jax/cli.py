@@ -123,6 +123,10 @@ def _cmd_serve(a):
     else:
         name = "ouroboros-demo"
     app = create_app(engine, model_names=[name])
+    if hasattr(engine, "warmup"):  # compile now, not on the first requests
+        print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
+              flush=True)
+        engine.warmup()
     print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots) on "
           f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
     serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
