@@ -1,10 +1,12 @@
-"""The `ouroboros-jax` command: generate, demo, memory, bench, tune, distill."""
+"""The `ouroboros-jax` command: generate, serve, demo, memory, bench, tune, distill."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Optional
 
 
 def _generate_prompts(a) -> list:
@@ -60,6 +62,74 @@ def _cmd_generate(a):
         print(out.texts[i] if out.texts else toks)
     if a.stats:
         print(json.dumps(out.stats, indent=2), file=sys.stderr)
+
+
+def _serve_fields(text) -> Optional[dict]:
+    """--config JSON of `serve` -> its fields (None when not given); checked before any load."""
+    if not text:
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--config must be a JSON object of config fields, got {text!r}")
+    return fields
+
+
+def _serve_config(method: str, fields: Optional[dict]):
+    """The method's config object from --config's fields ("auto" when not given)."""
+    if fields is None:
+        return "auto"
+    from .decoding import METHODS
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+    try:
+        return METHODS[method].config_type(**fields)
+    except TypeError as e:
+        raise ValueError(f"--config for method {method!r}: {e}") from None
+
+
+def _cmd_serve(a):
+    from .models import load_model
+
+    _positive("--slots", a.slots)
+    _positive("--max-queue", a.max_queue)
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    fields = _serve_fields(a.config)
+    if a.model:
+        target = load_model(a.model, dtype=a.dtype)
+        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+    else:  # the shipped demo pair
+        from .demo_assets import demo_pair
+
+        target, draft = demo_pair(a.dtype)
+        if a.draft:
+            draft = load_model(a.draft, dtype=a.dtype)
+    method = a.method or ("ouroboros" if draft is not None else "vanilla")
+    config = _serve_config(method, fields)
+    from .serving.engine import Engine
+    from .serving.server import create_app, serve
+
+    engine = Engine(target, draft, method=method, config=config, slots=a.slots,
+                    max_cache_len=a.max_cache_len, max_queue=a.max_queue)
+    if a.served_model_name:
+        name = a.served_model_name
+    elif a.model:  # the directory's or file's name, as clients would type it
+        name = os.path.basename(os.path.normpath(a.model))
+        name = name[:-len(".gguf")] if name.endswith(".gguf") else name
+    else:
+        name = "ouroboros-demo"
+    app = create_app(engine, model_names=[name])
+    if hasattr(engine, "warmup"):  # compile now, not on the first requests
+        print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
+              flush=True)
+        engine.warmup()
+    print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots) on "
+          f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
 
 
 def _parse_mesh(s: str):
@@ -147,6 +217,32 @@ def main(argv=None):
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
     g.add_argument("--stats", action="store_true", help="print stats as JSON on stderr")
     g.set_defaults(fn=_cmd_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching, "
+                                     "one shared phrase pool); default: the demo pair")
+    s.add_argument("--model", help="target: a Hugging Face directory or a .gguf file "
+                                   "(default: the shipped demo pair)")
+    s.add_argument("--draft", help="draft model (same tokenizer); default with the demo pair: "
+                                   "its draft")
+    s.add_argument("--method", default=None,
+                   help="vanilla, speculative, lookahead or ouroboros (default: ouroboros with "
+                        "a draft, else vanilla)")
+    s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--slots", type=int, default=8, help="requests decoded together")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot before new ones get HTTP 429")
+    s.add_argument("--max-cache-len", type=int, default=None,
+                   help="longest prompt + max_tokens (default: the model's context)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the "
+                                               "model's directory or file name; "
+                                               "ouroboros-demo for the demo pair)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds requests in flight get to finish on Ctrl-C before they are "
+                        "cancelled")
+    s.set_defaults(fn=_cmd_serve)
 
     d = sub.add_parser("demo", help="the shipped pair: vanilla vs the fastest method")
     d.add_argument("--num-prompts", type=int, default=None)

