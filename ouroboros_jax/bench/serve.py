@@ -334,11 +334,11 @@ def plot_serve(results: dict, path: str) -> str:
 
 
 def serve_main(a, target, draft, prompts, names, log) -> dict:
-    """`bench --serve`: the CLI layer (flags -> run_serve_bench -> JSON, markdown, plot)."""
+    """`bench --serve`: the CLI layer (flags -> run_serve_bench -> JSON, markdown, plot).
+    names: the methods asked for, None for this bench's defaults."""
     from .runner import encode
-    from .suite import DEFAULT_METHODS as SUITE_DEFAULT
 
-    methods = DEFAULT_METHODS if a.methods == SUITE_DEFAULT else tuple(names)
+    methods = DEFAULT_METHODS if names is None else tuple(names)
     unknown = [m for m in methods if m not in ("vanilla", "speculative", "lookahead",
                                                "ouroboros", "ouroboros-shared",
                                                "ouroboros-private")]

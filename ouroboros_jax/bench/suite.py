@@ -212,7 +212,9 @@ def bench_main(a) -> dict:
     if a.serve:
         from .serve import serve_main
 
-        return serve_main(a, target, draft, prompts, names, log)
+        # the suite's default method list means "this bench's defaults" here
+        return serve_main(a, target, draft, prompts,
+                          None if a.methods == DEFAULT_METHODS else names, log)
     runs = method_runs(names, quick, overrides)
     sweeps = a.sweep
     if "all" in sweeps:

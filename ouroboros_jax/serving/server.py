@@ -383,7 +383,7 @@ def create_app(engine, *, model_names: Optional[list[str]] = None, manage_engine
         target = getattr(engine, "target", None)
         if target is None:
             return None
-        from ..generate import default_eos_ids
+        from ..request import default_eos_ids
 
         e = default_eos_ids(target)
         if e is None:
