@@ -63,7 +63,7 @@ def test_each_method_describes_its_own_auto_grid():
     assert best.predicted_speedup == pytest.approx(
         auto.predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)
         / auto.predicted_rate("speculative", None, CPU_T, CPU_D, 0.75))
-    with pytest.raises(ValueError, match="knows lookahead, ouroboros, speculative, not 'vanilla'"):
+    with pytest.raises(ValueError, match="knows lookahead, ouroboros, prompt_lookup, speculative, not 'vanilla'"):
         auto.choose("vanilla", CPU_T, None, None)
 
 

@@ -384,7 +384,7 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choi
     B = int(prompt.shape[0])
     tt = probe_latency(target, B, slots, TARGET_SIZES, use_cache=use_cache)
     td, a = None, None
-    if draft is not None and method != "lookahead":
+    if draft is not None and _spec(method).needs_draft:
         td = probe_latency(draft, B, slots, DRAFT_SIZES, use_cache=use_cache)
         a = realised_agreement(target, draft) if use_cache else None
         if a is None:  # no speculative call has measured the pair yet: its prompts' agreement
