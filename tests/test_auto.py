@@ -63,7 +63,7 @@ def test_each_method_describes_its_own_auto_grid():
     assert best.predicted_speedup == pytest.approx(
         auto.predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)
         / auto.predicted_rate("speculative", None, CPU_T, CPU_D, 0.75))
-    with pytest.raises(ValueError, match="knows lookahead, ouroboros, speculative, not 'vanilla'"):
+    with pytest.raises(ValueError, match="knows lookahead, ouroboros, prompt_lookup, speculative, not 'vanilla'"):
         auto.choose("vanilla", CPU_T, None, None)
 
 
@@ -98,16 +98,30 @@ def test_lookup_interpolates_and_extrapolates():
     assert cost.interpolate(t, 16) == pytest.approx(8.0)
 
 
-def test_generate_auto_keeps_tokens_reports_choice_and_caches(tiny_pair, random_prompts, tmp_path,
-                                                              monkeypatch):
+@pytest.fixture
+def fresh_auto(tmp_path, monkeypatch):
+    """An empty auto disk cache and no pending probe work, as in a fresh process."""
     monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto, "_PENDING", {})
+    monkeypatch.setattr(auto, "_AGREED", set())
+    monkeypatch.setattr(auto, "_CHOICES", {})
+    return tmp_path
+
+
+def test_first_call_probes_nothing_later_calls_one_piece_each(tiny_pair, random_prompts,
+                                                               fresh_auto, monkeypatch):
     target, draft, _ = tiny_pair
     prompts = random_prompts[:3]
     ref = oj.generate(target, prompts, max_new_tokens=12)
-    timers = []
-    real = auto._forward_seconds
-    monkeypatch.setattr(auto, "_forward_seconds", lambda *a, **k: timers.append(a[2]) or real(*a, **k))
-    for method in ("speculative", "lookahead", "ouroboros"):
+    work = []  # (call, what) of every probe compile or agreement measurement
+    calls = [0]
+    real_fwd, real_agree = auto._forward_seconds, auto.pair_agreement
+    monkeypatch.setattr(auto, "_forward_seconds",
+                        lambda *a, **k: work.append((calls[0], a[2])) or real_fwd(*a, **k))
+    monkeypatch.setattr(auto, "pair_agreement",
+                        lambda *a, **k: work.append((calls[0], "agree")) or real_agree(*a, **k))
+    for method in ("speculative", "lookahead", "ouroboros", "prompt_lookup"):
+        calls[0] += 1
         out = oj.generate(target, prompts, draft=draft, method=method, max_new_tokens=12)
         assert out.tokens == ref.tokens
         s = out.stats["auto"]
@@ -115,14 +129,71 @@ def test_generate_auto_keeps_tokens_reports_choice_and_caches(tiny_pair, random_
         if s["method"] == "vanilla":
             assert out.stats["draft_calls"] == 0 and s["config"] is None
         json.dumps(out.stats)
-    probed = len(timers)
-    assert sorted(set(timers)) == sorted(set(auto.TARGET_SIZES) | set(auto.DRAFT_SIZES))
-    cache = json.loads((tmp_path / "auto.json").read_text())
-    assert len(cache["latency"]) == 2  # target and draft at batch bucket 4, one cache size
-    n_agree = cache["agreement"]
-    assert list(n_agree.values())[0][1] == 2 * sum(len(p) for p in prompts)  # two calls pooled
-    oj.generate(target, prompts, draft=draft, method="speculative", max_new_tokens=12)
-    assert len(timers) == probed  # the second call is answered from the disk cache
+        if calls[0] == 1:
+            assert work == [] and "a priori" in s["reason"]  # the first call probes nothing
+    # then at most one piece per call, the agreement first
+    assert [w for c, w in work] == ["agree", 1, 4] and [c for c, w in work] == [2, 3, 4]
+    while not (fresh_auto / "auto.json").exists() or len(
+            json.loads((fresh_auto / "auto.json").read_text()).get("latency", {})) < 2:
+        calls[0] += 1
+        n = len(work)
+        out = oj.generate(target, prompts, draft=draft, method="speculative", max_new_tokens=12)
+        assert out.tokens == ref.tokens and len(work) <= n + 1
+        assert calls[0] < 20
+    assert sorted({w for _, w in work} - {"agree"}) == sorted(set(auto.TARGET_SIZES)
+                                                               | set(auto.DRAFT_SIZES))
+    assert len(work) == 1 + len(auto.TARGET_SIZES) + len(auto.DRAFT_SIZES)  # each once
+    cache = json.loads((fresh_auto / "auto.json").read_text())
+    assert list(cache["agreement"].values())[0][1] == sum(len(p) for p in prompts)
+    n = len(work)
+    out = oj.generate(target, prompts, draft=draft, method="ouroboros", max_new_tokens=12)
+    assert len(work) == n and "a priori" not in out.stats["auto"]["reason"]  # all measured
+
+
+def test_finish_probes_completes_the_pending_work(tiny_pair, random_prompts, fresh_auto):
+    target, draft, _ = tiny_pair
+    oj.generate(target, random_prompts[:2], draft=draft, method="speculative", max_new_tokens=8)
+    assert auto._PENDING
+    auto.finish_probes(random_prompts[:2])
+    assert not auto._PENDING
+    cache = json.loads((fresh_auto / "auto.json").read_text())
+    assert len(cache["latency"]) == 2 and cache["agreement"]
+    out = oj.generate(target, random_prompts[:2], draft=draft, method="speculative",
+                      max_new_tokens=8)
+    assert "a priori" not in out.stats["auto"]["reason"]
+
+
+def _abstract(cfg):
+    import jax
+
+    from ouroboros_jax.models import init_params
+
+    params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    return oj.Model(cfg, params)
+
+
+def test_prior_latency_flat_on_accelerators_steep_on_cpu(monkeypatch):
+    """Before any probe: a 7B model's forward is weights-bound on an accelerator (t(64) close
+    to t(1): the paper's large trees) and grows with every token on a 2-core CPU (small trees);
+    a 16x smaller draft costs a fraction of the target."""
+    big = _abstract(oj.ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                   num_layers=32, num_heads=32, num_kv_heads=32))
+    small = _abstract(oj.ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                     num_layers=8, num_heads=16, num_kv_heads=16))
+    sizes = (1, 4, 16, 64, 256)
+    for backend, flat in (("gpu", True), ("tpu", True), ("cpu", False)):
+        monkeypatch.setattr(auto.jax, "default_backend", lambda b=backend: b)
+        tt = auto.prior_latency(big, 1, 1024, sizes)
+        td = auto.prior_latency(small, 1, 1024, sizes)
+        assert all(tt[a] < tt[b] for a, b in zip(sizes, sizes[1:]))
+        assert td[1] < tt[1] / 10
+        assert (tt[64] / tt[1] < 1.3) == flat, (backend, tt)
+        o = auto.choose("ouroboros", tt, td, 0.9)
+        if flat:
+            assert o.config.gamma >= 8 and o.config.window >= 8
+        else:
+            n_t = 1 + o.config.gamma + o.config.suffixes * (o.config.ngram - 1)
+            assert o.method == "vanilla" or n_t < 20
 
 
 def test_agreement_of_a_model_with_itself_is_one(tiny_target, random_prompts):

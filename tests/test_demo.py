@@ -9,8 +9,10 @@ def test_demo_runs_and_reports_exactness(capsys):
     assert "identical to vanilla: yes" in out
     assert "tokens/s" in out
     rows = [line.split() for line in out.splitlines()
-            if line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"])]
-    assert [r[0] for r in rows] == ["vanilla", "speculative", "lookahead", "ouroboros"]
+            if line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"],
+                                    ["prompt_lookup"])]
+    assert [r[0] for r in rows] == ["vanilla", "speculative", "lookahead", "ouroboros",
+                                    "prompt_lookup"]
     assert all(r[4] == "yes" for r in rows)  # each method's tokens equal vanilla's
     # every speculative row says what config=auto chose (a config, or off)
     assert all(("Config(" in " ".join(r[5:])) or r[5:6] == ["off:"] for r in rows[1:])

@@ -35,7 +35,7 @@ def test_auto_and_tune_search_the_same_knobs():
     for m, space in tune.tunable().items():
         auto_fields = set(METHODS[m].knobs.values("auto"))
         assert auto_fields == set(space.values("tune")) == set(tune._grid(m))
-    assert sorted(tune.tunable()) == ["lookahead", "ouroboros", "speculative"]
+    assert sorted(tune.tunable()) == ["lookahead", "ouroboros", "prompt_lookup", "speculative"]
     assert [k.field for k in tune.tunable()["lookahead"].searched] == ["window", "ngram"]
 
 

