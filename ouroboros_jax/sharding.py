@@ -91,6 +91,36 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     return out
 
 
+def check_heads(model: Model, mesh: Mesh, who: str = "target") -> None:
+    """Refuses a mesh whose "model" axis does not divide the model's query heads: its attention
+    weights would then be replicated whole on every device (`spec_for`), which on a mesh that
+    spans hosts means every host holding the whole model, what a multi-host mesh is for avoiding.
+    (KV heads may stay replicated: MQA's single KV head is small.)"""
+    m = dict(mesh.shape).get("model", 1)
+    H = model.config.num_heads
+    if H % m != 0:
+        raise ValueError(f"mesh: the 'model' axis ({m} devices) does not divide the {who}'s "
+                         f"{H} query heads, so its attention weights would be replicated on "
+                         f"every host; choose a 'model' axis size that divides {H}")
+
+
+def load_sharded(path: str, mesh: Mesh, dtype="auto") -> Model:
+    """`load_model` straight onto a mesh: each process reads from the safetensors files only the
+    slices its own devices hold (`jax.make_array_from_callback` over safetensors' `get_slice`),
+    so a checkpoint never has to fit in one host's memory. The result is the placed model
+    (`shard_model(model, mesh)` returns it as is)."""
+    from .models.loading import load_model
+
+    _check_mesh(mesh)
+
+    def shardings(config):
+        return param_shardings(config, mesh)
+
+    model = load_model(path, dtype=dtype, shardings=shardings)
+    model._sharded[mesh] = (model.params, model)
+    return model
+
+
 def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
     """Splits the leading (batch) axis over "data" when it divides, else replicates."""
     spec = spec_for(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
