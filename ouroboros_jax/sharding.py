@@ -149,12 +149,18 @@ def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
 
 
 def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_len: int,
-                dtype="bfloat16") -> dict:
-    """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone.
+                dtype="bfloat16", hosts: int = 1) -> dict:
+    """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone,
+    and per-host bytes when the mesh spans `hosts` hosts of equal device counts (a host holds
+    its devices' shares: with `load_sharded` that is also what it reads from the checkpoint).
 
     Uses `jax.eval_shape` of init (no memory is allocated), so full-size 70B configs can be
     planned on a laptop.
     """
+    if isinstance(hosts, bool) or not isinstance(hosts, (int, np.integer)) or hosts < 1 \
+            or (data * model) % hosts != 0:
+        raise ValueError(f"memory_plan: hosts must be an integer >= 1 dividing the mesh's "
+                         f"{data * model} devices, got {hosts!r}")
     from .models.llama import init_params
 
     for name, v in (("data", data), ("model", model), ("batch", batch),
@@ -178,7 +184,10 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
     cshape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
     cspec = spec_for(LOGICAL_AXES["cache"], cshape, _FakeMesh)
     cache_dev = 2 * _bytes_per_device(cshape, dtype, cspec, axis_sizes)
+    per_host = data * model // hosts
     return {"params_total_bytes": params_total, "params_per_device_bytes": params_dev,
             "kv_cache_per_device_bytes": cache_dev,
             "total_per_device_bytes": params_dev + cache_dev,
+            "devices_per_host": per_host, "params_per_host_bytes": params_dev * per_host,
+            "total_per_host_bytes": (params_dev + cache_dev) * per_host,
             "num_params": config.num_params(), "cache_spec": str(cspec)}

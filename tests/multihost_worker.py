@@ -129,4 +129,12 @@ def main(spec_path: str, pid: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    try:
+        main(sys.argv[1], int(sys.argv[2]))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        # at once: a normal exit waits in jax.distributed's shutdown barrier for the peers
+        os._exit(1)

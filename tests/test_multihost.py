@@ -237,3 +237,21 @@ def jax_leaves(tree):
     import jax
 
     return jax.tree_util.tree_leaves(tree)
+
+
+def test_memory_reports_per_host_bytes(capsys):
+    from ouroboros_jax.cli import main
+    from ouroboros_jax.models.presets import PRESETS
+    from ouroboros_jax.sharding import memory_plan
+
+    # Llama-2-70B: 68,976,648,192 parameters (its published safetensors index), bf16. On a
+    # data=2 x model=8 mesh over 4 hosts of 4 devices, each device holds an eighth of every
+    # matrix (norms, a millionth of the bytes, whole), so a host holds half the model.
+    p = memory_plan(PRESETS["llama-2-70b"], 2, 8, 1, 4096, "bfloat16", hosts=4)
+    assert p["devices_per_host"] == 4
+    assert abs(p["params_per_host_bytes"] / (68_976_648_192 * 2 / 2) - 1) < 1e-3
+    main(["memory", "--mesh", "2x8", "--hosts", "4", "--preset", "llama-2-70b"])
+    out = capsys.readouterr().out
+    assert "total/host" in out and f"{p['total_per_host_bytes'] / 2**30:.2f}GiB" in out
+    with pytest.raises(SystemExit, match="--hosts 3 must divide the mesh's 16 devices"):
+        main(["memory", "--mesh", "2x8", "--hosts", "3"])
