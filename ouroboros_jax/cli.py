@@ -154,18 +154,24 @@ def _cmd_memory(a):
     data, model = _parse_mesh(a.mesh)
     _positive("--batch", a.batch)
     _positive("--cache-len", a.cache_len)
+    _positive("--hosts", a.hosts)
+    if (data * model) % a.hosts:
+        raise ValueError(f"--hosts {a.hosts} must divide the mesh's {data * model} devices")
     names = a.preset or list(PRESETS)
     gib = 2 ** 30
-    print(f"mesh data={data} x model={model}, batch {a.batch}, cache {a.cache_len} tokens, "
+    print(f"mesh data={data} x model={model} over {a.hosts} host(s) of "
+          f"{data * model // a.hosts} devices, batch {a.batch}, cache {a.cache_len} tokens, "
           f"{a.dtype}")
-    print(f"{'model':<14}{'params':>10}{'params/dev':>14}{'kv cache/dev':>15}{'total/dev':>12}")
+    print(f"{'model':<14}{'params':>10}{'params/dev':>14}{'kv cache/dev':>15}{'total/dev':>12}"
+          f"{'total/host':>13}")
     for n in names:
         if n not in PRESETS:
             raise ValueError(f"unknown preset {n!r}; choose from {sorted(PRESETS)}")
-        p = memory_plan(PRESETS[n], data, model, a.batch, a.cache_len, a.dtype)
+        p = memory_plan(PRESETS[n], data, model, a.batch, a.cache_len, a.dtype, a.hosts)
         print(f"{n:<14}{p['num_params'] / 1e9:>9.1f}B{p['params_per_device_bytes'] / gib:>11.2f}"
               f"GiB{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"
-              f"{p['total_per_device_bytes'] / gib:>9.2f}GiB")
+              f"{p['total_per_device_bytes'] / gib:>9.2f}GiB"
+              f"{p['total_per_host_bytes'] / gib:>10.2f}GiB")
 
 
 def _cmd_demo(a):
@@ -250,12 +256,15 @@ def main(argv=None):
     d.add_argument("--method", default=None)
     d.set_defaults(fn=_cmd_demo)
 
-    m = sub.add_parser("memory", help="per-device bytes of params and KV cache on a mesh")
+    m = sub.add_parser("memory", help="per-device and per-host bytes of params and KV "
+                                       "cache on a mesh")
     m.add_argument("--preset", action="append", help="llama-2-70b, yi-34b, llama-3-8b, ...")
     m.add_argument("--mesh", default="1x8", help="DATAxMODEL, e.g. 1x8")
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--cache-len", type=int, default=4096)
     m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    m.add_argument("--hosts", type=int, default=1,
+                   help="hosts the mesh spans (equal device counts): adds per-host bytes")
     m.set_defaults(fn=_cmd_memory)
 
     from .bench.suite import add_bench_args

@@ -18,6 +18,7 @@ import numpy as np
 
 from .decoding import METHODS
 from .decoding.common import Stats
+from .distributed import check_same, fetch, is_leader, local, spans_processes
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
                       check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
@@ -68,6 +69,14 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     check_model(target, "target")
     if draft is not None:
         check_model(draft, "draft")
+    multi = spans_processes(mesh)
+    if multi:  # SPMD: a call that differs between processes would hang in its collectives
+        check_same("generate", target=_model_id(target), draft=_model_id(draft),
+                   prompts=prompts, method=method, max_new_tokens=max_new_tokens,
+                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                   eos_token_id=eos_token_id, config=repr(config), mesh=_mesh_id(mesh),
+                   pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
+                   max_cache_len=max_cache_len)
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     spec = METHODS[method]
@@ -92,14 +101,20 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
-    prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
     if mesh is not None:
         # placed before auto: its probe must time (and key) the models as this call runs them
-        from .sharding import shard_batch, shard_model
+        from .sharding import check_heads, shard_batch, shard_model
 
+        if multi:  # one host's memory must not have to hold the whole model
+            check_heads(target, mesh, "target")
+            if draft is not None:
+                check_heads(draft, mesh, "draft")
         target = shard_model(target, mesh)
         draft = shard_model(draft, mesh) if draft is not None else None
-        prompt_j, plens_j = shard_batch(prompt_j, mesh), shard_batch(plens_j, mesh)
+        # from the host copy: every process holds the whole batch and places its own rows
+        prompt_j, plens_j = shard_batch(prompt, mesh), shard_batch(plens, mesh)
+    else:
+        prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
     choice = None
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
         from .decoding.auto import auto_config
@@ -115,9 +130,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
-    tokens_np = np.asarray(jax.device_get(seq.tokens))
-    lengths = np.asarray(jax.device_get(seq.lengths))
-    stats = jax.device_get(stats)
+    # gathered from every process when the mesh spans several (each gets the full result)
+    tokens_np, lengths, stats = fetch((seq.tokens, seq.lengths, stats))
+    tokens_np, lengths = np.asarray(tokens_np), np.asarray(lengths)
+    if multi and pool_out is not None:
+        pool_out = local(pool_out)
     seconds = time.perf_counter() - t0
 
     new = [tokens_np[i, plens[i]:lengths[i]].tolist() for i in range(B)]
@@ -129,11 +146,26 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         stats["auto"] = choice.as_stats(method)
     learned = (spec.learn(cfg, stats, greedy) if spec.learn is not None and draft is not None
                else None)
-    if learned is not None:  # the agreement this call realised: what the next "auto" plans with
+    # the agreement this call realised: what the next "auto" plans with (process 0 keeps the
+    # shared cache, so N processes do not count one call N times)
+    if learned is not None and is_leader():
         from .decoding.auto import record_realised
 
         record_realised(target, draft, *learned)
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
+
+
+def _model_id(model: Optional[Model]):
+    """What must match between processes for one model: its config and dtype (paths may differ
+    between hosts; the weights are too large to hash on every call)."""
+    if model is None:
+        return None
+    return [dataclasses.asdict(model.config), str(model.dtype)]
+
+
+def _mesh_id(mesh) -> list:
+    """A mesh as every process sees it: axis names and sizes, and its devices' global ids."""
+    return [list(mesh.axis_names), [int(d.id) for d in mesh.devices.flat]]
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

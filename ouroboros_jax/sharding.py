@@ -91,6 +91,36 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     return out
 
 
+def check_heads(model: Model, mesh: Mesh, who: str = "target") -> None:
+    """Refuses a mesh whose "model" axis does not divide the model's query heads: its attention
+    weights would then be replicated whole on every device (`spec_for`), which on a mesh that
+    spans hosts means every host holding the whole model, what a multi-host mesh is for avoiding.
+    (KV heads may stay replicated: MQA's single KV head is small.)"""
+    m = dict(mesh.shape).get("model", 1)
+    H = model.config.num_heads
+    if H % m != 0:
+        raise ValueError(f"mesh: the 'model' axis ({m} devices) does not divide the {who}'s "
+                         f"{H} query heads, so its attention weights would be replicated on "
+                         f"every host; choose a 'model' axis size that divides {H}")
+
+
+def load_sharded(path: str, mesh: Mesh, dtype="auto") -> Model:
+    """`load_model` straight onto a mesh: each process reads from the safetensors files only the
+    slices its own devices hold (`jax.make_array_from_callback` over safetensors' `get_slice`),
+    so a checkpoint never has to fit in one host's memory. The result is the placed model
+    (`shard_model(model, mesh)` returns it as is)."""
+    from .models.loading import load_model
+
+    _check_mesh(mesh)
+
+    def shardings(config):
+        return param_shardings(config, mesh)
+
+    model = load_model(path, dtype=dtype, shardings=shardings)
+    model._sharded[mesh] = (model.params, model)
+    return model
+
+
 def shard_batch(x: jax.Array, mesh: Mesh) -> jax.Array:
     """Splits the leading (batch) axis over "data" when it divides, else replicates."""
     spec = spec_for(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh)
@@ -119,12 +149,18 @@ def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
 
 
 def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_len: int,
-                dtype="bfloat16") -> dict:
-    """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone.
+                dtype="bfloat16", hosts: int = 1) -> dict:
+    """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone,
+    and per-host bytes when the mesh spans `hosts` hosts of equal device counts (a host holds
+    its devices' shares: with `load_sharded` that is also what it reads from the checkpoint).
 
     Uses `jax.eval_shape` of init (no memory is allocated), so full-size 70B configs can be
     planned on a laptop.
     """
+    if isinstance(hosts, bool) or not isinstance(hosts, (int, np.integer)) or hosts < 1 \
+            or (data * model) % hosts != 0:
+        raise ValueError(f"memory_plan: hosts must be an integer >= 1 dividing the mesh's "
+                         f"{data * model} devices, got {hosts!r}")
     from .models.llama import init_params
 
     for name, v in (("data", data), ("model", model), ("batch", batch),
@@ -148,7 +184,10 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
     cshape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
     cspec = spec_for(LOGICAL_AXES["cache"], cshape, _FakeMesh)
     cache_dev = 2 * _bytes_per_device(cshape, dtype, cspec, axis_sizes)
+    per_host = data * model // hosts
     return {"params_total_bytes": params_total, "params_per_device_bytes": params_dev,
             "kv_cache_per_device_bytes": cache_dev,
             "total_per_device_bytes": params_dev + cache_dev,
+            "devices_per_host": per_host, "params_per_host_bytes": params_dev * per_host,
+            "total_per_host_bytes": (params_dev + cache_dev) * per_host,
             "num_params": config.num_params(), "cache_spec": str(cspec)}

@@ -53,6 +53,7 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None
 
+from ..distributed import broadcast, model_spans_processes
 from ..models import causal_mask, forward
 from ..models.timing import forward_timer
 from . import METHODS
@@ -570,9 +571,11 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     """Probe (or recall) the latencies and the pair's agreement, then `choose` (keeping this
     process's earlier choice for the same shapes unless the new one is clearly better)."""
     B = int(prompt.shape[0])
-    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache)
     key = (method, model_signature(target), model_signature(draft) if draft is not None else None,
            batch_bucket(B), slots, str(cache_path()))
+    if model_spans_processes(target):
+        return _auto_spmd(key, method, target, draft, prompt, plens, slots)
+    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache)
     old = _CHOICES.get(key)
     if old is not None and old.config != new.config:
         tt, td, a = new.tables + (new.agreement,)
@@ -585,6 +588,20 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
                                        "better)" + note)
     _CHOICES[key] = new
     return new
+
+
+def _auto_spmd(key, method, target, draft, prompt, plens, slots) -> Choice:
+    """auto_config over processes (one model on a mesh spanning them): every process runs the
+    same probes (collective programs: a process skipping one on a disk-cache hit would leave
+    the others waiting), so the disk cache, which differs per host, is not read; process 0's
+    choice is broadcast, as timings differ per process and every process must run the same
+    loop. Kept for the process's life per shape (the same call history on every process, so
+    every process hits or misses together)."""
+    old = _CHOICES.get(key)
+    if old is None:
+        old = broadcast(_auto_choice(method, target, draft, prompt, plens, slots, False))
+        _CHOICES[key] = old
+    return old
 
 
 def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choice:

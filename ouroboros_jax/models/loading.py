@@ -186,6 +186,131 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
         else got[leaf.hf_name()]))
 
 
+# ------------------------------------------------------------------ slice-wise reading
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
+    """HF tensor name -> the file holding it, for every tensor the config implies, checked as
+    strictly as `load_params` checks (dtype, shape, once each, nothing missing or unexpected)
+    from the files' headers alone: no tensor data is read."""
+    from safetensors import SafetensorError, safe_open
+
+    names = _hf_names(config)
+    skipped = {leaf.hf for leaf in LEAVES
+               if leaf.ignored_when_absent and not leaf.present(config)}
+    where: dict[str, str] = {}
+    for fn in files:
+        try:
+            with safe_open(fn, framework="np") as f:
+                for key in f.keys():
+                    if key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    sl = f.get_slice(key)
+                    dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
+                    if dtype not in _FLOAT_DTYPES:
+                        raise ValueError(f"{fn}: tensor {key} has dtype {dtype}; only "
+                                         "floating-point checkpoints are supported (quantized "
+                                         "or integer weights would be cast into wrong values)")
+                    if key in skipped:
+                        continue
+                    if key not in names:
+                        raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a "
+                                         f"{config.model_type} model with {config.num_layers} "
+                                         "layers as configured)")
+                    want = names[key].hf_shape(config)
+                    if shape != want:
+                        raise ValueError(f"{fn}: tensor {key} has shape {shape}, config "
+                                         f"implies {want}")
+                    if key in where:
+                        raise ValueError(f"{fn}: tensor {key} appears more than once")
+                    where[key] = fn
+        except SafetensorError as e:
+            raise ValueError(f"{fn}: corrupt or truncated safetensors file ({e})") from None
+    missing = [k for k in names if k not in where]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{os.path.dirname(files[0])}: checkpoint lacks tensor(s) "
+                         f"{missing[:5]}{more}")
+    return where
+
+
+def _flat_range(sizes: tuple, block: list) -> Optional[tuple[int, int]]:
+    """A block [(start, stop) per dim] of an array of these dims, as the [start, stop) range of
+    its row-major flattening; None when the block is not one contiguous range there."""
+    partial = [d for d, (a, b) in enumerate(block) if (a, b) != (0, sizes[d])]
+    j = partial[-1] if partial else 0
+    if any(block[d][1] - block[d][0] != 1 for d in range(j)):
+        return None
+    stride = [int(np.prod(sizes[d + 1:])) for d in range(len(sizes))]
+    start = sum(block[d][0] * stride[d] for d in range(j + 1))
+    return start, start + (block[j][1] - block[j][0]) * stride[j]
+
+
+def _read_block(f, key: str, leaf: Leaf, config: ModelConfig, block: list) -> np.ndarray:
+    """The block [(start, stop) per dim of one layer's slice in our layout] of tensor `key`,
+    reading only that block's bytes where the HF layout keeps it contiguous (a head or FFN
+    range of a Linear weight is a range of its rows or columns), else the whole tensor."""
+    ours = leaf.slice_shape(config)
+    sl = f.get_slice(key)
+    out_shape = tuple(b - a for a, b in block)
+    if leaf.hf_layout == "same":
+        return sl[tuple(slice(a, b) for a, b in block)]
+    if leaf.hf_layout == "flat":
+        r = _flat_range(ours, block)
+        if r is not None:
+            return sl[r[0]:r[1]].reshape(out_shape)
+    else:  # "linear": HF [prod(out dims), prod(in dims)]
+        k = leaf.hf_in_dims
+        cols, rows = _flat_range(ours[:k], block[:k]), _flat_range(ours[k:], block[k:])
+        if cols is not None and rows is not None:
+            return sl[rows[0]:rows[1], cols[0]:cols[1]].T.reshape(out_shape)
+    whole = leaf.from_hf(f.get_tensor(key), config)
+    return whole[tuple(slice(a, b) for a, b in block)]
+
+
+def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Params:
+    """The checkpoint's params placed with `shardings` (a params-shaped pytree of
+    `jax.sharding.Sharding`), each process reading only the blocks its own devices hold
+    (`jax.make_array_from_callback`): checked as strictly as `load_params`, from the headers,
+    before any data is read. A block asked for by several local devices is read once."""
+    import contextlib
+
+    import jax
+    from safetensors import safe_open
+
+    where = _tensor_table(_weight_files(path), config)
+    np_dtype = jnp.dtype(dtype)
+    shard_tree = nest(config, lambda leaf: leaf)  # leaf descriptions, params-shaped
+
+    with contextlib.ExitStack() as stack:
+        handles = {fn: stack.enter_context(safe_open(fn, framework="np"))
+                   for fn in sorted(set(where.values()))}
+
+        def place(leaf: Leaf, sharding):
+            shape = leaf.shape(config)
+            seen: dict = {}
+
+            def block_of(index) -> np.ndarray:
+                block = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+                key = tuple(block)
+                if key not in seen:
+                    if leaf.per_layer:
+                        (l0, l1), rest = block[0], block[1:]
+                        parts = [_read_block(handles[where[leaf.hf_name(i)]], leaf.hf_name(i),
+                                             leaf, config, rest) for i in range(l0, l1)]
+                        seen[key] = np.stack(parts).astype(np_dtype)
+                    else:
+                        seen[key] = _read_block(handles[where[leaf.hf_name()]], leaf.hf_name(),
+                                                leaf, config, block).astype(np_dtype)
+                return seen[key]
+
+            return jax.make_array_from_callback(shape, sharding, block_of)
+
+        return jax.tree_util.tree_map(place, shard_tree, shardings,
+                                      is_leaf=lambda x: isinstance(x, Leaf))
+
+
 def load_tokenizer(path: str):
     """transformers' tokenizer from the directory, or None when it has no tokenizer files."""
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -247,14 +372,17 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
     return chosen
 
 
-def load_model(path: str, dtype: str | jnp.dtype = "auto") -> Model:
+def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Model:
     """Loads a local Hugging Face Llama/Mistral/Qwen2 directory or a GGUF file (`.gguf`:
     llama or qwen2 architecture, any tensor type the `gguf` package dequantizes; config,
     tokenizer and chat template all come from the file, see `gguf.py`).
 
     dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "float32" or "bfloat16" (params are
     cast; RoPE and softmax always run in fp32). A model whose tokenizer has a chat template
-    also stops at its end-of-turn token by default (`chat.end_of_turn_id`).
+    also stops at its end-of-turn token by default (`chat.end_of_turn_id`). shardings (HF
+    directories): None, or config -> a params-shaped pytree of `jax.sharding.Sharding` to read
+    the params straight into, each process reading only its devices' slices
+    (`load_params_sliced`; `sharding.load_sharded` builds it for a mesh).
     """
     dtype = resolve_dtype(dtype)
     try:
@@ -270,13 +398,18 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto") -> Model:
     from .gguf import is_gguf_path
 
     if is_gguf_path(path):
+        if shardings is not None:
+            raise ValueError("shardings: slice-wise reading is for safetensors directories; "
+                             f"load {path!r} whole and place it with sharding.shard_model, or "
+                             "convert it with checkpoints_tools/gguf_to_hf.py first")
         return _load_gguf_model(path, jnp.dtype(dtype))
     if os.path.isfile(path):
         raise ValueError(f"{path!r} is a file but not a GGUF file; give a Hugging Face model "
                          "directory or a .gguf file")
     config = read_config(path)
     gen = read_generation_config(path)
-    params = load_params(path, config, jnp.dtype(dtype))
+    params = (load_params(path, config, jnp.dtype(dtype)) if shardings is None
+              else load_params_sliced(path, config, jnp.dtype(dtype), shardings(config)))
     tokenizer = load_tokenizer(path)
     return Model(config=config, params=params, tokenizer=tokenizer, path=path,
                  generation_config=_with_end_of_turn(gen, config, tokenizer))

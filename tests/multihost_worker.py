@@ -1,0 +1,140 @@
+"""One process of a multi-process run, started by tests/test_multihost.py (never by pytest).
+
+    python tests/multihost_worker.py SPEC.json PROCESS_ID
+
+SPEC.json: {"port", "num_processes", "target", "draft", "out_dir", "mode", "mesh": [data, model],
+"load_mesh": [data, model]}. The process joins the others through `jax.distributed` on
+localhost, loads both models straight onto the mesh (each process reading only its slices;
+the bytes it reads are counted by wrapping safetensors' reader, outside the code under test),
+runs the calls `CALLS` lists and writes what it got to out_dir/process_<i>.json. Its device
+count comes from the parent's XLA_FLAGS.
+"""
+
+import json
+import os
+import sys
+
+# the calls every process makes, the same on every one (SPMD); the parent test runs them in
+# one process to compare: (name, method, generate keyword arguments)
+CALLS = [
+    ("vanilla", "vanilla", dict(config=None)),
+    ("ouroboros", "ouroboros", dict(config="quick")),
+    ("vanilla_sampled", "vanilla", dict(config=None, temperature=0.9, top_k=20, seed=7)),
+    ("ouroboros_auto", "ouroboros", dict(config="auto")),
+]
+PROMPTS = [[1, 5, 9, 14, 3, 22], [1, 40, 41, 7], [1, 8, 8, 8, 30, 31, 32, 60], [1, 3]]
+MAX_NEW = 16
+
+
+def call_kwargs(method: str, kw: dict) -> dict:
+    """A CALLS entry's keyword arguments, with "quick" as the method's quick config."""
+    from ouroboros_jax.decoding import METHODS
+
+    kw = dict(kw)
+    if kw.get("config") == "quick":
+        kw["config"] = METHODS[method].quick_config()
+    return kw
+
+
+def _count_reads(counter: dict) -> None:
+    """Wraps safetensors.safe_open so every tensor or slice read adds its bytes to counter."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, s):
+            self._s = s
+
+        def __getitem__(self, idx):
+            out = self._s[idx]
+            counter["bytes"] += out.nbytes
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+    class Handle:
+        def __init__(self, *a, **k):
+            self._h = real(*a, **k)
+
+        def __enter__(self):
+            self._f = self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def get_tensor(self, key):
+            out = self._f.get_tensor(key)
+            counter["bytes"] += out.nbytes
+            return out
+
+        def get_slice(self, key):
+            return Slice(self._f.get_slice(key))
+
+        def keys(self):
+            return self._f.keys()
+
+    safetensors.safe_open = Handle
+
+
+def main(spec_path: str, pid: int) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import jax
+
+    import ouroboros_jax as oj
+    from ouroboros_jax import distributed
+    from ouroboros_jax.sharding import load_sharded, make_mesh
+
+    distributed.initialize(f"127.0.0.1:{spec['port']}", spec["num_processes"], pid,
+                           initialization_timeout=60)
+    out = {"process": jax.process_index(), "devices": jax.device_count(),
+           "local_devices": jax.local_device_count()}
+    if spec["mode"] == "fail" and pid == 1:
+        raise RuntimeError("worker 1 fails on purpose")
+
+    import time
+
+    t0 = time.perf_counter()
+    counter = {"bytes": 0}
+    _count_reads(counter)
+    load_mesh = make_mesh(*spec["load_mesh"])
+    for name in ("target", "draft"):
+        counter["bytes"] = 0
+        load_sharded(spec[name], load_mesh, dtype="float32")
+        out[f"{name}_bytes_read"] = counter["bytes"]
+
+    out["seconds"] = {"load": round(time.perf_counter() - t0, 1)}
+    mesh = make_mesh(*spec["mesh"])
+    target = load_sharded(spec["target"], mesh, dtype="float32")
+    draft = load_sharded(spec["draft"], mesh, dtype="float32")
+    for name, method, kw in CALLS:
+        r = oj.generate(target, PROMPTS, draft=draft if method != "vanilla" else None,
+                        method=method, max_new_tokens=MAX_NEW, mesh=mesh,
+                        **call_kwargs(method, kw))
+        out[name] = r.tokens
+        out.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        if "auto" in r.stats:
+            out[name + "_choice"] = r.stats["auto"]
+    # processes that disagree are refused by name, on every process, and then carry on
+    try:
+        oj.generate(target, PROMPTS, max_new_tokens=4, mesh=mesh, config=None, seed=pid)
+        out["disagree"] = None
+    except ValueError as e:
+        out["disagree"] = str(e)
+    with open(os.path.join(spec["out_dir"], f"process_{pid}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1], int(sys.argv[2]))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        # at once: a normal exit waits in jax.distributed's shutdown barrier for the peers
+        os._exit(1)

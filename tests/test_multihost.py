@@ -1,0 +1,257 @@
+"""Multi-host: one model over two processes joined by `jax.distributed` on localhost (3 CPU
+devices each), started here as subprocesses running tests/multihost_worker.py.
+
+Each process must return the tokens a single process returns (vanilla, Ouroboros, config="auto"
+and sampled runs), read only the weight slices its own devices hold, and refuse by name a call
+whose arguments differ between processes. A failing process must not leave its peer hanging:
+the harness kills every worker's process group as soon as one fails or the time runs out.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import ouroboros_jax as oj
+from conftest import make_hf_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+import multihost_worker as worker  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+VOCAB = 96  # divisible by the model axes used (3 and 6), so every matrix is split
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait()
+
+
+def run_workers(spec: dict, num_processes: int = 2, timeout: float = 420.0, during=None
+                ) -> list[dict]:
+    """Runs the workers to the end and returns each one's output; the first to fail (or the
+    timeout) kills every worker's process group and raises WorkerFailed with its stderr.
+    during: called here once the workers are started (the reference run, overlapping theirs).
+    Everything is written under a temporary directory removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="oj_multihost_") as tmp:
+        spec = dict(spec, port=_free_port(), num_processes=num_processes, out_dir=tmp)
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=3",
+                   OUROBOROS_JAX_CACHE=os.path.join(tmp, "auto_cache"),
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs, logs = [], []
+        try:
+            for i in range(num_processes):
+                log = open(os.path.join(tmp, f"stderr_{i}.txt"), "w+")
+                logs.append(log)
+                procs.append(subprocess.Popen([sys.executable, WORKER, spec_path, str(i)],
+                                              env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+            deadline = time.monotonic() + timeout
+            if during is not None:
+                during()
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    i = failed[0] if failed else None
+                    for p in procs:
+                        _kill_group(p)
+                    if i is None:
+                        raise WorkerFailed(f"workers still running after {timeout:.0f}s: killed")
+                    tails = []
+                    for j, log in enumerate(logs):  # every worker's: the first to exit may
+                        log.flush()                 # be the peer of the one that broke
+                        log.seek(0)
+                        tails.append(f"--- worker {j} (exit {codes[j]}):\n{log.read()[-3000:]}")
+                    raise WorkerFailed(f"worker {i} exited with {codes[i]}:\n" + "\n".join(tails))
+                if all(c == 0 for c in codes):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                _kill_group(p)
+            for log in logs:
+                log.close()
+        outs = []
+        for i in range(num_processes):
+            with open(os.path.join(tmp, f"process_{i}.json")) as f:
+                outs.append(json.load(f))
+        return outs
+
+
+@pytest.fixture(scope="module")
+def mh_pair(tmp_path_factory):
+    """(target dir, draft dir): every head count, FFN width and the vocabulary divisible by
+    3 and by 6, so both models are split whole over a 'model' axis of either size."""
+    td, dd = tmp_path_factory.mktemp("mh_target"), tmp_path_factory.mktemp("mh_draft")
+    make_hf_model(td, vocab=VOCAB, hidden=48, heads=6, kv_heads=6, inter=96, layers=2, seed=4)
+    make_hf_model(dd, vocab=VOCAB, hidden=24, heads=6, kv_heads=6, inter=48, layers=1, seed=5)
+    return str(td), str(dd)
+
+
+def single_process_tokens(target_dir: str, draft_dir: str) -> dict:
+    """The workers' calls in this one process, without a mesh: what every worker must return."""
+    target, draft = oj.load_model(target_dir, "float32"), oj.load_model(draft_dir, "float32")
+    out = {}
+    for name, method, kw in worker.CALLS:
+        if name.endswith("auto"):  # auto may choose another config here: greedy tokens are
+            continue               # the same for every config (compared with vanilla's)
+        r = oj.generate(target, worker.PROMPTS, draft=draft if method != "vanilla" else None,
+                        method=method, max_new_tokens=worker.MAX_NEW,
+                        **worker.call_kwargs(method, kw))
+        out[name] = r.tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(mh_pair):
+    """(both workers' outputs: generation on a data=2 x model=3 mesh, loading onto 1 x 6;
+    the single-process reference, computed while they run)."""
+    ref = {}
+    t0 = time.perf_counter()
+    outs = run_workers({"target": mh_pair[0], "draft": mh_pair[1], "mode": "run",
+                        "mesh": [2, 3], "load_mesh": [1, 6]},
+                       during=lambda: ref.update(single_process_tokens(*mh_pair)))
+    print(f"two workers: {time.perf_counter() - t0:.1f}s", [o["seconds"] for o in outs])
+    return outs, ref
+
+
+@pytest.fixture(scope="module")
+def two_processes(runs):
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(runs):
+    return runs[1]
+
+
+def test_two_processes_see_one_global_mesh(two_processes):
+    for i, o in enumerate(two_processes):
+        assert (o["process"], o["devices"], o["local_devices"]) == (i, 6, 3)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ouroboros", "vanilla_sampled"])
+def test_tokens_equal_single_process(two_processes, one_process, name):
+    assert any(len(t) > 4 for t in one_process[name])  # not all stopped at once by an EOS
+    for o in two_processes:
+        assert o[name] == one_process[name], name
+
+
+def test_greedy_methods_equal_vanilla(two_processes, one_process):
+    assert one_process["ouroboros"] == one_process["vanilla"]
+    for o in two_processes:
+        assert o["ouroboros_auto"] == one_process["vanilla"]
+
+
+def test_auto_choice_is_process_zeros_on_every_process(two_processes):
+    a, b = (o["ouroboros_auto_choice"] for o in two_processes)
+    assert a == b and a["asked"] == "ouroboros"
+
+
+def test_sampling_differs_from_greedy(one_process):
+    # the sampled comparison is not greedy decoding under another name
+    assert one_process["vanilla_sampled"] != one_process["vanilla"]
+
+
+def test_disagreeing_processes_are_refused_by_name(two_processes):
+    for o in two_processes:
+        assert o["disagree"] is not None and "seed differ between processes" in o["disagree"]
+        assert "prompts" not in o["disagree"]
+
+
+def _tensor_bytes(path: str) -> tuple[int, int]:
+    """(bytes of the tensors a 'model' axis splits, of the ones it leaves whole: the norms)."""
+    split = whole = 0
+    with safe_open(os.path.join(path, "model.safetensors"), framework="np") as f:
+        for k in f.keys():
+            n = f.get_tensor(k).nbytes
+            if "norm" in k:
+                whole += n
+            else:
+                split += n
+    return split, whole
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_each_process_reads_only_its_slices(two_processes, mh_pair, which):
+    # 1 x 6 over 2 processes: each holds 3 of the 6 blocks of every split tensor, and the
+    # norms whole (each block read once, however many local devices hold it)
+    split, whole = _tensor_bytes(mh_pair[0 if which == "target" else 1])
+    assert split > 10 * whole
+    for o in two_processes:
+        assert o[f"{which}_bytes_read"] == split // 2 + whole
+
+
+def test_a_failing_process_does_not_leave_its_peer_hanging(mh_pair):
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailed, match="worker 1 fails on purpose"):
+        run_workers({"target": mh_pair[0], "draft": mh_pair[1], "mode": "fail",
+                     "mesh": [2, 3], "load_mesh": [1, 6]}, timeout=120)
+    # worker 0 would wait for its peer in the first collective: killed, not waited for
+    assert time.perf_counter() - t0 < 100
+
+
+def test_single_process_generate_unchanged_by_the_hooks(mh_pair):
+    # on one process the distributed helpers are identities: a mesh on local devices only
+    from ouroboros_jax.sharding import load_sharded, make_mesh
+
+    mesh = make_mesh(2, 3)
+    target = load_sharded(mh_pair[0], mesh, dtype="float32")
+    plain = oj.load_model(mh_pair[0], "float32")
+    a = oj.generate(target, worker.PROMPTS, max_new_tokens=8, mesh=mesh, config=None)
+    b = oj.generate(plain, worker.PROMPTS, max_new_tokens=8, config=None)
+    assert a.tokens == b.tokens
+    for x, y in zip(jax_leaves(target.params), jax_leaves(plain.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_memory_reports_per_host_bytes(capsys):
+    from ouroboros_jax.cli import main
+    from ouroboros_jax.models.presets import PRESETS
+    from ouroboros_jax.sharding import memory_plan
+
+    # Llama-2-70B: 68,976,648,192 parameters (its published safetensors index), bf16. On a
+    # data=2 x model=8 mesh over 4 hosts of 4 devices, each device holds an eighth of every
+    # matrix (norms, a millionth of the bytes, whole), so a host holds half the model.
+    p = memory_plan(PRESETS["llama-2-70b"], 2, 8, 1, 4096, "bfloat16", hosts=4)
+    assert p["devices_per_host"] == 4
+    assert abs(p["params_per_host_bytes"] / (68_976_648_192 * 2 / 2) - 1) < 1e-3
+    main(["memory", "--mesh", "2x8", "--hosts", "4", "--preset", "llama-2-70b"])
+    out = capsys.readouterr().out
+    assert "total/host" in out and f"{p['total_per_host_bytes'] / 2**30:.2f}GiB" in out
+    with pytest.raises(SystemExit, match="--hosts 3 must divide the mesh's 16 devices"):
+        main(["memory", "--mesh", "2x8", "--hosts", "3"])
