@@ -312,3 +312,14 @@ def test_gguf_to_hf_refuses_and_writes_nothing(small_llama, tmp_path):
         main([path, str(out)])
     assert not out.exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".gguf_to_hf")]
+
+
+def test_end_of_turn_ids_of_the_metadata_stop_generation(small_llama, tmp_path):
+    from ouroboros_jax.generate import default_eos_ids
+
+    path = write_gguf(tmp_path / "eot.gguf", small_llama,
+                      extra_keys={"tokenizer.ggml.eot_token_id": ("uint32", 7)})
+    m = oj.load_model(path)
+    assert m.config.eos_token_id == 2 and default_eos_ids(m) == (2, 7)
+    plain = oj.load_model(write_gguf(tmp_path / "plain.gguf", small_llama))
+    assert default_eos_ids(plain) == 2

@@ -225,6 +225,17 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     )
 
 
+def end_of_generation_ids(reader, path: str) -> list[int]:
+    """The end-of-turn / end-of-message ids the metadata names (tokenizer.ggml.eot_token_id,
+    eom_token_id): llama.cpp stops at them as at EOS."""
+    ids = []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = _token_id(reader, key, path)
+        if v is not None:
+            ids.append(v)
+    return ids
+
+
 def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """Undoes llama.cpp's q/k row permutation: w[heads*D, E] with each head's rows ordered
     (D/2 pairs, 2) -> ordered (2, D/2), the rotate-half layout. The inverse of

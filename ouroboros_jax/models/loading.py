@@ -416,14 +416,22 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Mo
 
 
 def _load_gguf_model(path: str, dtype) -> Model:
-    from .gguf import config_from_gguf, load_gguf_params, load_gguf_tokenizer, open_gguf
+    from .config import normalize_eos
+    from .gguf import (config_from_gguf, end_of_generation_ids, load_gguf_params,
+                       load_gguf_tokenizer, open_gguf)
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
     params = load_gguf_params(reader, config, path, dtype)
     tokenizer = load_gguf_tokenizer(reader, path)
+    gen = {}
+    extra = [i for i in end_of_generation_ids(reader, path) if i < config.vocab_size]
+    if extra:  # the file's own end-of-turn ids stop generation, as in llama.cpp
+        base = config.eos_token_id
+        ids = [] if base is None else ([base] if isinstance(base, int) else list(base))
+        gen["eos_token_id"] = normalize_eos(ids + extra, f"{path}: end-of-turn ids")
     return Model(config=config, params=params, tokenizer=tokenizer, path=path,
-                 generation_config=_with_end_of_turn({}, config, tokenizer))
+                 generation_config=_with_end_of_turn(gen, config, tokenizer))
 
 
 def _with_end_of_turn(gen: dict, config: ModelConfig, tokenizer) -> dict:
