@@ -31,6 +31,7 @@ from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
 from ..sharding import cache_spec
 from ..pool import pool_occupancy
+from ..sampling import choose_tokens
 
 
 @struct.dataclass
@@ -331,8 +332,6 @@ def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequ
                cache: KVCache) -> tuple[Sequences, KVCache, jax.Array, jax.Array]:
     """One vanilla token per row: forward the pending token, choose the next, commit the
     pending KV. -> (seq, cache, live bool[B] before the step, kept int32[B])."""
-    from ..sampling import choose_tokens
-
     B = seq.tokens.shape[0]
     pos = (seq.lengths - 1)[:, None]
     logits, new = forward(params, model_config, seq.last[:, None], pos,
