@@ -57,12 +57,12 @@ def client(served):
 _expected_cache: dict = {}
 
 
-def expected(pair, prompt, n) -> list[int]:
+def expected(pair, prompt, n, ignore_eos=False) -> list[int]:
     """generate's greedy tokens for one prompt alone (vanilla: every method's greedy output)."""
-    key = (tuple(prompt), n)
+    key = (tuple(prompt), n, ignore_eos)
     if key not in _expected_cache:
         out = oj.generate(pair[0], [list(prompt)], method="vanilla", max_new_tokens=n,
-                          max_cache_len=CACHE)
+                          max_cache_len=CACHE, eos_token_id=-1 if ignore_eos else None)
         _expected_cache[key] = out.tokens[0]
     return _expected_cache[key]
 
@@ -172,20 +172,22 @@ def test_chat_stream_and_not(served, client, tiny_chat_pair):
     assert ev[-2]["choices"][0]["delta"] == {}
 
 
-def _one(client, p, n, out, i, stream=False):
+def _one(client, p, n, out, i, stream=False, ignore_eos=False):
+    extra = {"ignore_eos": True} if ignore_eos else None
     if stream:
         ids = [t for c in client.completions.create(model=MODEL, prompt=p, max_tokens=n,
-                                                     temperature=0, stream=True)
+                                                     temperature=0, stream=True,
+                                                     extra_body=extra)
                for ch in c.choices for t in ch.token_ids]
     else:
-        ids = client.completions.create(model=MODEL, prompt=p, max_tokens=n,
-                                        temperature=0).choices[0].token_ids
+        ids = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
+                                        extra_body=extra).choices[0].token_ids
     out[i] = (ids, time.perf_counter())
 
 
-def _concurrent(client, jobs, stream=False):
+def _concurrent(client, jobs, stream=False, ignore_eos=False):
     out = [None] * len(jobs)
-    threads = [threading.Thread(target=_one, args=(client, p, n, out, i, stream))
+    threads = [threading.Thread(target=_one, args=(client, p, n, out, i, stream, ignore_eos))
                for i, (p, n) in enumerate(jobs)]
     t0 = time.perf_counter()
     for t in threads:
@@ -197,14 +199,18 @@ def _concurrent(client, jobs, stream=False):
 
 def test_eight_concurrent_each_equal_generate(client, tiny_chat_pair):
     jobs = list(zip(PROMPTS, LENGTHS))
-    want = [expected(tiny_chat_pair, p, n) for p, n in jobs]
-    _concurrent(client, jobs)  # warm: every prompt bucket compiled before the timings
-    out, t_conc = _concurrent(client, jobs, stream=True)
-    assert [o[0] for o in out] == want
+    # greedy with EOS: each stops where generate stops
+    assert [o[0] for o in _concurrent(client, jobs)[0]] == \
+        [expected(tiny_chat_pair, p, n) for p, n in jobs]
+    # timed at their full lengths (ignore_eos), streamed, after the warm-up above
+    want = [expected(tiny_chat_pair, p, n, ignore_eos=True) for p, n in jobs]
+    out, t_conc = _concurrent(client, jobs, stream=True, ignore_eos=True)
+    assert [o[0] for o in out] == want and [len(w) for w in want] == LENGTHS
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(jobs):
-        assert client.completions.create(model=MODEL, prompt=p, max_tokens=n,
-                                         temperature=0).choices[0].token_ids == want[i]
+        assert client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
+                                         extra_body={"ignore_eos": True}
+                                         ).choices[0].token_ids == want[i]
     t_seq = time.perf_counter() - t0
     print(f"8 concurrent: {t_conc:.2f} s, one after another: {t_seq:.2f} s, "
           f"ratio {t_seq / t_conc:.2f}")
@@ -214,14 +220,15 @@ def test_eight_concurrent_each_equal_generate(client, tiny_chat_pair):
 
 
 def test_request_arriving_mid_generation(served, client, tiny_chat_pair):
-    long_p, long_n = PROMPTS[4], 120
-    want_long = expected(tiny_chat_pair, long_p, long_n)
+    long_p = PROMPTS[4]
+    long_n = CACHE - len(long_p)
+    want_long = expected(tiny_chat_pair, long_p, long_n, ignore_eos=True)
     got, seen, done_at = [], threading.Event(), {}
 
     def long_request():
         for c in client.completions.create(model=MODEL, prompt=long_p, max_tokens=long_n,
                                            temperature=0, stream=True,
-                                           extra_body={"ignore_eos": False}):
+                                           extra_body={"ignore_eos": True}):
             for ch in c.choices:
                 got.extend(ch.token_ids)
                 if len(got) >= 3:
@@ -235,9 +242,8 @@ def test_request_arriving_mid_generation(served, client, tiny_chat_pair):
     done_at["short"] = time.perf_counter()
     t.join(120)
     assert r.choices[0].token_ids == expected(tiny_chat_pair, PROMPTS[5], 5)
-    assert got == want_long
-    if len(want_long) == long_n:  # the long one ran to its length: the short one overtook it
-        assert done_at["short"] < done_at["long"]
+    assert got == want_long and len(got) == long_n
+    assert done_at["short"] < done_at["long"]  # it joined the batch, not the end of a queue
 
 
 def _wait_for(pred, timeout=30.0):
@@ -411,12 +417,13 @@ def test_stop_drains_in_flight(tiny_chat_pair):
     engine = make_engine(tiny_chat_pair)
     srv = ServerThread(create_app(engine, model_names=[MODEL])).start()
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120)
-    p, n = PROMPTS[0], 60
+    p = PROMPTS[0]
+    n = CACHE - len(p)
     got, started = [], threading.Event()
 
     def stream():
         for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0,
-                                       stream=True):
+                                       stream=True, extra_body={"ignore_eos": True}):
             for x in ch.choices:
                 got.extend(x.token_ids)
                 started.set()
@@ -424,9 +431,11 @@ def test_stop_drains_in_flight(tiny_chat_pair):
     t = threading.Thread(target=stream)
     t.start()
     assert started.wait(60)
+    mid = len(got) < n
     srv.stop()  # blocks until the stream is done
     t.join(60)
-    assert got == expected(tiny_chat_pair, p, n)
+    assert mid, "the stream ended before the stop: nothing was drained"
+    assert got == expected(tiny_chat_pair, p, n, ignore_eos=True)
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=5)
 
