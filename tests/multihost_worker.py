@@ -118,6 +118,12 @@ def main(spec_path: str, pid: int) -> None:
         out.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
         if "auto" in r.stats:
             out[name + "_choice"] = r.stats["auto"]
+        if name == "ouroboros":  # its pool, a local copy, placed again by the next call
+            again = oj.generate(target, PROMPTS, draft=draft, method=method,
+                                max_new_tokens=MAX_NEW, mesh=mesh, pool=r.pool,
+                                **call_kwargs(method, kw))
+            out["ouroboros_with_pool"] = again.tokens
+            out["pool_hit_rate"] = [r.stats["pool_hit_rate"], again.stats["pool_hit_rate"]]
     # processes that disagree are refused by name, on every process, and then carry on
     try:
         oj.generate(target, PROMPTS, max_new_tokens=4, mesh=mesh, config=None, seed=pid)

@@ -169,6 +169,9 @@ def test_greedy_methods_equal_vanilla(two_processes, one_process):
     assert one_process["ouroboros"] == one_process["vanilla"]
     for o in two_processes:
         assert o["ouroboros_auto"] == one_process["vanilla"]
+        # a second call starting from the first one's pool (gathered, then placed again)
+        assert o["ouroboros_with_pool"] == one_process["vanilla"]
+        assert o["pool_hit_rate"][1] >= o["pool_hit_rate"][0]
 
 
 def test_auto_choice_is_process_zeros_on_every_process(two_processes):
