@@ -405,7 +405,8 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Mo
         return _load_gguf_model(path, jnp.dtype(dtype))
     if os.path.isfile(path):
         raise ValueError(f"{path!r} is a file but not a GGUF file; give a Hugging Face model "
-                         "directory or a .gguf file")
+                         "directory or a .gguf file (here, perhaps the directory "
+                         f"{os.path.dirname(os.path.abspath(path))!r})")
     config = read_config(path)
     gen = read_generation_config(path)
     params = (load_params(path, config, jnp.dtype(dtype)) if shardings is None
