@@ -275,3 +275,14 @@ def test_background_thread_streams_and_stops(tiny_target):
     assert "cancelled" in {h.result().finish_reason for h in long}
     with pytest.raises(RuntimeError, match="stopping"):
         eng2.submit([5], RequestParams(max_tokens=5))
+
+
+def test_per_request_pools_when_speculation_is_off_at_every_load(tiny_pair):
+    """shared_pool=False with every load level off runs plain decoding (no pool to split into
+    per-slot ranges) and still answers exactly."""
+    target, draft, _ = tiny_pair
+    eng = Engine(target, draft, method="ouroboros", config={1: "off"}, shared_pool=False, **KW)
+    assert eng.method == "vanilla"
+    h = eng.submit(PROMPTS[1], RequestParams(max_tokens=6))
+    _drain(eng)
+    assert h.result().token_ids == _reference(target, None, "vanilla", None, PROMPTS[1], 6)

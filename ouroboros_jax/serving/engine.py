@@ -335,7 +335,7 @@ class Engine:
         B, S = self.slots, self.cache_slots
         state = jax.jit(spec.init, static_argnums=(1, 2, 3))(self._pair, base_loop, B, S,
                                                              self._pool0)
-        if not shared_pool:
+        if not shared_pool and self._pool0 is not None:  # per-request pools: one key range a slot
             state = state.replace(key_offset=jnp.arange(B, dtype=jnp.int32) * V)
         self._default_eos = eos_array(default_eos_ids(target), V)
         self._dev = _Device(
