@@ -28,6 +28,7 @@ draft) inside decoding/, and `config` only inside models/, which never sees a me
 
 from .decoding.lookahead import LookaheadConfig
 from .decoding.ouroboros import OuroborosConfig
+from .decoding.prompt_lookup import PromptLookupConfig
 from .decoding.speculative import SpeculativeConfig
 from .generate import GenerationOutput, generate
 from .models import Model, ModelConfig, load_model, save_hf_checkpoint
@@ -36,5 +37,6 @@ from .demo_assets import demo_pair, demo_prompts
 from . import serving
 
 __all__ = ["GenerationOutput", "LookaheadConfig", "Model", "ModelConfig", "OuroborosConfig",
-           "PhrasePool", "SpeculativeConfig", "demo_pair", "demo_prompts", "generate",
+           "PhrasePool", "PromptLookupConfig", "SpeculativeConfig", "demo_pair", "demo_prompts",
+           "generate",
            "init_pool", "load_model", "load_pool", "save_hf_checkpoint", "save_pool", "serving"]

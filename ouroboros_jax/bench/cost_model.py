@@ -234,8 +234,8 @@ def cost_rows(results: dict, table: LatencyTable, configs: dict) -> list[dict]:
     rows = []
     for label, r in results["methods"].items():
         method = r.get("method")
-        if r.get("kind") != "oj" or method not in ("vanilla", "speculative", "lookahead",
-                                                   "ouroboros"):
+        spec = METHODS.get(method)
+        if r.get("kind") != "oj" or spec is None or spec.forward_sizes is None:
             continue
         n_t, n_s, n_s1 = forward_sizes(method, configs.get(label))
         pre = table.prefill_seconds([c["prompt_tokens"] for c in r["per_call"]], n_s > 0)
