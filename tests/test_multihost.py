@@ -50,7 +50,7 @@ def _kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def run_workers(spec: dict, num_processes: int = 2, timeout: float = 420.0, during=None
+def run_workers(spec: dict, num_processes: int = 2, timeout: float = 900.0, during=None
                 ) -> list[dict]:
     """Runs the workers to the end and returns each one's output; the first to fail (or the
     timeout) kills every worker's process group and raises WorkerFailed with its stderr.
