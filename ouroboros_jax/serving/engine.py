@@ -491,7 +491,8 @@ class Engine:
                                        jnp.asarray(prompt),
                                        jnp.asarray([len(h.prompt)], jnp.int32), row,
                                        insert_fn=self.spec.insert, cfg=self._base,
-                                       vocab=self.vocab, shared=self.shared_pool)
+                                       vocab=self.vocab,
+                                       shared=self.shared_pool or self._pool0 is None)
         self._m["prompt_tokens"] += len(h.prompt)
 
     def step(self) -> bool:
