@@ -121,6 +121,17 @@ def _chi2_p(counts, probs):
         obs, exp = obs[:-1], exp[:-1]
     return sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
+def assert_two_token_sampling(tm, prompt, want, tokens):
+    """The first two sampled tokens (ids < 8) follow `want` [8, 8] (chi-square), and not the
+    distribution at temperature 1: a wrong temperature must be rejected."""
+    counts = np.zeros(64)
+    for t in tokens:
+        counts[t[0] * 8 + t[1]] += 1
+    assert _chi2_p(counts, want.ravel()) > 1e-3
+    wrong = _two_token_probs(tm, prompt, 1.0)
+    assert _chi2_p(counts, wrong.ravel()) < 1e-6
+
+
 
 def test_first_two_tokens_distribution(small_vocab):
     model, tm = small_vocab
@@ -136,12 +147,7 @@ def test_first_two_tokens_distribution(small_vocab):
     out = oj.generate(model, [prompt] * n, method="lookahead", config=cfg, pool=pool,
                       max_new_tokens=2, temperature=temperature, seed=99, eos_token_id=-1)
     assert out.stats["guess_tokens_accepted"] > n // 4  # guesses were really taken
-    counts = np.zeros(64)
-    for t in out.tokens:
-        counts[t[0] * 8 + t[1]] += 1
-    assert _chi2_p(counts, want.ravel()) > 1e-3
-    wrong = _two_token_probs(tm, prompt, 1.0)  # a wrong temperature must be rejected
-    assert _chi2_p(counts, wrong.ravel()) < 1e-6
+    assert_two_token_sampling(tm, prompt, want, out.tokens)
 
 
 def test_no_recompile_and_prompt_near_cache_limit(tiny_target):
