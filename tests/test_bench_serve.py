@@ -45,7 +45,8 @@ def test_bench_serve_quick(tmp_path):
             assert r["ttft_p50_s"] <= r["latency_p50_s"]
             assert r["latency_p50_s"] <= r["latency_p95_s"] <= r["latency_p99_s"]
     for r in res["methods"]["ouroboros"]["levels"]:
-        assert r["pool_hit_rate"] is not None and 0.0 <= r["pool_hit_rate"] <= 1.0
+        # on the --quick random pair auto turns speculation off (plain decoding, no pool)
+        assert r["pool_hit_rate"] is None or 0.0 <= r["pool_hit_rate"] <= 1.0
     md = (out / "serve.md").read_text()
     assert md.strip() == serve_markdown(res).strip()
     assert sum(line.startswith("| ouroboros-private |") for line in md.splitlines()) == 3
