@@ -231,8 +231,8 @@ def main(argv=None):
     s.add_argument("--draft", help="draft model (same tokenizer); default with the demo pair: "
                                    "its draft")
     s.add_argument("--method", default=None,
-                   help="vanilla, speculative, lookahead or ouroboros (default: ouroboros with "
-                        "a draft, else vanilla)")
+                   help="vanilla, speculative, lookahead, prompt_lookup or ouroboros "
+                        "(default: ouroboros with a draft, else vanilla)")
     s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

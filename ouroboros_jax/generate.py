@@ -54,7 +54,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
     chat conversations (lists of {"role", "content"} messages, rendered with the tokenizer's
     chat template and its generation prompt; one conversation may be given on its own).
-    method: "vanilla", "speculative", "lookahead" or "ouroboros"; config: that method's config
+    method: a name in `decoding.METHODS` ("vanilla", "speculative", "lookahead",
+    "prompt_lookup", "ouroboros"); config: that method's config
     object, "auto" (default: chosen for this device, batch and pair by `decoding.auto`, which may
     turn speculation off for the call; `stats["auto"]` says what it chose and why) or None (the
     paper's recipe). temperature 0 is greedy. mesh: a

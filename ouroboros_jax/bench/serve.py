@@ -340,12 +340,12 @@ def serve_main(a, target, draft, prompts, names, log) -> dict:
 
     methods = DEFAULT_METHODS if names is None else tuple(names)
     unknown = [m for m in methods if m not in ("vanilla", "speculative", "lookahead",
-                                               "ouroboros", "ouroboros-shared",
+                                               "prompt_lookup", "ouroboros", "ouroboros-shared",
                                                "ouroboros-private")]
     if unknown:
         raise ValueError(f"--methods for --serve: unknown {unknown}; choose from vanilla, "
-                         "speculative, lookahead, ouroboros (shared pool), ouroboros-private "
-                         "(per-request pools)")
+                         "speculative, lookahead, prompt_lookup, ouroboros (shared pool), "
+                         "ouroboros-private (per-request pools)")
     if draft is None and any(method_engine_args(m)["method"] in ("speculative", "ouroboros")
                              for m in methods):
         raise ValueError("--serve with speculative/ouroboros needs a draft (--draft DIR)")
