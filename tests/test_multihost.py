@@ -3,7 +3,9 @@ devices each), started here as subprocesses running tests/multihost_worker.py.
 
 Each process must return the tokens a single process returns (vanilla, Ouroboros, config="auto"
 and sampled runs), read only the weight slices its own devices hold, and refuse by name a call
-whose arguments differ between processes. A failing process must not leave its peer hanging:
+whose arguments differ between processes. The same run then serves: process 0 answers HTTP
+requests with a `serving.Engine` whose every device call process 1 follows (lockstep), and
+each answer must equal single-process `generate`'s. A failing process must not leave its peer hanging:
 the harness kills every worker's process group as soon as one fails or the time runs out.
 """
 
@@ -127,6 +129,9 @@ def single_process_tokens(target_dir: str, draft_dir: str) -> dict:
                         method=method, max_new_tokens=worker.MAX_NEW,
                         **worker.call_kwargs(method, kw))
         out[name] = r.tokens
+    out["serve"] = [oj.generate(target, [worker.PROMPTS[i]], draft=draft, method="ouroboros",
+                                config=worker.serve_config()[1], max_new_tokens=n).tokens[0]
+                    for i, n in worker.SERVE_REQUESTS]
     return out
 
 
@@ -188,6 +193,27 @@ def test_disagreeing_processes_are_refused_by_name(two_processes):
     for o in two_processes:
         assert o["disagree"] is not None and "seed differ between processes" in o["disagree"]
         assert "prompts" not in o["disagree"]
+
+
+def test_two_process_serving_answers_like_generate(two_processes, one_process):
+    # three requests at once over two slots, on process 0's HTTP server: each its own
+    # single-process generate's tokens, through both load levels
+    leader = two_processes[0]["serve"]
+    want = one_process["serve"]
+    assert len({len(t) for t in want}) > 1  # different lengths: rows finish apart
+    assert leader["tokens"] == want
+    assert {k.split(":")[0] for k in leader["levels"]} == {"1 busy", "2 busy"}
+    assert leader["pool_entries"] > 0  # the pool, gathered from both processes
+
+
+def test_serving_follower_runs_every_device_call_then_returns(two_processes):
+    leader, follower = (o["serve"] for o in two_processes)
+    # the follower returned (its worker exited 0) after the leader's stop, having run
+    # exactly the calls the leader made, and refuses requests itself
+    assert follower["device_calls"] == leader["device_calls"]
+    assert "follows process 0" in follower["submit"]
+    for o in (leader, follower):  # engines that differ are refused by name on both
+        assert o["disagree"] is not None and "slots differ between processes" in o["disagree"]
 
 
 def _tensor_bytes(path: str) -> tuple[int, int]:
