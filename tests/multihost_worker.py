@@ -102,15 +102,33 @@ def _complete(url: str, prompt: list, max_tokens: int) -> list:
         return json.load(r)["choices"][0]["token_ids"]
 
 
+def _record_ops(engine_mod) -> list:
+    """Wraps the engine's broadcast so that the kind of every record it sends (process 0) or
+    receives (the others) is listed, in order (outside the code under test)."""
+    kinds = []
+    real = engine_mod.broadcast
+
+    def recording(value):
+        op = real(value)
+        kinds.append(op.kind)
+        return op
+
+    engine_mod.broadcast = recording
+    return kinds
+
+
 def serve(target, draft, mesh, pid: int) -> dict:
     """The serving engine over both processes: process 0 answers SERVE_REQUESTS over HTTP,
     all at once, then stops its server (which stops the engine and releases the follower);
     process 1 follows. -> what each saw."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from ouroboros_jax.serving import Engine
+    from ouroboros_jax.serving import engine as engine_mod
 
-    out = {}
+    out = {"ops": _record_ops(engine_mod)}
+    engine_mod.IDLE_HEARTBEAT_S = 0.2  # idle records before the requests arrive
     try:  # engines that differ between processes are refused by name, on both
         Engine(target, draft, method="ouroboros", config=serve_config(), mesh=mesh,
                **dict(SERVE_KW, slots=2 + pid))
@@ -130,6 +148,7 @@ def serve(target, draft, mesh, pid: int) -> dict:
 
     srv = ServerThread(create_app(engine)).start()
     try:
+        time.sleep(1.0)  # idle: the follower gets heartbeats
         with ThreadPoolExecutor(len(SERVE_REQUESTS)) as ex:
             out["tokens"] = list(ex.map(lambda r: _complete(srv.url, PROMPTS[r[0]], r[1]),
                                         SERVE_REQUESTS))

@@ -11,6 +11,7 @@ the harness kills every worker's process group as soon as one fails or the time 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -208,9 +209,14 @@ def test_two_process_serving_answers_like_generate(two_processes, one_process):
 
 def test_serving_follower_runs_every_device_call_then_returns(two_processes):
     leader, follower = (o["serve"] for o in two_processes)
-    # the follower returned (its worker exited 0) after the leader's stop, having run
-    # exactly the calls the leader made, and refuses requests itself
-    assert follower["device_calls"] == leader["device_calls"]
+    # the follower got the leader's records in the leader's order (idle heartbeats included)
+    # and returned at "stop" (its worker exited 0), having run exactly the calls the leader
+    # made; it refuses requests itself
+    assert follower["ops"] == leader["ops"]
+    assert leader["ops"].count("insert") == len(worker.SERVE_REQUESTS)
+    assert "idle" in leader["ops"] and leader["ops"][-1] == "stop"
+    assert follower["device_calls"] == leader["device_calls"] == \
+        len(leader["ops"]) - leader["ops"].count("idle") - 1
     assert "follows process 0" in follower["submit"]
     for o in (leader, follower):  # engines that differ are refused by name on both
         assert o["disagree"] is not None and "slots differ between processes" in o["disagree"]
@@ -284,3 +290,23 @@ def test_memory_reports_per_host_bytes(capsys):
     assert "total/host" in out and f"{p['total_per_host_bytes'] / 2**30:.2f}GiB" in out
     with pytest.raises(SystemExit, match="--hosts 3 must divide the mesh's 16 devices"):
         main(["memory", "--mesh", "2x8", "--hosts", "3"])
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--coordinator", "127.0.0.1:1234"],
+     "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator must be HOST:PORT"),
+    (["--coordinator", "host0:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["--coordinator", "host0:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2)"),
+    (["--mesh", "2by3"], "--mesh must look like DATAxMODEL"),
+    (["--mesh", "4x4"], "--mesh: mesh data=4 x model=4 needs 16 devices"),
+])
+def test_serve_refuses_bad_multi_process_flags_by_name(flags, error):
+    # refused before jax.distributed starts or a model loads
+    from ouroboros_jax.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape(error)):
+        main(["serve", *flags])

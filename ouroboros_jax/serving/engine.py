@@ -74,7 +74,8 @@ from ..sampling import SamplingParams
 
 OFF = "off"  # a load level without speculation
 # seconds an idle multi-process leader lets pass between records: a follower waits for the
-# next one inside a collective, which the CPU (gloo) and GPU backends may time out
+# next one inside a collective, and a bounded wait stays clear of whatever timeout a backend's
+# collectives have (gloo on CPU waited 200 s here without one)
 IDLE_HEARTBEAT_S = 10.0
 
 
