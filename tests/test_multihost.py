@@ -268,6 +268,31 @@ def test_single_process_generate_unchanged_by_the_hooks(mh_pair):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_engine_on_a_mesh_compiles_once_and_equals_generate(mh_pair):
+    # one process, a data=2 x model=3 mesh: the engine's state keeps one placement, so its
+    # one step and one insert compile once each (left to XLA, an insert or a step returns
+    # the state placed otherwise and the next call compiles again), and answers equal generate's
+    from ouroboros_jax.serving import Engine, RequestParams
+    from ouroboros_jax.serving import engine as engine_mod
+    from ouroboros_jax.sharding import make_mesh
+
+    def compiled():
+        return (engine_mod._device_step._cache_size(), engine_mod._device_insert._cache_size())
+
+    target = oj.load_model(mh_pair[0], "float32")
+    before = compiled()
+    eng = Engine(target, method="vanilla", mesh=make_mesh(2, 3), **worker.SERVE_KW)
+    want = [oj.generate(target, [worker.PROMPTS[i]], max_new_tokens=n, config=None).tokens[0]
+            for i, n in worker.SERVE_REQUESTS]
+    for wave in range(2):  # the second wave's requests enter slots the first ones used
+        hs = [eng.submit(worker.PROMPTS[i], RequestParams(max_tokens=n))
+              for i, n in worker.SERVE_REQUESTS]
+        while eng.step():
+            pass
+        assert [h.result().token_ids for h in hs] == want
+        assert [a - b for a, b in zip(compiled(), before)] == [1, 1]
+
+
 def jax_leaves(tree):
     import jax
 

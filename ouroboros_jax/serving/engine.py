@@ -69,8 +69,10 @@ from ..distributed import (broadcast, check_same, fetch, is_leader, local, mesh_
                            model_spans_processes, spans_processes)
 from ..request import (EOS_BUCKET, bucket, cache_slots, check_call, check_draft, check_model,
                        default_eos_ids, eos_array, is_int, is_real, prompt_ids)
+from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, init_pool
 from ..sampling import SamplingParams
+from ..sharding import LOGICAL_AXES, spec_for
 
 OFF = "off"  # a load level without speculation
 # seconds an idle multi-process leader lets pass between records: a follower waits for the
@@ -272,14 +274,44 @@ def _place(target, draft, mesh, multi: bool):
     return shard_model(target, mesh), None if draft is None else shard_model(draft, mesh)
 
 
+def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
+    """x constrained to the placement its logical axes (`sharding.RULES`) give on mesh."""
+    spec = spec_for(logical + (None,) * (x.ndim - len(logical)), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def _replicated(pair, tree):
     """tree's arrays replicated over the pair's mesh (as they are without one): a step's small
-    outputs, which every process then reads from its own devices, with no gather after."""
+    outputs and the gathered pool, which every process then reads from its own devices."""
     if pair.mesh is None:
         return tree
-    everywhere = jax.sharding.NamedSharding(pair.mesh, jax.sharding.PartitionSpec())
-    return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, everywhere),
-                                  tree)
+    return jax.tree_util.tree_map(lambda x: _placed(pair.mesh, (), x), tree)
+
+
+def _pinned(pair, dev: "_Device") -> "_Device":
+    """dev with every leaf at one fixed placement on the pair's mesh (as it is without one):
+    KV caches as `sharding.cache_spec` lays them out, leaves with a slot axis [B, ...] split
+    over "data", the rest replicated. Each device call returns the placements it was given,
+    so it compiles once (left to XLA's propagation, some leaves land elsewhere after an insert
+    or a step, and the next call would compile again for them)."""
+    if pair.mesh is None:
+        return dev
+    B = dev.limits.max_new_tokens.shape[0]
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return KVCache(k=_placed(pair.mesh, LOGICAL_AXES["cache"], x.k),
+                           v=_placed(pair.mesh, LOGICAL_AXES["cache"], x.v),
+                           lengths=_placed(pair.mesh, ("batch",), x.lengths))
+        return _placed(pair.mesh, ("batch",) if x.ndim and x.shape[0] == B else (), x)
+
+    return jax.tree_util.tree_map(one, dev, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@jax.jit
+def _copy_replicated(pair, tree):
+    """A copy of tree, replicated over the pair's mesh (a plain copy without one)."""
+    return _replicated(pair, jax.tree_util.tree_map(jnp.copy, tree))
 
 
 def _forget_keys(pool: PhrasePool, lo: jax.Array, hi: jax.Array) -> PhrasePool:
@@ -297,7 +329,8 @@ def _device_insert(pair, dev: _Device, rows, prompt, prompt_lengths, row: _Row, 
     if not shared:
         lo = rows[0] * vocab
         state = state.replace(pool=_forget_keys(state.pool, lo, lo + vocab * rows.shape[0]))
-    return _Device(state, set_rows(dev.sp, rows, row.sp), set_rows(dev.limits, rows, row.limits))
+    return _pinned(pair, _Device(state, set_rows(dev.sp, rows, row.sp),
+                                 set_rows(dev.limits, rows, row.limits)))
 
 
 @partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width"),
@@ -314,8 +347,8 @@ def _device_step(pair, dev: _Device, stop, *, round_fn, cfg, greedy: bool, round
                                       rounds, st)
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
-    return (dev.replace(state=st),) + _replicated(pair, (toks, counts, kept, live, prop,
-                                                         st.seq.done, hits))
+    return (_pinned(pair, dev.replace(state=st)),) + _replicated(
+        pair, (toks, counts, kept, live, prop, st.seq.done, hits))
 
 
 class Engine:
@@ -430,6 +463,8 @@ class Engine:
                            greedy_rows=jnp.ones((B,), bool)),
             Limits(max_new_tokens=jnp.ones((B,), jnp.int32),
                    eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32)))
+        if self._pair.mesh is not None:  # the placements every device call keeps
+            self._dev = jax.jit(_pinned)(self._pair, self._dev)
 
         self._lock = threading.RLock()
         self._dev_lock = threading.Lock()  # the device state: donated by every device call
@@ -681,9 +716,12 @@ class Engine:
             return self._apply_step(op)
         if op.kind == "pool":
             pool = getattr(self._dev.state, "pool", None)
-            # gathered when it spans processes; a copy either way (every step donates it)
-            return None if pool is None else (local(pool) if self._multi else
-                                              jax.tree_util.tree_map(jnp.copy, pool))
+            if pool is None:
+                return None
+            # a copy (every step donates the engine's own); on a mesh replicated in one call,
+            # then read from this process's devices and placed on its default device
+            pool = _copy_replicated(self._pair, pool)
+            return local(pool) if self._pair.mesh is not None else pool
         if op.kind == "idle":
             return None
         raise ValueError(f"unknown engine op {op.kind!r}")
