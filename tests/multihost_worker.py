@@ -158,8 +158,10 @@ def serve(target, draft, mesh, pid: int) -> dict:
         out["levels"] = m["steps_per_level"]
         # what the follower must have run: every insert, every step, the pool read
         out["device_calls"] = len(SERVE_REQUESTS) + m["steps"] + 1
+        out["running"] = [engine.running]
     finally:
         srv.stop()  # its shutdown stops the engine, which sends the follower "stop"
+    out["running"].append(engine.running)  # /health's answer: 503 once the followers left
     return out
 
 

@@ -217,6 +217,7 @@ def test_serving_follower_runs_every_device_call_then_returns(two_processes):
     assert "idle" in leader["ops"] and leader["ops"][-1] == "stop"
     assert follower["device_calls"] == leader["device_calls"] == \
         len(leader["ops"]) - leader["ops"].count("idle") - 1
+    assert leader["running"] == [True, False]
     assert "follows process 0" in follower["submit"]
     for o in (leader, follower):  # engines that differ are refused by name on both
         assert o["disagree"] is not None and "slots differ between processes" in o["disagree"]

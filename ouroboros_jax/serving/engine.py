@@ -969,6 +969,12 @@ class Engine:
 
     # ------------------------------------------------------------------ reporting
     @property
+    def running(self) -> bool:
+        """False once a multi-process engine can run no more device calls (stopped, or a call
+        failed, e.g. a peer process died): the server's /health then answers 503."""
+        return not self._closed and self._broken is None
+
+    @property
     def pool(self) -> Optional[PhrasePool]:
         """A copy of the shared phrase pool as it is now (save with oj.save_pool); None for
         methods without one. (A copy: every device step donates the engine's own. Over
