@@ -161,7 +161,8 @@ def serve(target, draft, mesh, pid: int) -> dict:
         out["running"] = [engine.running]
     finally:
         srv.stop()  # its shutdown stops the engine, which sends the follower "stop"
-    out["running"].append(engine.running)  # /health's answer: 503 once the followers left
+    # /health's answer: 503 once the followers have left
+    out.setdefault("running", []).append(engine.running)
     return out
 
 

@@ -5,8 +5,9 @@ Each process must return the tokens a single process returns (vanilla, Ouroboros
 and sampled runs), read only the weight slices its own devices hold, and refuse by name a call
 whose arguments differ between processes. The same run then serves: process 0 answers HTTP
 requests with a `serving.Engine` whose every device call process 1 follows (lockstep), and
-each answer must equal single-process `generate`'s. A failing process must not leave its peer hanging:
-the harness kills every worker's process group as soon as one fails or the time runs out.
+each answer must equal single-process `generate`'s. A failing process must not leave its peer
+hanging: the harness kills every worker's process group as soon as one fails or the time runs
+out.
 """
 
 import json
