@@ -91,30 +91,102 @@ def _serve_config(method: str, fields: Optional[dict]):
         raise ValueError(f"--config for method {method!r}: {e}") from None
 
 
-def _cmd_serve(a):
+def _processes(a) -> Optional[tuple]:
+    """--coordinator, --num-processes, --process-id -> (address, n, i), None when none is
+    given; checked by flag name before anything starts."""
+    given = [a.coordinator is not None, a.num_processes is not None, a.process_id is not None]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together (every "
+                         "process of a multi-process run gets all three)")
+    host, _, port = a.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"--coordinator must be HOST:PORT of process 0, e.g. 10.0.0.1:1234; "
+                         f"got {a.coordinator!r}")
+    _positive("--num-processes", a.num_processes)
+    if not 0 <= a.process_id < a.num_processes:
+        raise ValueError(f"--process-id must be in [0, {a.num_processes}) (--num-processes "
+                         f"{a.num_processes}), got {a.process_id}")
+    return a.coordinator, a.num_processes, a.process_id
+
+
+def _serve_mesh(a, multi: bool):
+    """The mesh of --mesh DATAxMODEL; over processes without --mesh, data = processes x model
+    = local devices (tensor parallel inside a host). None on one process without --mesh."""
+    if not a.mesh and not multi:
+        return None
+    import jax
+
+    from .sharding import make_mesh
+
+    if a.mesh:
+        data, model = _parse_mesh(a.mesh)
+    else:
+        data, model = jax.process_count(), jax.local_device_count()
+    try:
+        return make_mesh(data, model)
+    except ValueError as e:
+        raise ValueError(f"--mesh: {e}") from None
+
+
+def _serve_models(a, mesh):
+    """(target, draft) of --model/--draft (default: the demo pair). On a mesh, safetensors
+    directories are read slice-wise (`load_sharded`: each process only its devices' slices);
+    GGUF files and the demo pair are read whole, then placed by the engine."""
     from .models import load_model
 
-    _positive("--slots", a.slots)
-    _positive("--max-queue", a.max_queue)
-    if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
-    fields = _serve_fields(a.config)
+    def one(path):
+        if mesh is not None and os.path.isdir(path):
+            from .sharding import load_sharded
+
+            return load_sharded(path, mesh, dtype=a.dtype)
+        return load_model(path, dtype=a.dtype)
+
     if a.model:
-        target = load_model(a.model, dtype=a.dtype)
-        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+        target = one(a.model)
+        draft = one(a.draft) if a.draft else None
     else:  # the shipped demo pair
         from .demo_assets import demo_pair
 
         target, draft = demo_pair(a.dtype)
         if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype)
+            draft = one(a.draft)
+    return target, draft
+
+
+def _cmd_serve(a):
+    _positive("--slots", a.slots)
+    _positive("--max-queue", a.max_queue)
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    fields = _serve_fields(a.config)
+    if a.mesh:
+        _parse_mesh(a.mesh)  # its form checked before anything starts
+    procs = _processes(a)
+    if procs is not None:  # before any other JAX call
+        from .distributed import initialize
+
+        initialize(*procs)
+    multi = procs is not None and procs[1] > 1
+    mesh = _serve_mesh(a, multi)
+    target, draft = _serve_models(a, mesh)
     method = a.method or ("ouroboros" if draft is not None else "vanilla")
     config = _serve_config(method, fields)
     from .serving.engine import Engine
+
+    # every process builds the same engine (auto's probes and the state are collective)
+    engine = Engine(target, draft, method=method, config=config, slots=a.slots,
+                    max_cache_len=a.max_cache_len, max_queue=a.max_queue, mesh=mesh)
+    if multi and procs[2] != 0:
+        print(f"ouroboros-jax serve: process {procs[2]} of {procs[1]} follows process 0",
+              file=sys.stderr, flush=True)
+        n = engine.follow()
+        print(f"ouroboros-jax serve: process {procs[2]}: process 0 stopped after {n} device "
+              "calls", file=sys.stderr, flush=True)
+        return
     from .serving.server import create_app, serve
 
-    engine = Engine(target, draft, method=method, config=config, slots=a.slots,
-                    max_cache_len=a.max_cache_len, max_queue=a.max_queue)
     if a.served_model_name:
         name = a.served_model_name
     elif a.model:  # the directory's or file's name, as clients would type it
@@ -123,13 +195,17 @@ def _cmd_serve(a):
     else:
         name = "ouroboros-demo"
     app = create_app(engine, model_names=[name])
-    if hasattr(engine, "warmup"):  # compile now, not on the first requests
-        print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
-              flush=True)
-        engine.warmup()
-    print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots) on "
-          f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
-    serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
+    try:
+        if hasattr(engine, "warmup"):  # compile now, not on the first requests
+            print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
+                  flush=True)
+            engine.warmup()
+        where = f", {procs[1]} processes" if multi else ""
+        print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots{where}) on "
+              f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+        serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
+    finally:  # the followers return even when serving never started (a port in use)
+        engine.stop(cancel=True, timeout=a.drain_timeout)
 
 
 def _parse_mesh(s: str):
@@ -248,6 +324,14 @@ def main(argv=None):
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on Ctrl-C before they are "
                         "cancelled")
+    s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
+                                  "process; processes x local devices over several)")
+    s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "
+                                         "every process (jax.distributed); process 0 serves "
+                                         "HTTP, the others follow its steps")
+    s.add_argument("--num-processes", type=int, help="multi-process: how many processes")
+    s.add_argument("--process-id", type=int, help="multi-process: this process's index, 0 "
+                                                  "to N-1")
     s.set_defaults(fn=_cmd_serve)
 
     d = sub.add_parser("demo", help="the shipped pair: vanilla vs the fastest method")

@@ -61,6 +61,24 @@ def model_spans_processes(model) -> bool:
     return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
 
 
+def model_id(model) -> Optional[list]:
+    """What must match between processes for one model (None: no model): its config and
+    dtype (paths may differ between hosts; the weights are too large to hash on every call)."""
+    if model is None:
+        return None
+    import dataclasses
+
+    return [dataclasses.asdict(model.config), str(model.dtype)]
+
+
+def mesh_id(mesh) -> Optional[list]:
+    """A mesh as every process sees it (None: no mesh): axis names and its devices' global
+    ids."""
+    if mesh is None:
+        return None
+    return [list(mesh.axis_names), [int(d.id) for d in mesh.devices.flat]]
+
+
 def is_leader() -> bool:
     """Process 0: the one that writes shared host state (the auto cache) and decides."""
     return jax.process_index() == 0
@@ -116,11 +134,13 @@ def broadcast(value: Any) -> Any:
 
     blob = np.frombuffer(pickle.dumps(value), np.uint8) if is_leader() else np.zeros(0, np.uint8)
     n = int(multihost_utils.broadcast_one_to_all(np.array([blob.size], np.int64))[0])
-    buf = np.zeros(n, np.uint8)
+    # padded to a power of two: each buffer size compiles its own collective, and a server
+    # broadcasts a record before every device step (pickle ignores the bytes past its end)
+    buf = np.zeros(max(256, 1 << (n - 1).bit_length()), np.uint8)
     if is_leader():
-        buf[:] = blob
+        buf[:n] = blob
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-    return pickle.loads(out.tobytes())
+    return pickle.loads(out[:n].tobytes())
 
 
 def fetch(tree):

@@ -18,7 +18,8 @@ import numpy as np
 
 from .decoding import METHODS
 from .decoding.common import Stats
-from .distributed import check_same, fetch, is_leader, local, spans_processes
+from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
+                          spans_processes)
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
                       check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
@@ -72,10 +73,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         check_model(draft, "draft")
     multi = spans_processes(mesh)
     if multi:  # SPMD: a call that differs between processes would hang in its collectives
-        check_same("generate", target=_model_id(target), draft=_model_id(draft),
+        check_same("generate", target=model_id(target), draft=model_id(draft),
                    prompts=prompts, method=method, max_new_tokens=max_new_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                   eos_token_id=eos_token_id, config=repr(config), mesh=_mesh_id(mesh),
+                   eos_token_id=eos_token_id, config=repr(config), mesh=mesh_id(mesh),
                    pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
                    max_cache_len=max_cache_len)
     if not isinstance(method, str) or method not in METHODS:
@@ -154,19 +155,6 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
 
         record_realised(target, draft, *learned)
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
-
-
-def _model_id(model: Optional[Model]):
-    """What must match between processes for one model: its config and dtype (paths may differ
-    between hosts; the weights are too large to hash on every call)."""
-    if model is None:
-        return None
-    return [dataclasses.asdict(model.config), str(model.dtype)]
-
-
-def _mesh_id(mesh) -> list:
-    """A mesh as every process sees it: axis names and sizes, and its devices' global ids."""
-    return [list(mesh.axis_names), [int(d.id) for d in mesh.devices.flat]]
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

@@ -6,8 +6,9 @@ SPEC.json: {"port", "num_processes", "target", "draft", "out_dir", "mode", "mesh
 "load_mesh": [data, model]}. The process joins the others through `jax.distributed` on
 localhost, loads both models straight onto the mesh (each process reading only its slices;
 the bytes it reads are counted by wrapping safetensors' reader, outside the code under test),
-runs the calls `CALLS` lists and writes what it got to out_dir/process_<i>.json. Its device
-count comes from the parent's XLA_FLAGS.
+runs the calls `CALLS` lists, then serves `SERVE_REQUESTS` with one `serving.Engine` over
+both processes (process 0 behind HTTP, process 1 following), and writes what it got to
+out_dir/process_<i>.json. Its device count comes from the parent's XLA_FLAGS.
 """
 
 import json
@@ -24,6 +25,17 @@ CALLS = [
 ]
 PROMPTS = [[1, 5, 9, 14, 3, 22], [1, 40, 41, 7], [1, 8, 8, 8, 30, 31, 32, 60], [1, 3]]
 MAX_NEW = 16
+# serving: (prompt index, max_tokens) of the greedy requests sent to process 0 at once, one
+# more than there are slots, so one enters a slot another has freed; speculation at one busy
+# slot, plain rounds at two, so steps switch load level
+SERVE_REQUESTS = [(0, 12), (1, 5), (2, 8)]
+SERVE_KW = dict(slots=2, max_cache_len=64, rounds_per_step=2)
+
+
+def serve_config() -> dict:
+    from ouroboros_jax.decoding import METHODS
+
+    return {1: METHODS["ouroboros"].quick_config(), 2: "off"}
 
 
 def call_kwargs(method: str, kw: dict) -> dict:
@@ -79,6 +91,81 @@ def _count_reads(counter: dict) -> None:
     safetensors.safe_open = Handle
 
 
+def _complete(url: str, prompt: list, max_tokens: int) -> list:
+    """One greedy /v1/completions request on token ids -> the generated ids."""
+    import urllib.request
+
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)["choices"][0]["token_ids"]
+
+
+def _record_ops(engine_mod) -> list:
+    """Wraps the engine's broadcast so that the kind of every record it sends (process 0) or
+    receives (the others) is listed, in order (outside the code under test)."""
+    kinds = []
+    real = engine_mod.broadcast
+
+    def recording(value):
+        op = real(value)
+        kinds.append(op.kind)
+        return op
+
+    engine_mod.broadcast = recording
+    return kinds
+
+
+def serve(target, draft, mesh, pid: int) -> dict:
+    """The serving engine over both processes: process 0 answers SERVE_REQUESTS over HTTP,
+    all at once, then stops its server (which stops the engine and releases the follower);
+    process 1 follows. -> what each saw."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ouroboros_jax.serving import Engine
+    from ouroboros_jax.serving import engine as engine_mod
+
+    out = {"ops": _record_ops(engine_mod)}
+    engine_mod.IDLE_HEARTBEAT_S = 0.2  # idle records before the requests arrive
+    try:  # engines that differ between processes are refused by name, on both
+        Engine(target, draft, method="ouroboros", config=serve_config(), mesh=mesh,
+               **dict(SERVE_KW, slots=2 + pid))
+        out["disagree"] = None
+    except ValueError as e:
+        out["disagree"] = str(e)
+    engine = Engine(target, draft, method="ouroboros", config=serve_config(), mesh=mesh,
+                    **SERVE_KW)
+    if pid != 0:
+        try:
+            engine.submit(PROMPTS[0])
+        except RuntimeError as e:
+            out["submit"] = str(e)
+        out["device_calls"] = engine.follow()
+        return out
+    from ouroboros_jax.serving.server import ServerThread, create_app
+
+    srv = ServerThread(create_app(engine)).start()
+    try:
+        time.sleep(1.0)  # idle: the follower gets heartbeats
+        with ThreadPoolExecutor(len(SERVE_REQUESTS)) as ex:
+            out["tokens"] = list(ex.map(lambda r: _complete(srv.url, PROMPTS[r[0]], r[1]),
+                                        SERVE_REQUESTS))
+        pool = engine.pool  # gathered from both processes
+        out["pool_entries"] = int((pool.keys >= 0).sum())
+        m = engine.metrics()
+        out["levels"] = m["steps_per_level"]
+        # what the follower must have run: every insert, every step, the pool read
+        out["device_calls"] = len(SERVE_REQUESTS) + m["steps"] + 1
+        out["running"] = [engine.running]
+    finally:
+        srv.stop()  # its shutdown stops the engine, which sends the follower "stop"
+    # /health's answer: 503 once the followers have left
+    out.setdefault("running", []).append(engine.running)
+    return out
+
+
 def main(spec_path: str, pid: int) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -130,6 +217,8 @@ def main(spec_path: str, pid: int) -> None:
         out["disagree"] = None
     except ValueError as e:
         out["disagree"] = str(e)
+    out["serve"] = serve(target, draft, mesh, pid)
+    out["seconds"]["serve"] = round(time.perf_counter() - t0, 1)
     with open(os.path.join(spec["out_dir"], f"process_{pid}.json"), "w") as f:
         json.dump(out, f)
 

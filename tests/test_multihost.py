@@ -3,12 +3,16 @@ devices each), started here as subprocesses running tests/multihost_worker.py.
 
 Each process must return the tokens a single process returns (vanilla, Ouroboros, config="auto"
 and sampled runs), read only the weight slices its own devices hold, and refuse by name a call
-whose arguments differ between processes. A failing process must not leave its peer hanging:
-the harness kills every worker's process group as soon as one fails or the time runs out.
+whose arguments differ between processes. The same run then serves: process 0 answers HTTP
+requests with a `serving.Engine` whose every device call process 1 follows (lockstep), and
+each answer must equal single-process `generate`'s. A failing process must not leave its peer
+hanging: the harness kills every worker's process group as soon as one fails or the time runs
+out.
 """
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -127,6 +131,9 @@ def single_process_tokens(target_dir: str, draft_dir: str) -> dict:
                         method=method, max_new_tokens=worker.MAX_NEW,
                         **worker.call_kwargs(method, kw))
         out[name] = r.tokens
+    out["serve"] = [oj.generate(target, [worker.PROMPTS[i]], draft=draft, method="ouroboros",
+                                config=worker.serve_config()[1], max_new_tokens=n).tokens[0]
+                    for i, n in worker.SERVE_REQUESTS]
     return out
 
 
@@ -190,6 +197,33 @@ def test_disagreeing_processes_are_refused_by_name(two_processes):
         assert "prompts" not in o["disagree"]
 
 
+def test_two_process_serving_answers_like_generate(two_processes, one_process):
+    # three requests at once over two slots, on process 0's HTTP server: each its own
+    # single-process generate's tokens, through both load levels
+    leader = two_processes[0]["serve"]
+    want = one_process["serve"]
+    assert len({len(t) for t in want}) > 1  # different lengths: rows finish apart
+    assert leader["tokens"] == want
+    assert {k.split(":")[0] for k in leader["levels"]} == {"1 busy", "2 busy"}
+    assert leader["pool_entries"] > 0  # the pool, gathered from both processes
+
+
+def test_serving_follower_runs_every_device_call_then_returns(two_processes):
+    leader, follower = (o["serve"] for o in two_processes)
+    # the follower got the leader's records in the leader's order (idle heartbeats included)
+    # and returned at "stop" (its worker exited 0), having run exactly the calls the leader
+    # made; it refuses requests itself
+    assert follower["ops"] == leader["ops"]
+    assert leader["ops"].count("insert") == len(worker.SERVE_REQUESTS)
+    assert "idle" in leader["ops"] and leader["ops"][-1] == "stop"
+    assert follower["device_calls"] == leader["device_calls"] == \
+        len(leader["ops"]) - leader["ops"].count("idle") - 1
+    assert leader["running"] == [True, False]
+    assert "follows process 0" in follower["submit"]
+    for o in (leader, follower):  # engines that differ are refused by name on both
+        assert o["disagree"] is not None and "slots differ between processes" in o["disagree"]
+
+
 def _tensor_bytes(path: str) -> tuple[int, int]:
     """(bytes of the tensors a 'model' axis splits, of the ones it leaves whole: the norms)."""
     split = whole = 0
@@ -236,6 +270,31 @@ def test_single_process_generate_unchanged_by_the_hooks(mh_pair):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_engine_on_a_mesh_compiles_once_and_equals_generate(mh_pair):
+    # one process, a data=2 x model=3 mesh: the engine's state keeps one placement, so its
+    # one step and one insert compile once each (left to XLA, an insert or a step returns
+    # the state placed otherwise and the next call compiles again), and answers equal generate's
+    from ouroboros_jax.serving import Engine, RequestParams
+    from ouroboros_jax.serving import engine as engine_mod
+    from ouroboros_jax.sharding import make_mesh
+
+    def compiled():
+        return (engine_mod._device_step._cache_size(), engine_mod._device_insert._cache_size())
+
+    target = oj.load_model(mh_pair[0], "float32")
+    before = compiled()
+    eng = Engine(target, method="vanilla", mesh=make_mesh(2, 3), **worker.SERVE_KW)
+    want = [oj.generate(target, [worker.PROMPTS[i]], max_new_tokens=n, config=None).tokens[0]
+            for i, n in worker.SERVE_REQUESTS]
+    for wave in range(2):  # the second wave's requests enter slots the first ones used
+        hs = [eng.submit(worker.PROMPTS[i], RequestParams(max_tokens=n))
+              for i, n in worker.SERVE_REQUESTS]
+        while eng.step():
+            pass
+        assert [h.result().token_ids for h in hs] == want
+        assert [a - b for a, b in zip(compiled(), before)] == [1, 1]
+
+
 def jax_leaves(tree):
     import jax
 
@@ -258,3 +317,23 @@ def test_memory_reports_per_host_bytes(capsys):
     assert "total/host" in out and f"{p['total_per_host_bytes'] / 2**30:.2f}GiB" in out
     with pytest.raises(SystemExit, match="--hosts 3 must divide the mesh's 16 devices"):
         main(["memory", "--mesh", "2x8", "--hosts", "3"])
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--coordinator", "127.0.0.1:1234"],
+     "--coordinator, --num-processes and --process-id go together"),
+    (["--coordinator", "host0", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator must be HOST:PORT"),
+    (["--coordinator", "host0:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes must be >= 1"),
+    (["--coordinator", "host0:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2)"),
+    (["--mesh", "2by3"], "--mesh must look like DATAxMODEL"),
+    (["--mesh", "4x4"], "--mesh: mesh data=4 x model=4 needs 16 devices"),
+])
+def test_serve_refuses_bad_multi_process_flags_by_name(flags, error):
+    # refused before jax.distributed starts or a model loads
+    from ouroboros_jax.cli import main
+
+    with pytest.raises(SystemExit, match=re.escape(error)):
+        main(["serve", *flags])

@@ -33,6 +33,15 @@ Speculation fitted to the load: `config` may map busy-slot counts to configs, e.
 step). config="auto" asks `decoding.auto` once per load level (1, 2, 4, .. slots). Levels
 must share a state layout (`MethodSpec.family`).
 
+Several processes (one model over hosts, `jax.distributed`): every device call runs on every
+process, in the same order (SPMD). Process 0 leads: it holds the queue and the scheduler, and
+before each device call (a prompt into a slot, a step, a pool read, the end) it broadcasts the
+host decision as an `_Op` record (`distributed.broadcast`); the other processes follow
+(`Engine.follow`): receive a record, run the same jitted call, repeat until the "stop" record.
+A step's small outputs are replicated on every device, so each process reads them locally; an
+idle leader sends an "idle" record every `IDLE_HEARTBEAT_S` so no follower waits in a
+collective for long. On one process nothing is broadcast.
+
 Letters (package glossary): B slots, S cache slots, P prompt width, E tokens one step can give
 a slot, k rounds per step.
 """
@@ -56,12 +65,20 @@ from flax import struct
 
 from ..decoding import METHODS
 from ..decoding.common import (Limits, make_pair, read_emitted, run_rounds, set_rows)
+from ..distributed import (broadcast, check_same, fetch, is_leader, local, mesh_id, model_id,
+                           model_spans_processes, spans_processes)
 from ..request import (EOS_BUCKET, bucket, cache_slots, check_call, check_draft, check_model,
                        default_eos_ids, eos_array, is_int, is_real, prompt_ids)
+from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, init_pool
 from ..sampling import SamplingParams
+from ..sharding import LOGICAL_AXES, spec_for
 
 OFF = "off"  # a load level without speculation
+# seconds an idle multi-process leader lets pass between records: a follower waits for the
+# next one inside a collective, and a bounded wait stays clear of whatever timeout a backend's
+# collectives have (gloo on CPU waited 200 s here without one)
+IDLE_HEARTBEAT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +235,85 @@ class _Row:
     limits: Limits
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One device call as the leader decided it: on a multi-process engine it is broadcast
+    before the call, and every process runs the same call from it (plain numbers and numpy
+    arrays, so it pickles small).
+
+    kind: "insert" (a prompt into a slot), "step" (k rounds on every slot), "pool" (gather
+    the phrase pool), "idle" (no device call: keeps a follower's wait short) or "stop" (the
+    followers return).
+    insert: slot; prompt int32[1,P] (padded to its bucket); prompt_len; knobs (temperature,
+    top_k, top_p, seed, greedy, max_tokens); eos int32[EOS_BUCKET] (-1 pads).
+    step: level (index into Engine.levels); greedy (every busy slot greedy); stop_rows bool[B]
+    (slots freed since the last step).
+    """
+
+    kind: str
+    slot: int = 0
+    prompt: Optional[np.ndarray] = None
+    prompt_len: int = 0
+    knobs: tuple = ()
+    eos: Optional[np.ndarray] = None
+    level: int = 0
+    greedy: bool = True
+    stop_rows: Optional[np.ndarray] = None
+
+
+def _place(target, draft, mesh, multi: bool):
+    """The models placed on mesh (`shard_model`; models `load_sharded` onto it stay as they
+    are). Over processes the 'model' axis must divide the query heads (`check_heads`), else
+    every host would hold whole attention weights."""
+    from ..sharding import check_heads, shard_model
+
+    if multi:
+        check_heads(target, mesh, "target")
+        if draft is not None:
+            check_heads(draft, mesh, "draft")
+    return shard_model(target, mesh), None if draft is None else shard_model(draft, mesh)
+
+
+def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
+    """x constrained to the placement its logical axes (`sharding.RULES`) give on mesh."""
+    spec = spec_for(logical + (None,) * (x.ndim - len(logical)), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def _replicated(pair, tree):
+    """tree's arrays replicated over the pair's mesh (as they are without one): a step's small
+    outputs and the gathered pool, which every process then reads from its own devices."""
+    if pair.mesh is None:
+        return tree
+    return jax.tree_util.tree_map(lambda x: _placed(pair.mesh, (), x), tree)
+
+
+def _pinned(pair, dev: "_Device") -> "_Device":
+    """dev with every leaf at one fixed placement on the pair's mesh (as it is without one):
+    KV caches as `sharding.cache_spec` lays them out, leaves with a slot axis [B, ...] split
+    over "data", the rest replicated. Each device call returns the placements it was given,
+    so it compiles once (left to XLA's propagation, some leaves land elsewhere after an insert
+    or a step, and the next call would compile again for them)."""
+    if pair.mesh is None:
+        return dev
+    B = dev.limits.max_new_tokens.shape[0]
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return KVCache(k=_placed(pair.mesh, LOGICAL_AXES["cache"], x.k),
+                           v=_placed(pair.mesh, LOGICAL_AXES["cache"], x.v),
+                           lengths=_placed(pair.mesh, ("batch",), x.lengths))
+        return _placed(pair.mesh, ("batch",) if x.ndim and x.shape[0] == B else (), x)
+
+    return jax.tree_util.tree_map(one, dev, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@jax.jit
+def _copy_replicated(pair, tree):
+    """A copy of tree, replicated over the pair's mesh (a plain copy without one)."""
+    return _replicated(pair, jax.tree_util.tree_map(jnp.copy, tree))
+
+
 def _forget_keys(pool: PhrasePool, lo: jax.Array, hi: jax.Array) -> PhrasePool:
     """The pool with every slot whose key lies in [lo, hi) emptied (a per-request pool's key
     range, when a new request takes the slot)."""
@@ -233,7 +329,8 @@ def _device_insert(pair, dev: _Device, rows, prompt, prompt_lengths, row: _Row, 
     if not shared:
         lo = rows[0] * vocab
         state = state.replace(pool=_forget_keys(state.pool, lo, lo + vocab * rows.shape[0]))
-    return _Device(state, set_rows(dev.sp, rows, row.sp), set_rows(dev.limits, rows, row.limits))
+    return _pinned(pair, _Device(state, set_rows(dev.sp, rows, row.sp),
+                                 set_rows(dev.limits, rows, row.limits)))
 
 
 @partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width"),
@@ -250,7 +347,8 @@ def _device_step(pair, dev: _Device, stop, *, round_fn, cfg, greedy: bool, round
                                       rounds, st)
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
-    return dev.replace(state=st), toks, counts, kept, live, prop, st.seq.done, hits
+    return (_pinned(pair, dev.replace(state=st)),) + _replicated(
+        pair, (toks, counts, kept, live, prop, st.seq.done, hits))
 
 
 class Engine:
@@ -261,16 +359,30 @@ class Engine:
     {busy slots: config or "off"}. max_cache_len: prompt + max_tokens allowed per request
     (default: the target's max_position_embeddings); it fixes the cache size. rounds_per_step:
     rounds per device step (k). pool: a phrase pool to start from (shared_pool only).
-    max_queue: waiting requests beyond which submit raises QueueFull.
+    max_queue: waiting requests beyond which submit raises QueueFull. mesh: a
+    `sharding.make_mesh` mesh to place the models and the state on (None: as the models lie).
+
+    Over several processes (a mesh, or models loaded with `load_sharded`, spanning processes
+    joined by `jax.distributed`): every process builds the Engine with the same arguments
+    (checked, `ValueError` naming what differs); process 0 leads (submit, step, start, warmup,
+    stop: its scheduler decides) and every other process calls `follow()`, which runs the
+    device calls the leader broadcasts before each one, until the leader's `stop()`.
     """
 
     def __init__(self, target, draft=None, *, method: str = "vanilla", config: Any = "auto",
                  slots: int = 8, max_cache_len: Optional[int] = None, rounds_per_step: int = 4,
                  pool: Optional[PhrasePool] = None, shared_pool: bool = True,
-                 max_queue: int = 256):
+                 max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None):
         check_model(target, "target")
         if draft is not None:
             check_model(draft, "draft")
+        multi = spans_processes(mesh) or model_spans_processes(target)
+        if multi:  # SPMD: engines that differ would pair their collectives wrongly and hang
+            check_same("Engine", target=model_id(target), draft=model_id(draft), method=method,
+                       config=repr(config), slots=slots, max_cache_len=max_cache_len,
+                       rounds_per_step=rounds_per_step, shared_pool=shared_pool,
+                       pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
+                       mesh=mesh_id(mesh) if isinstance(mesh, jax.sharding.Mesh) else None)
         if not isinstance(method, str) or method not in METHODS:
             raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
         for name, v, lo in (("slots", slots, 1), ("rounds_per_step", rounds_per_step, 1),
@@ -286,7 +398,13 @@ class Engine:
             if not is_int(max_cache_len) or max_cache_len < 2:
                 raise ValueError(f"max_cache_len must be an integer >= 2, got {max_cache_len!r}")
             limit = min(limit, int(max_cache_len))
+        # sizes against the models and device before auto's probes allocate (issue 24)
+        check_call(spec, None, target, draft, int(slots), 16, 0, limit, mesh,
+                   batch_name="slots")
+        if mesh is not None:  # placed before auto: its probes time the models as steps run them
+            target, draft = _place(target, draft, mesh, multi)
         self.target, self.draft = target, draft
+        self.mesh, self._multi = mesh, multi
         self.tokenizer = target.tokenizer
         self.model_name = target.path or "model"
         self.slots, self.rounds, self.max_queue = int(slots), int(rounds_per_step), int(max_queue)
@@ -294,8 +412,6 @@ class Engine:
         self.shared_pool = shared_pool
         V = target.config.vocab_size
         self.vocab = V
-        # sizes against the models and device before auto's probes allocate (issue 24)
-        check_call(spec, None, target, draft, self.slots, 16, 0, limit, batch_name="slots")
         levels = self._levels(method, spec, config, target, draft)
         cfgs = [c for _, c in levels if c is not OFF]
         if not cfgs and method != "vanilla":  # speculation off at every load: plain decoding
@@ -303,7 +419,8 @@ class Engine:
             cfgs = [None]
         self.method, self.spec = method, spec
         for c in cfgs:  # each load level's tree and pool against the cache and vocabulary
-            check_call(spec, c, target, draft, self.slots, 16, 0, limit, batch_name="slots")
+            check_call(spec, c, target, draft, self.slots, 16, 0, limit, mesh,
+                       batch_name="slots")
         base = cfgs[0]
         if spec.family is not None:
             fam = {spec.family(c) for c in cfgs}
@@ -346,6 +463,8 @@ class Engine:
                            greedy_rows=jnp.ones((B,), bool)),
             Limits(max_new_tokens=jnp.ones((B,), jnp.int32),
                    eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32)))
+        if self._pair.mesh is not None:  # the placements every device call keeps
+            self._dev = jax.jit(_pinned)(self._pair, self._dev)
 
         self._lock = threading.RLock()
         self._dev_lock = threading.Lock()  # the device state: donated by every device call
@@ -355,6 +474,9 @@ class Engine:
         self._stop_rows = np.zeros((B,), bool)
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._closed = False  # multi-process: the followers were sent "stop"
+        self._broken: Optional[Exception] = None  # multi-process: a device call failed
+        self._last_op = time.monotonic()
         hist = max(spec.max_emit(c) for c in cfgs) + 1
         self._m = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                        num_accepted_tokens_per_pos=[0] * (hist - 2 if hist > 2 else 0),
@@ -423,12 +545,13 @@ class Engine:
             n = min(2 * n, self.slots)
         return out
 
-    def _level(self, busy: int):
-        cfg = self.levels[0][1]
-        for n, c in self.levels:
+    def _level(self, busy: int) -> int:
+        """The load level that runs with `busy` slots busy: an index into self.levels."""
+        level = 0
+        for i, (n, _) in enumerate(self.levels):
             if n <= busy:
-                cfg = c
-        return cfg
+                level = i
+        return level
 
     # ------------------------------------------------------------------ requests
     def _tokens(self, prompt) -> list:
@@ -439,6 +562,7 @@ class Engine:
         """prompt: token ids, a string, or chat messages (list of {"role","content"} dicts).
         Thread-safe. ValueError naming the problem (empty prompt, ids outside the vocabulary,
         prompt + max_tokens past the cache); QueueFull when the queue is full."""
+        self._leader_only("submit")
         if not isinstance(params, RequestParams):
             raise ValueError(f"params must be a RequestParams, got {type(params).__name__}")
         params.validate()
@@ -458,6 +582,9 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine is stopping; it takes no new requests")
+            if self._broken is not None:
+                raise RuntimeError(f"the engine's processes are out of step after an error: "
+                                   f"{self._broken!r}")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting "
                                 f"(max_queue={self.max_queue})")
@@ -472,33 +599,39 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _insert(self, slot: int, h: RequestHandle) -> None:
         p = h.params
-        P = bucket(len(h.prompt))
-        prompt = np.zeros((1, P), np.int32)
+        prompt = np.zeros((1, bucket(len(h.prompt))), np.int32)
         prompt[0, :len(h.prompt)] = h.prompt
-        greedy = p.temperature == 0
+        knobs = (float(p.temperature), int(p.top_k), float(p.top_p), int(p.seed),
+                 p.temperature == 0, int(p.max_tokens))
+        with self._dev_lock:
+            self._lead(_Op("insert", slot=slot, prompt=prompt, prompt_len=len(h.prompt),
+                           knobs=knobs, eos=np.asarray(h._eos[:EOS_BUCKET], np.int32)))
+        self._m["prompt_tokens"] += len(h.prompt)
+
+    def _apply_insert(self, op: _Op) -> None:
+        """Prefills op.prompt into slot op.slot with the request's knobs."""
+        temperature, top_k, top_p, seed, greedy, max_tokens = op.knobs
         row = _Row(
-            SamplingParams(temperature=jnp.asarray([p.temperature if not greedy else 1.0],
+            SamplingParams(temperature=jnp.asarray([temperature if not greedy else 1.0],
                                                    jnp.float32),
-                           top_k=jnp.asarray([min(p.top_k, self.vocab)], jnp.int32),
-                           top_p=jnp.asarray([p.top_p], jnp.float32),
-                           seed=jnp.asarray([p.seed], jnp.uint32),
+                           top_k=jnp.asarray([min(top_k, self.vocab)], jnp.int32),
+                           top_p=jnp.asarray([top_p], jnp.float32),
+                           seed=jnp.asarray([seed], jnp.uint32),
                            stream=jnp.zeros((1,), jnp.int32),
                            greedy_rows=jnp.asarray([greedy])),
-            Limits(max_new_tokens=jnp.asarray([p.max_tokens], jnp.int32),
-                   eos_token_id=jnp.asarray(h._eos[None, :EOS_BUCKET], jnp.int32)))
-        with self._dev_lock:
-            self._dev = _device_insert(self._pair, self._dev, jnp.asarray([slot], jnp.int32),
-                                       jnp.asarray(prompt),
-                                       jnp.asarray([len(h.prompt)], jnp.int32), row,
-                                       insert_fn=self.spec.insert, cfg=self._base,
-                                       vocab=self.vocab,
-                                       shared=self.shared_pool or self._pool0 is None)
-        self._m["prompt_tokens"] += len(h.prompt)
+            Limits(max_new_tokens=jnp.asarray([max_tokens], jnp.int32),
+                   eos_token_id=jnp.asarray(op.eos[None], jnp.int32)))
+        self._dev = _device_insert(self._pair, self._dev, jnp.asarray([op.slot], jnp.int32),
+                                   jnp.asarray(op.prompt),
+                                   jnp.asarray([op.prompt_len], jnp.int32), row,
+                                   insert_fn=self.spec.insert, cfg=self._base, vocab=self.vocab,
+                                   shared=self.shared_pool or self._pool0 is None)
 
     def step(self) -> bool:
         """One scheduler iteration on the calling thread (prefill waiting requests into free
         slots, one device step of k rounds, stream tokens, free finished slots). Returns
         whether anything is in flight or waiting."""
+        self._leader_only("step")
         with self._lock:
             for h in [h for h in self._waiting if h._cancel]:
                 self._waiting.remove(h)
@@ -519,28 +652,111 @@ class Engine:
         busy = [i for i, h in enumerate(self._running) if h is not None]
         if not busy:  # freed rows that are not done yet end at the next step
             return bool(self._waiting)
-        cfg = self._level(len(busy))
+        level = self._level(len(busy))
+        cfg = self.levels[level][1]
         greedy = all(self._running[i].params.temperature == 0 for i in busy)
-        toks, counts, kept, live, prop, done, hits = self._device_step(cfg, greedy)
+        toks, counts, kept, live, prop, done, hits = self._device_step(level, greedy)
         with self._lock:
             return self._host_update(busy, cfg, toks, counts, kept, live, prop, done, hits)
 
-    def _device_step(self, cfg, greedy: bool):
+    def _device_step(self, level: int, greedy: bool):
+        """k rounds on every slot under load level `level` (an index into self.levels) ->
+        the step's outputs on the host (see `_device_step`, the jitted one)."""
+        with self._dev_lock:
+            out = self._lead(_Op("step", level=level, greedy=greedy,
+                                 stop_rows=self._stop_rows.copy()))
+            self._stop_rows[:] = False
+        return out
+
+    def _apply_step(self, op: _Op):
+        cfg = self.levels[op.level][1]
         if cfg is OFF:
             round_fn, cfg_used = self.spec.plain_round, self._base
         else:
             round_fn, cfg_used = self.spec.round, cfg
-        with self._dev_lock:
-            out = _device_step(self._pair, self._dev, jnp.asarray(self._stop_rows),
-                               round_fn=round_fn, cfg=cfg_used, greedy=greedy,
-                               rounds=self.rounds, width=self._width)
-            self._dev = out[0]
-            self._stop_rows[:] = False
-        return jax.device_get(out[1:])
+        out = _device_step(self._pair, self._dev, jnp.asarray(op.stop_rows),
+                           round_fn=round_fn, cfg=cfg_used, greedy=op.greedy,
+                           rounds=self.rounds, width=self._width)
+        self._dev = out[0]
+        # replicated over the mesh: every process reads them from its own devices
+        return fetch(out[1:])
+
+    # ------------------------------------------------------------------ lockstep
+    def _leader_only(self, what: str) -> None:
+        if self._multi and not is_leader():
+            raise RuntimeError(f"{what}: process {jax.process_index()} follows process 0, "
+                               "which serves the requests; call follow() here instead")
+
+    def _lead(self, op: _Op):
+        """Runs op's device call here; on a multi-process engine op is first broadcast, so
+        every follower runs the same call (the caller holds _dev_lock: one call at a time)."""
+        if self._multi:
+            if self._closed:
+                raise RuntimeError("the engine has stopped: its followers have returned")
+            if self._broken is not None:
+                raise RuntimeError(f"the engine's processes may be out of step after an "
+                                   f"error: {self._broken!r}") from self._broken
+            try:
+                broadcast(op)
+                self._last_op = time.monotonic()
+                if op.kind == "stop":
+                    self._closed = True
+                    return None
+                return self._apply(op)
+            except Exception as e:  # a collective failed midway: no further call is safe
+                self._broken = e
+                raise
+        return self._apply(op)
+
+    def _apply(self, op: _Op):
+        """The device call op stands for (the caller holds _dev_lock)."""
+        if op.kind == "insert":
+            return self._apply_insert(op)
+        if op.kind == "step":
+            return self._apply_step(op)
+        if op.kind == "pool":
+            pool = getattr(self._dev.state, "pool", None)
+            if pool is None:
+                return None
+            # a copy (every step donates the engine's own); on a mesh replicated in one call,
+            # then read from this process's devices and placed on its default device
+            pool = _copy_replicated(self._pair, pool)
+            return local(pool) if self._pair.mesh is not None else pool
+        if op.kind == "idle":
+            return None
+        raise ValueError(f"unknown engine op {op.kind!r}")
+
+    def follow(self) -> int:
+        """On every process but 0 of a multi-process engine: runs the device calls process 0
+        broadcasts, in its order, until its stop(); returns how many ran. A leader that dies
+        ends the wait with an error (jax.distributed notices the lost peer)."""
+        if not self._multi:
+            raise RuntimeError("follow() is for an engine whose mesh spans processes")
+        if is_leader():
+            raise RuntimeError("follow(): process 0 leads (submit, step, start); the other "
+                               "processes follow")
+        n = 0
+        while True:
+            op = broadcast(None)
+            if op.kind == "stop":
+                self._closed = True
+                return n
+            with self._dev_lock:
+                self._apply(op)
+            n += op.kind != "idle"
+
+    def _heartbeat(self) -> None:
+        """An idle leader's "idle" record, every IDLE_HEARTBEAT_S: followers never wait in a
+        collective for long, whatever the collectives' timeouts are."""
+        if self._multi and not self._closed and self._broken is None \
+                and time.monotonic() - self._last_op > IDLE_HEARTBEAT_S:
+            with self._dev_lock:
+                self._lead(_Op("idle"))
 
     def warmup(self, prompt_widths: Sequence[int] = (16,)) -> None:
         """Compiles, while idle, the device step of every load level in both sampling modes
         and the insert of each prompt-width bucket, so the first requests wait for none."""
+        self._leader_only("warmup")
         with self._lock:
             if self._waiting or any(h is not None for h in self._running):
                 raise RuntimeError("warmup() needs an idle engine")
@@ -550,9 +766,9 @@ class Engine:
                 self._insert(0, h)
                 self._m["prompt_tokens"] -= len(h.prompt)
                 self._stop_rows[0] = True  # the dummy row ends before any round
-            for _, c in self.levels:
+            for level in range(len(self.levels)):
                 for greedy in (True, False):
-                    self._device_step(c, greedy)
+                    self._device_step(level, greedy)
                     self._stop_rows[0] = False
 
     def _host_update(self, busy, cfg, toks, counts, kept, live, prop, done, hits) -> bool:
@@ -675,6 +891,10 @@ class Engine:
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
         """Runs step() on a background thread until stop()."""
+        self._leader_only("start")
+        if self._closed:
+            raise RuntimeError("a multi-process engine cannot start again after stop(): its "
+                               "followers have returned")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -691,9 +911,11 @@ class Engine:
                     return
                 if idle:
                     self._cv.wait(0.05)
-                    continue
             try:
-                self.step()
+                if idle:
+                    self._heartbeat()
+                else:
+                    self.step()
             except Exception as e:  # noqa: BLE001 -- a fault fails the requests in flight, not the thread
                 self._fail_all(e)
 
@@ -707,7 +929,10 @@ class Engine:
 
     def stop(self, cancel: bool = False, timeout: Optional[float] = None) -> None:
         """Stops the thread: finishes in-flight requests (or cancels them with cancel=True,
-        finish_reason "cancelled"); waiting requests are cancelled. Also a context manager."""
+        finish_reason "cancelled"); waiting requests are cancelled. Also a context manager.
+        On a multi-process engine it then sends the followers "stop" (their follow() returns),
+        and the engine cannot start again."""
+        self._leader_only("stop")
         with self._lock:
             self._stopping = True
             while self._waiting:
@@ -726,6 +951,14 @@ class Engine:
             while self.step():
                 if deadline is not None and time.perf_counter() > deadline:
                     break
+        self._release_followers()
+
+    def _release_followers(self) -> None:
+        """The "stop" record, once; not after an error (the followers have failed with it, and
+        a collective now might never return)."""
+        if self._multi and not self._closed and self._broken is None:
+            with self._dev_lock:
+                self._lead(_Op("stop"))
 
     def __enter__(self):
         self.start()
@@ -736,12 +969,19 @@ class Engine:
 
     # ------------------------------------------------------------------ reporting
     @property
+    def running(self) -> bool:
+        """False once a multi-process engine can run no more device calls (stopped, or a call
+        failed, e.g. a peer process died): the server's /health then answers 503."""
+        return not self._closed and self._broken is None
+
+    @property
     def pool(self) -> Optional[PhrasePool]:
         """A copy of the shared phrase pool as it is now (save with oj.save_pool); None for
-        methods without one. (A copy: every device step donates the engine's own.)"""
+        methods without one. (A copy: every device step donates the engine's own. Over
+        processes: gathered from every process, on process 0's default device.)"""
+        self._leader_only("pool")
         with self._dev_lock:
-            pool = getattr(self._dev.state, "pool", None)
-            return None if pool is None else jax.tree_util.tree_map(jnp.copy, pool)
+            return self._lead(_Op("pool"))
 
     def metrics(self) -> dict:
         """Cumulative counters (vLLM's spec-decode names), pool hit rate, load and the config
