@@ -229,10 +229,11 @@ def _forget_keys(pool: PhrasePool, lo: jax.Array, hi: jax.Array) -> PhrasePool:
 @partial(jax.jit, static_argnames=("insert_fn", "cfg", "vocab", "shared"), donate_argnums=(1,))
 def _device_insert(pair, dev: _Device, rows, prompt, prompt_lengths, row: _Row, *, insert_fn,
                    cfg, vocab: int, shared: bool) -> _Device:
-    state = insert_fn(pair, cfg, dev.state, rows, prompt, prompt_lengths)
-    if not shared:
+    state = dev.state
+    if not shared:  # before the insert, which may fill the slot's range (context phrases)
         lo = rows[0] * vocab
         state = state.replace(pool=_forget_keys(state.pool, lo, lo + vocab * rows.shape[0]))
+    state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
     return _Device(state, set_rows(dev.sp, rows, row.sp), set_rows(dev.limits, rows, row.limits))
 
 
@@ -544,6 +545,7 @@ class Engine:
         with self._lock:
             if self._waiting or any(h is not None for h in self._running):
                 raise RuntimeError("warmup() needs an idle engine")
+            pool = self.pool  # the dummy prompts' n-grams (context phrases) must not stay
             for w in sorted({bucket(int(w)) for w in prompt_widths}):
                 h = RequestHandle(self, [0] * min(w, self.limit - 1), RequestParams(max_tokens=1),
                                   self._default_eos, set())
@@ -554,6 +556,9 @@ class Engine:
                 for greedy in (True, False):
                     self._device_step(c, greedy)
                     self._stop_rows[0] = False
+            if pool is not None:
+                with self._dev_lock:
+                    self._dev = self._dev.replace(state=self._dev.state.replace(pool=pool))
 
     def _host_update(self, busy, cfg, toks, counts, kept, live, prop, done, hits) -> bool:
         self._m["steps"] += 1
