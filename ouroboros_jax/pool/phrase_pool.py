@@ -35,7 +35,8 @@ lax.cond over the pool would copy it every round (measured: 6.5x the cost of a 4
 insert_many on a 32000-row pool). `clear_pool` resets the clock.
 
 Dimension letters (package glossary): R pool rows, G slots (phrases per key) per row, M phrase
-length, I phrases inserted in one batch, V vocabulary.
+length, I phrases inserted in one batch, V vocabulary; `insert_context` reads B rows of context
+tokens of padded width P, n-grams of N = M + 1 tokens.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ def insert_context(pool: PhrasePool, tokens, lengths, key_offset=None) -> Phrase
     Order (what decides which n-grams the LRU keeps and `lookup` offers first): within a row,
     an n-gram starting later is inserted later, so the context's most recent phrase for a key
     wins, as if the row had recycled its context token by token; a repeated n-gram is
-    refreshed at its last occurrence. Across rows the inserts are aligned at the rows' ends and
+    refreshed at its last occurrence (LRU). Across rows the inserts are aligned at the rows' ends and
     interleaved (step k = 0 .. P-M-1 inserts, in every row, the n-gram ending P-M-1-k tokens
     before the row's last one), so in a shared pool no row's newest phrases are pushed out by
     another row's older ones, whatever the rows' lengths.
