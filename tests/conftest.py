@@ -136,6 +136,33 @@ REPEAT = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [20, 21] * 7, [30, 31, 32, 33, 34] 
           [3, 4, 50, 3, 4, 51, 3, 4]]
 
 
+def noisy_copy(model, scale=0.03, seed=7):
+    """The model with N(0, scale * std) noise on every weight: a draft that agrees with it
+    often but not always."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    leaves, tdef = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+             for x, k in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree.unflatten(tdef, noisy))
+
+
+@pytest.fixture(scope="session")
+def copy_prompts(small_vocab):
+    """(prompts, continuations): prompts whose greedy continuation copies them. The 8-token
+    model falls into loops within a few tokens, so a prompt ending in 32 tokens of its own
+    greedy output goes on repeating n-grams it holds; continuations are its next 16 greedy
+    tokens (greedy is deterministic: they are what every method must emit)."""
+    model = small_vocab[0]
+    rs = np.random.RandomState(5)
+    starts = [rs.randint(0, 8, size=rs.randint(4, 12)).tolist() for _ in range(8)]
+    out = oj.generate(model, starts, max_new_tokens=48, eos_token_id=-1).tokens
+    return [s + o[:32] for s, o in zip(starts, out)], [o[32:] for o in out]
+
+
 def ngram_pool(vocab, seqs, n, guesses):
     """A pool holding every n-gram of seqs (key = first token, phrase = the n-1 after it)."""
     import jax.numpy as jnp

@@ -286,3 +286,35 @@ def test_per_request_pools_when_speculation_is_off_at_every_load(tiny_pair):
     h = eng.submit(PROMPTS[1], RequestParams(max_tokens=6))
     _drain(eng)
     assert h.result().token_ids == _reference(target, None, "vanilla", None, PROMPTS[1], 6)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_context_phrases_enter_the_pool_when_a_request_is_admitted(tiny_target, shared):
+    """A request's prompt n-grams are in the pool from its first round: the shared pool, or its
+    slot's own key range, which is cleared of the slot's previous request before the insert
+    (not after it). warmup()'s dummy prompts leave nothing behind; tokens are generate's."""
+    from ouroboros_jax.pool import lookup, pool_occupancy
+
+    cfg = dataclasses.replace(LA, context_phrases=True)
+    eng = Engine(tiny_target, method="lookahead", config=cfg, slots=2, max_cache_len=64,
+                 rounds_per_step=1, shared_pool=shared)
+    eng.warmup()
+    assert int(pool_occupancy(eng.pool)) == 0
+    first = eng.submit(REPEAT[1], RequestParams(max_tokens=8, stop_token_ids=()))
+    _drain(eng)  # slot 0 then holds its phrases
+    assert first.result().token_ids == _reference(tiny_target, None, "lookahead", cfg,
+                                                  REPEAT[1], 8, eos_token_id=-1)
+    prompt = REPEAT[5]  # [3, 4, 50, 3, 4, 51, 3, 4]
+    eng.submit(prompt, RequestParams(max_tokens=1, stop_token_ids=()))
+    _drain(eng)  # slot 0 again, one round: the window is still warming up (no harvest)
+    pool = eng.pool
+    phrases, found = lookup(pool, jnp.int32(3), 2)
+    assert np.asarray(found).all()
+    assert np.asarray(phrases).tolist() == [[4, 51, 3], [4, 50, 3]]  # the later one first
+    if not shared:  # slot 0's range holds this prompt's n-grams and nothing else
+        V = tiny_target.config.vocab_size
+        mine = (np.asarray(pool.stamps) > 0) & (np.asarray(pool.keys) < V)
+        held = sorted(zip(np.asarray(pool.keys)[mine].tolist(),
+                          map(tuple, np.asarray(pool.phrases)[mine].tolist())))
+        want = sorted({(prompt[i], tuple(prompt[i + 1:i + 4])) for i in range(len(prompt) - 3)})
+        assert held == want

@@ -52,11 +52,16 @@ def test_recipe_evaluates_back_into_the_config(cfg):
 def test_ablation_steps_add_one_mechanism_each():
     steps = configs.ablation_steps()
     assert [s for s, _ in steps] == ["SD", "+phrase drafting", "+lengthening", "+recycling",
-                                     "+history"]
+                                     "+history", "+context phrases"]
     on = [sum(sw.values()) for _, sw in steps]
-    assert on == [0, 1, 2, 3, 4]
+    assert on == [0, 1, 2, 3, 4, 5]
     runs = configs.method_runs(["ablation"])
     assert runs[0].config.phrase_drafting is False and runs[-1].config.history is True
+    # the paper's four mechanisms first, this code's extension last
+    assert runs[-2].config.context_phrases is False and runs[-1].config.context_phrases is True
+    la = LookaheadConfig.KNOBS.ablation_steps()
+    assert la == (("lookahead", {"context_phrases": False}),
+                  ("+context phrases", {"context_phrases": True}))
 
 
 def test_interpolate_by_hand():

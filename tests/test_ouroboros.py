@@ -1,11 +1,11 @@
 """Ouroboros: greedy equals vanilla token for token in every regime (drafts that agree fully,
 partly or not at all; batch 1 and 4; EOS and max_new_tokens inside draft and branch; empty,
-full and carried pools; each mechanism off alone), sampling equals vanilla sampling for the same
-seed and follows the exact distribution with branches taken, and the stats add up."""
+full and carried pools; each mechanism off alone; the prompt's n-grams in the pool), sampling
+equals vanilla sampling for the same seed and follows the exact distribution with branches
+taken, and the stats add up."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.pool import PhrasePool, init_pool, insert_many, pool_occupancy
 
-from conftest import REPEAT, TINY_VOCAB, ngram_pool
+from conftest import REPEAT, TINY_VOCAB, ngram_pool, noisy_copy
 
 CFG = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
 G1 = CFG.gamma + 1
@@ -48,11 +48,7 @@ def prompts100():
 @pytest.fixture(scope="module")
 def noisy_draft(tiny_target):
     """The target with 3% noise on every weight: agrees with it often but not always."""
-    leaves, tdef = jax.tree.flatten(tiny_target.params)
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    noisy = [x + 0.03 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
-             for x, k in zip(leaves, keys)]
-    return dataclasses.replace(tiny_target, params=jax.tree.unflatten(tdef, noisy))
+    return noisy_copy(tiny_target)
 
 
 def test_config_validation():
@@ -208,7 +204,8 @@ def test_full_pool_and_carried_pool(tiny_target, noisy_draft, random_prompts, re
         ouro(tiny_target, noisy_draft, REPEAT, pool=init_pool(TINY_VOCAB, 4, 5), **kw)
 
 
-@pytest.mark.parametrize("switch", ["phrase_drafting", "lengthening", "recycling"])
+@pytest.mark.parametrize("switch", ["phrase_drafting", "lengthening", "recycling",
+                                    "context_phrases"])
 def test_each_mechanism_off_alone(tiny_target, noisy_draft, random_prompts, repeat_full,
                                   switch):
     cfg = dataclasses.replace(CFG, **{switch: False})
@@ -240,6 +237,31 @@ def test_sampling_identical_to_vanilla_same_seed(tiny_target, noisy_draft):
         out = ouro(tiny_target, draft, REPEAT, pool=pl, **kw)
         assert out.tokens == ref
     assert out.stats["suffix_tokens_accepted"] > 0 and out.stats["eta"] > 2
+
+
+# context phrases: gamma 2, so that branches (keyed by d_gamma) are reached often on the
+# 8-token model's copy prompts
+CTX = {on: dataclasses.replace(CFG, gamma=2, context_phrases=on) for on in (True, False)}
+
+
+def test_context_phrases_raise_eta_when_the_output_copies_the_prompt(small_vocab, copy_prompts):
+    model = small_vocab[0]
+    prompts, want = copy_prompts
+    draft = noisy_copy(model)
+    on, off = (ouro(model, draft, prompts, CTX[c], max_new_tokens=16, eos_token_id=-1)
+               for c in (True, False))
+    assert on.tokens == off.tokens == want
+    check_stats(on.stats, len(prompts))
+    assert on.stats["eta"] > off.stats["eta"]  # measured 3.28 against 2.98
+    assert on.stats["suffix_tokens_accepted"] > off.stats["suffix_tokens_accepted"]
+
+
+def test_context_phrases_sampling_identical_to_vanilla_same_seed(small_vocab, copy_prompts):
+    model, prompts = small_vocab[0], copy_prompts[0]
+    kw = dict(max_new_tokens=16, eos_token_id=-1, temperature=0.5, top_k=6, seed=3)
+    ref = oj.generate(model, prompts, **kw).tokens
+    out = ouro(model, noisy_copy(model), prompts, CTX[True], **kw)
+    assert out.tokens == ref and out.stats["suffix_tokens_accepted"] > 0
 
 
 def _three_token_probs(tm, prompt, temperature):

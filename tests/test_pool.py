@@ -16,6 +16,7 @@ from ouroboros_jax.pool import (
     clear_pool,
     init_pool,
     insert,
+    insert_context,
     insert_many,
     lookup,
     pool_bytes,
@@ -30,6 +31,7 @@ V, G, M, P = 6, 3, 2, 16  # tiny vocab, slots per row, phrase length, inserts pe
 _insert = jax.jit(insert)
 _insert_many = jax.jit(insert_many)
 _lookup = jax.jit(lookup, static_argnums=2)
+_insert_context = jax.jit(insert_context)
 
 
 class RefPool:
@@ -128,7 +130,78 @@ def test_smaller_k_is_prefix(op_list, k):
     chex.assert_trees_all_equal((part_p, part_f), (full_p[:, :k], full_f[:, :k]))
 
 
+CB, CP = 2, 8  # context rows and padded width of the context property test
+
+
+def context_ops(tokens, lengths):
+    """The (key, phrase) inserts `insert_context` must make, in order, written out by hand:
+    step k visits every row's n-gram starting at k + length - P (rows aligned at their ends),
+    when it starts inside the row."""
+    P = tokens.shape[1]
+    out = []
+    for k in range(P - M):
+        for row, n in zip(tokens, lengths):
+            i = k + n - P
+            if i >= 0:
+                out.append((int(row[i]), [int(t) for t in row[i + 1:i + 1 + M]]))
+    return out
+
+
+@SETTINGS
+@given(st.sampled_from([V, 4, 2]), st.sampled_from(["lru", "fifo"]),
+       st.lists(st.integers(0, V - 1), min_size=CB * CP, max_size=CB * CP),
+       st.lists(st.integers(1, CP), min_size=CB, max_size=CB))
+def test_insert_context_matches_reference(rows, policy, flat, lengths):
+    tokens = np.array(flat, np.int32).reshape(CB, CP)
+    pool = _insert_context(init_pool(V, G, M, rows=rows, policy=policy), tokens,
+                           np.array(lengths, np.int32))
+    ref = RefPool(rows, G, policy)
+    for key, phrase in context_ops(tokens, lengths):
+        ref.insert(key, phrase)
+    assert_same(pool, ref)
+
+
 # ----------------------------------------------------------------------------- concrete
+
+
+def test_insert_context_holds_exactly_the_prompts_ngrams():
+    """Two right-padded prompts; every key has room for all its phrases. The pool then holds
+    the prompts' trigrams and nothing else (none reaching into the padding), each key's newest
+    first by its last occurrence, the later of two prompts' ends newest."""
+    V2, G2, N = 50, 8, 3
+    a = [5, 6, 7, 5, 6, 8, 9, 5, 6, 7]  # (5 | 6 7) twice, (5 | 6 8) between
+    b = [11, 5, 6, 12]
+    tokens = np.full((2, 12), 49, np.int32)  # padding 49: an n-gram through it would show
+    tokens[0, :len(a)], tokens[1, :len(b)] = a, b
+    pool = _insert_context(init_pool(V2, G2, N - 1), tokens, np.array([len(a), len(b)]))
+    want = {(int(g[0]), tuple(int(t) for t in g[1:]))
+            for p in (a, b) for g in np.lib.stride_tricks.sliding_window_view(np.array(p), N)}
+    filled = np.asarray(pool.stamps) > 0
+    held = [(int(k), tuple(ph)) for k, ph in zip(np.asarray(pool.keys)[filled],
+                                                  np.asarray(pool.phrases)[filled].tolist())]
+    assert sorted(held) == sorted(want)  # each n-gram once: a repeat refreshes, never adds
+    phrases, found = _lookup(pool, jnp.int32(5), G2)
+    got = [tuple(p) for p, f in zip(np.asarray(phrases).tolist(), np.asarray(found)) if f]
+    # b's (5 | 6 12) and a's second (5 | 6 7) both end their prompts (the same, last step; b
+    # is the later row); a's (5 | 6 8) ends 4 tokens before a's end
+    assert got == [(6, 12), (6, 7), (6, 8)]
+    # the latest phrases win: (6 7) is refreshed by its repeat, and with more phrases than G
+    # slots the oldest goes
+    small = _insert_context(init_pool(V2, 2, N - 1), tokens[:1], np.array([len(a)]))
+    assert found_phrases(small, 5, 2) == [(6, 7), (6, 8)]
+    small = _insert_context(init_pool(V2, 2, N - 1), np.array([[5, 6, 1, 5, 6, 2, 5, 6, 3]]),
+                            np.array([9]))
+    assert found_phrases(small, 5, 2) == [(6, 3), (6, 2)]  # (6 1), the oldest, evicted
+    # a per-row key offset moves the row's keys into its own range (per-request pools)
+    moved = _insert_context(init_pool(2 * V2, G2, N - 1, rows=2 * V2), tokens,
+                            np.array([len(a), len(b)]), np.array([0, V2], np.int32))
+    assert found_phrases(moved, 5, G2) == [(6, 7), (6, 8)]
+    assert found_phrases(moved, V2 + 5, G2) == [(6, 12)]
+    assert found_phrases(moved, V2 + 11, G2) == [(5, 6)]
+    # prompts too short for one n-gram (or a width below N) insert nothing
+    none = _insert_context(init_pool(V2, G2, N - 1), tokens, np.array([2, 1]))
+    assert int(pool_occupancy(none)) == 0 and int(none.clock) == 0
+    assert int(insert_context(init_pool(V2, G2, 4), tokens[:, :3], np.array([3, 3])).clock) == 0
 
 
 def fill(pool, items):

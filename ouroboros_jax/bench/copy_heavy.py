@@ -4,7 +4,12 @@ methods interleaved prompt by prompt, repeated, with the ratio of each repeat si
     python -m ouroboros_jax.bench.copy_heavy --target DIR \
         --spec-bench ../shared/data/spec_bench/question.jsonl --per-task 4 --reps 3
 
-Prompts: `workloads.copy_heavy_prompts` (code rewrites, Spec-Bench summarization and RAG),
+`--switch FIELD` runs every method whose config has that mechanism switch twice, with it on
+(label METHOD+FIELD) and off (METHOD-FIELD), interleaved like the other methods: an ablation of
+one switch on the same prompts in the same run (e.g. `--switch context_phrases`).
+
+Prompts: `workloads.copy_heavy_prompts` (code rewrites, Spec-Bench summarization and RAG;
+with --demo-prompts also the demo pair's held-out code prompts, task "code"),
 wrapped in the target tokenizer's chat template when it has one (a chat model answers a
 request, it does not continue it). Every method runs with config="auto" unless --config gives
 one. Prints one JSON object: per method its tokens/s, its speedup over vanilla per repeat
@@ -18,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -42,9 +48,10 @@ def copied_share(prompt: list[int], out: list[int], n: int = 4) -> float:
 
 
 def run(target, prompts: list[list[int]], lengths: list[int], methods: dict, reps: int,
-        log=print) -> dict:
+        log=print, tasks: Optional[list[str]] = None) -> dict:
     """methods {label: generate kwargs}; "vanilla" must be one. Interleaved: each repeat runs
-    every prompt once per method, methods in turn."""
+    every prompt once per method, methods in turn. tasks (one per prompt) adds the same figures
+    per task ("per_task")."""
     from ..generate import generate
 
     for label, kw in methods.items():  # compile (and auto's probe) outside the timings
@@ -61,23 +68,56 @@ def run(target, prompts: list[list[int]], lengths: list[int], methods: dict, rep
                 secs[m][r, i] = o.stats["seconds"]
                 outs[m][i], stats[m][i] = o.tokens[0], o.stats
         log(f"[copy_heavy] repeat {r + 1}/{reps} done")
-    tokens = sum(len(o) for o in outs["vanilla"])
-    res = {"prompts": len(prompts), "new_tokens": tokens, "reps": reps, "methods": {}}
-    van = secs["vanilla"].sum(axis=1)
-    for m in methods:
-        per_rep = van / secs[m].sum(axis=1)
-        rounds = sum(s["target_calls"] for s in stats[m])
-        res["methods"][m] = {
-            "tokens_per_second": float(tokens / np.median(secs[m].sum(axis=1))),
-            "speedup_median": float(np.median(per_rep)),
-            "speedup_per_rep": [round(float(x), 3) for x in per_rep],
-            "eta": sum(len(o) for o in outs[m]) / max(rounds, 1),
-            "identical": outs[m] == outs["vanilla"],
-            "auto": stats[m][-1].get("auto"),
-        }
+
+    def summary(idx: list[int]) -> dict:
+        """Every method's figures over the prompts idx."""
+        tokens = sum(len(outs["vanilla"][i]) for i in idx)
+        van = secs["vanilla"][:, idx].sum(axis=1)
+        out = {}
+        for m in methods:
+            per_rep = van / secs[m][:, idx].sum(axis=1)
+            rounds = sum(stats[m][i]["target_calls"] for i in idx)
+            out[m] = {
+                "tokens_per_second": float(tokens / np.median(secs[m][:, idx].sum(axis=1))),
+                "speedup_median": float(np.median(per_rep)),
+                "speedup_per_rep": [round(float(x), 3) for x in per_rep],
+                "eta": sum(len(outs[m][i]) for i in idx) / max(rounds, 1),
+                "identical": [outs[m][i] for i in idx] == [outs["vanilla"][i] for i in idx],
+                "auto": stats[m][idx[-1]].get("auto"),
+            }
+        return out
+
+    everything = list(range(len(prompts)))
+    res = {"prompts": len(prompts), "new_tokens": sum(len(o) for o in outs["vanilla"]),
+           "reps": reps, "methods": summary(everything)}
+    if tasks is not None:
+        res["per_task"] = {t: summary([i for i in everything if tasks[i] == t])
+                           for t in dict.fromkeys(tasks)}
     res["copied_4gram_share"] = float(np.mean([copied_share(p, o) for p, o in
                                                zip(prompts, outs["vanilla"])]))
     return res
+
+
+def switch_variants(methods: dict, field: str) -> dict:
+    """methods {label: generate kwargs} with every method whose config has the mechanism switch
+    `field` (its `KNOBS.switches`) replaced by two runs: field on (label+field) and off
+    (label-field). Such a method needs a config object (auto's choice has no switch to flip)."""
+    import dataclasses
+
+    from ..decoding import METHODS
+
+    out = {}
+    for label, kw in methods.items():
+        space = METHODS[kw["method"]].knobs
+        if space is None or field not in {s.field for s in space.switches}:
+            out[label] = kw
+            continue
+        if not dataclasses.is_dataclass(kw.get("config")):
+            raise SystemExit(f"--switch {field}: give --config for {label}")
+        for sign, on in (("+", True), ("-", False)):
+            out[f"{label}{sign}{field}"] = {
+                **kw, "config": dataclasses.replace(kw["config"], **{field: on})}
+    return out
 
 
 def main(argv=None) -> int:
@@ -92,13 +132,17 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="vanilla,prompt_lookup")
     ap.add_argument("--config", action="append", default=[], metavar="METHOD=JSON",
                     help="a config instead of auto, e.g. prompt_lookup='{\"length\": 8}'")
+    ap.add_argument("--switch", metavar="FIELD",
+                    help="run each method having this mechanism switch with it on and off")
+    ap.add_argument("--demo-prompts", action="store_true",
+                    help="add the demo pair's held-out code prompts (task code)")
     a = ap.parse_args(argv)
     for name in ("per_task", "max_new_tokens", "reps"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     import ouroboros_jax as oj
     from ..decoding import METHODS
-    from .workloads import copy_heavy_prompts, limit_per_task
+    from .workloads import copy_heavy_prompts, demo_code_prompts, limit_per_task
 
     target = oj.load_model(a.target)
     draft = oj.load_model(a.draft) if a.draft else None
@@ -121,10 +165,14 @@ def main(argv=None) -> int:
         methods[m] = kw
     if "vanilla" not in methods:
         methods = {"vanilla": {"method": "vanilla"}, **methods}
-    prompts = limit_per_task(copy_heavy_prompts(a.spec_bench), a.per_task)
+    if a.switch:
+        methods = switch_variants(methods, a.switch)
+    prompts = copy_heavy_prompts(a.spec_bench) + (demo_code_prompts() if a.demo_prompts else [])
+    prompts = limit_per_task(prompts, a.per_task)
     ids = [chat_ids(target, p.turns[0]) for p in prompts]
     res = run(target, ids, [a.max_new_tokens] * len(ids), methods, a.reps,
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+              log=lambda s: print(s, file=sys.stderr, flush=True),
+              tasks=[p.task for p in prompts])
     res["command"] = "python -m ouroboros_jax.bench.copy_heavy " + " ".join(
         sys.argv[1:] if argv is None else argv)
     res["tasks"] = sorted({p.task for p in prompts})

@@ -30,7 +30,7 @@ from ..models import causal_mask, forward
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
 from ..sharding import cache_spec
-from ..pool import pool_occupancy
+from ..pool import insert_context, pool_occupancy
 from ..sampling import choose_tokens
 
 
@@ -326,6 +326,18 @@ def pool_summary(stats: Stats, pool) -> dict:
     a phrase / rounds) and pool_occupancy."""
     rounds = jnp.maximum(jnp.sum(stats.rounds), 1)
     return dict(pool_hit_rate=stats.own.pool_hits / rounds, pool_occupancy=pool_occupancy(pool))
+
+
+def pool_with_context(state, rows: jax.Array, prompt: jax.Array, prompt_lengths: jax.Array,
+                      on: bool):
+    """A pool-keeping method's pool once rows int32[R] start prompt int32[R,P]: with `on` (its
+    config's `context_phrases`, static) the prompts' n-grams inserted (`pool.insert_context`),
+    so lookups can copy from the prompt from the first round; under the rows' own key ranges
+    when the state has them (`key_offset`, the engine's per-request pools)."""
+    if not on:
+        return state.pool
+    offset = None if state.key_offset is None else state.key_offset[rows]
+    return insert_context(state.pool, prompt, prompt_lengths, offset)
 
 
 def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequences,

@@ -65,6 +65,9 @@ NGRAM = Knob("ngram", auto=(3, 4, 5, 7), tune=(5, 6, 7, 8), start=6, quick=(4,),
 GUESSES = Knob("guesses", tied_to="window")
 SUFFIXES = Knob("suffixes", auto=(1, 2, 3), tune=(1, 3, 5), start=3, quick=(1, 2),
                 quick_start=2, at_most="window")
+# a switch shared by the pool-keeping methods (lookahead, Ouroboros): the prompt's n-grams
+# enter the pool when a row starts (`pool.insert_context`)
+CONTEXT_PHRASES = Switch("context_phrases", "context phrases")
 # prompt lookup's: candidates copied from the context per round, tokens per candidate
 CANDIDATES = Knob("candidates", auto=(1, 2, 3), tune=(1, 2, 3), start=2, quick=(1, 2),
                   quick_start=2)

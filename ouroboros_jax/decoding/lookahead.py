@@ -29,17 +29,20 @@ from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter, counters_dict,
                      emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
-                     make_pair, make_runner, plain_step, pool_summary, prefill_rows, set_rows)
+                     make_pair, make_runner, plain_step, pool_summary, pool_with_context,
+                     prefill_rows, set_rows)
 from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .cost import RoundModel, phrase_gain
-from .knobs import GUESSES, NGRAM, WINDOW, KnobSpace
+from .knobs import CONTEXT_PHRASES, GUESSES, NGRAM, WINDOW, KnobSpace
 from .spec import MethodSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class LookaheadConfig:
     """window W, ngram N, guesses G (pool phrases per key, verified per step), pool_rows R
-    (None: min(V, 65536)), history (False: every call starts from an empty pool).
+    (None: min(V, 65536)), history (False: every call starts from an empty pool),
+    context_phrases (each prompt's n-grams enter the pool when its row starts, so guesses can
+    copy from the prompt; False for ablations).
 
     Defaults W=15, N=5, G=15 are LADE's recommended 7B setting (Fu et al. 2023), also the
     Ouroboros paper's prose recipe (W 15, N 5). On 2 CPU cores smaller trees may be faster.
@@ -50,8 +53,10 @@ class LookaheadConfig:
     guesses: int = 15
     pool_rows: Optional[int] = None
     history: bool = True
+    context_phrases: bool = True
 
-    KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(WINDOW, NGRAM, GUESSES))
+    KNOBS: ClassVar[KnobSpace] = KnobSpace(knobs=(WINDOW, NGRAM, GUESSES),
+                                           switches=(CONTEXT_PHRASES,), baseline="lookahead")
 
     def __post_init__(self):
         check_int(self, "window", 1, MAX_TREE_TOKENS)
@@ -60,8 +65,10 @@ class LookaheadConfig:
         check_tree_tokens(self, _forward_sizes(self)[0], "(window + guesses) * (ngram - 1)")
         if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
             check_int(self, "pool_rows", 1, INT32_MAX)
-        if not isinstance(self.history, bool):
-            raise ValueError(f"LookaheadConfig.history must be a bool, got {self.history!r}")
+        for name in ("history", "context_phrases"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LookaheadConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
 
 
 @struct.dataclass
@@ -110,13 +117,15 @@ def lookahead_init(pair: Pair, cfg: LookaheadConfig, rows: int, slots: int, pool
 
 def lookahead_insert(pair: Pair, cfg: LookaheadConfig, state: LookaheadState, rows, prompt,
                      prompt_lengths) -> LookaheadState:
-    """Rows int32[R] start prompt int32[R,P]: cache prefilled, window started from it."""
+    """Rows int32[R] start prompt int32[R,P]: cache prefilled, window started from it, its
+    n-grams in the pool (context_phrases)."""
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     return state.replace(
         seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
         cache=prefill_rows(pair.tparams, pair.tconfig, state.cache, rows, prompt,
                            prompt_lengths),
-        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)))
+        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)),
+        pool=pool_with_context(state, rows, prompt, prompt_lengths, cfg.context_phrases))
 
 
 def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingParams,

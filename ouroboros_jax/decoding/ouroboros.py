@@ -58,12 +58,12 @@ from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_pair, make_runner, plain_step,
-                     pool_summary, prefill_rows, set_rows)
+                     pool_summary, pool_with_context, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step,
                      tree_forward)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
-from .knobs import GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace, Switch
+from .knobs import CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace, Switch
 from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
@@ -72,7 +72,10 @@ from .verify import Accepted, accept_walk, commit_path
 class OuroborosConfig:
     """gamma γ (draft tokens per round), window W, ngram N (phrases have N-1 tokens), guesses G
     (pool phrases per key, verified by the draft per step), suffixes X (<= G, branches per
-    round), pool_rows R (None: min(V, 65536)), and the four ablation switches.
+    round), pool_rows R (None: min(V, 65536)), and the ablation switches: the paper's four
+    mechanisms (phrase_drafting, lengthening, recycling, history) and context_phrases (each
+    prompt's n-grams enter the pool when its row starts, so drafting and lengthening can copy
+    from the prompt).
 
     Defaults are the paper's code recipe (gamma 10-12 -> 12, W 20, N 7, X 3) with G = W as in
     the reference. On a 2-core CPU smaller trees (e.g. W 8, N 5, G 8) may run faster.
@@ -96,12 +99,14 @@ class OuroborosConfig:
     lengthening: bool = True
     recycling: bool = True
     history: bool = True
+    context_phrases: bool = True
     confidence: float = 0.0
 
     KNOBS: ClassVar[KnobSpace] = KnobSpace(
         knobs=(GAMMA, WINDOW, NGRAM, GUESSES, SUFFIXES),
         switches=(Switch("phrase_drafting", "phrase drafting"), Switch("lengthening", "lengthening"),
-                  Switch("recycling", "recycling"), Switch("history", "history")))
+                  Switch("recycling", "recycling"), Switch("history", "history"),
+                  CONTEXT_PHRASES))
 
     def __post_init__(self):
         check_int(self, "gamma", 1, MAX_TREE_TOKENS)
@@ -112,7 +117,8 @@ class OuroborosConfig:
         if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
             check_int(self, "pool_rows", 1, INT32_MAX)
         check_fraction(self, "confidence")
-        for name in ("phrase_drafting", "lengthening", "recycling", "history"):
+        for name in ("phrase_drafting", "lengthening", "recycling", "history",
+                     "context_phrases"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
@@ -299,7 +305,7 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
 
     Args:
         pair: the target's and the draft's params and (static) configs.
-        cfg: the (static) OuroborosConfig: γ, W, N, G, X and the four mechanism switches.
+        cfg: the (static) OuroborosConfig: γ, W, N, G, X and the mechanism switches.
         greedy: static; True takes the target's argmax, False draws with `sp`.
         sp: SamplingParams (temperature, top-k, top-p, seed); keys fold (row, position).
         limits: Limits (max_new_tokens, EOS ids) applied by `emit`.
@@ -389,7 +395,7 @@ def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool
 def ouroboros_insert(pair: Pair, cfg: OuroborosConfig, state: OuroborosState, rows, prompt,
                      prompt_lengths) -> OuroborosState:
     """Rows int32[R] start prompt int32[R,P]: both caches prefilled, the draft's window
-    started from the prompt."""
+    started from the prompt, its n-grams in the pool (context_phrases)."""
     layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
     return state.replace(
         seq=insert_sequences(state.seq, rows, prompt, prompt_lengths),
@@ -397,7 +403,8 @@ def ouroboros_insert(pair: Pair, cfg: OuroborosConfig, state: OuroborosState, ro
                             prompt_lengths),
         dcache=prefill_rows(pair.dparams, pair.dconfig, state.dcache, rows, prompt,
                             prompt_lengths),
-        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)))
+        window=set_rows(state.window, rows, init_window(layout, prompt, prompt_lengths)),
+        pool=pool_with_context(state, rows, prompt, prompt_lengths, cfg.context_phrases))
 
 
 def ouroboros_plain(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: SamplingParams,

@@ -242,7 +242,7 @@ class _Op:
     arrays, so it pickles small).
 
     kind: "insert" (a prompt into a slot), "step" (k rounds on every slot), "pool" (gather
-    the phrase pool), "idle" (no device call: keeps a follower's wait short) or "stop" (the
+    the phrase pool), "save_pool" / "restore_pool" (warmup keeps the pool as it was), "idle" (no device call: keeps a follower's wait short) or "stop" (the
     followers return).
     insert: slot; prompt int32[1,P] (padded to its bucket); prompt_len; knobs (temperature,
     top_k, top_p, seed, greedy, max_tokens); eos int32[EOS_BUCKET] (-1 pads).
@@ -309,6 +309,13 @@ def _pinned(pair, dev: "_Device") -> "_Device":
 
 
 @jax.jit
+def _copy(tree):
+    """A copy of tree in buffers of its own, placed as tree is (a device call donates the
+    engine's state, so anything kept across calls must be a copy)."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+@jax.jit
 def _copy_replicated(pair, tree):
     """A copy of tree, replicated over the pair's mesh (a plain copy without one)."""
     return _replicated(pair, jax.tree_util.tree_map(jnp.copy, tree))
@@ -325,10 +332,11 @@ def _forget_keys(pool: PhrasePool, lo: jax.Array, hi: jax.Array) -> PhrasePool:
 @partial(jax.jit, static_argnames=("insert_fn", "cfg", "vocab", "shared"), donate_argnums=(1,))
 def _device_insert(pair, dev: _Device, rows, prompt, prompt_lengths, row: _Row, *, insert_fn,
                    cfg, vocab: int, shared: bool) -> _Device:
-    state = insert_fn(pair, cfg, dev.state, rows, prompt, prompt_lengths)
-    if not shared:
+    state = dev.state
+    if not shared:  # before the insert, which may fill the slot's range (context phrases)
         lo = rows[0] * vocab
         state = state.replace(pool=_forget_keys(state.pool, lo, lo + vocab * rows.shape[0]))
+    state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
     return _pinned(pair, _Device(state, set_rows(dev.sp, rows, row.sp),
                                  set_rows(dev.limits, rows, row.limits)))
 
@@ -477,6 +485,7 @@ class Engine:
         self._closed = False  # multi-process: the followers were sent "stop"
         self._broken: Optional[Exception] = None  # multi-process: a device call failed
         self._last_op = time.monotonic()
+        self._saved_pool = None  # warmup: the pool as it was before its dummy inserts
         hist = max(spec.max_emit(c) for c in cfgs) + 1
         self._m = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                        num_accepted_tokens_per_pos=[0] * (hist - 2 if hist > 2 else 0),
@@ -722,6 +731,16 @@ class Engine:
             # then read from this process's devices and placed on its default device
             pool = _copy_replicated(self._pair, pool)
             return local(pool) if self._pair.mesh is not None else pool
+        if op.kind == "save_pool":  # every process keeps its own part of the same copy
+            pool = getattr(self._dev.state, "pool", None)
+            self._saved_pool = None if pool is None else _copy(pool)
+            return None
+        if op.kind == "restore_pool":
+            if self._saved_pool is not None:
+                self._dev = self._dev.replace(
+                    state=self._dev.state.replace(pool=self._saved_pool))
+            self._saved_pool = None
+            return None
         if op.kind == "idle":
             return None
         raise ValueError(f"unknown engine op {op.kind!r}")
@@ -760,6 +779,8 @@ class Engine:
         with self._lock:
             if self._waiting or any(h is not None for h in self._running):
                 raise RuntimeError("warmup() needs an idle engine")
+            with self._dev_lock:  # the dummy prompts' n-grams (context phrases) must not stay
+                self._lead(_Op("save_pool"))
             for w in sorted({bucket(int(w)) for w in prompt_widths}):
                 h = RequestHandle(self, [0] * min(w, self.limit - 1), RequestParams(max_tokens=1),
                                   self._default_eos, set())
@@ -770,6 +791,8 @@ class Engine:
                 for greedy in (True, False):
                     self._device_step(level, greedy)
                     self._stop_rows[0] = False
+            with self._dev_lock:
+                self._lead(_Op("restore_pool"))
 
     def _host_update(self, busy, cfg, toks, counts, kept, live, prop, done, hits) -> bool:
         self._m["steps"] += 1
