@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #   (their run time is a small share), and -O0 without the expensive passes cut a module's
 #   CPU time by about 30% (tests/test_speculative.py: 130 s -> 92 s, cold cache). Float
 #   semantics are the same at every level (XLA:CPU does not enable fast math); the notebook
-#   test and the two-process tests run in processes of their own at the default level.
+#   test runs its kernel at the default level, so the default compile is exercised too.
 TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8",
                   "xla_backend_optimization_level": "0",
                   "xla_llvm_disable_expensive_passes": "true"}
@@ -39,6 +39,17 @@ import pytest  # noqa: E402
 import ouroboros_jax as oj  # noqa: E402
 
 TINY_VOCAB = 97
+
+
+# Modules whose wall time is longest (several processes, a whole demo or notebook) start first:
+# two workers each take whole modules, and a long module started last would run alone.
+FIRST = ("test_multihost.py", "test_demo.py", "test_notebook.py", "test_server.py",
+         "test_engine.py", "test_bench.py", "test_smollm2.py", "test_reliability.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(FIRST)))  # stable: order within kept
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 
 import ouroboros_jax as oj
-from conftest import make_hf_model
+from conftest import TEST_XLA_FLAGS, make_hf_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 import multihost_worker as worker  # noqa: E402
@@ -54,6 +54,13 @@ def _kill_group(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def _worker_xla_flags() -> str:
+    """3 CPU devices per process, and the suite's compile settings (as the single-process
+    reference runs here)."""
+    flags = dict(TEST_XLA_FLAGS, xla_force_host_platform_device_count="3")
+    return " ".join(f"--{k}={v}" for k, v in flags.items())
+
+
 def run_workers(spec: dict, num_processes: int = 2, timeout: float = 900.0, during=None
                 ) -> list[dict]:
     """Runs the workers to the end and returns each one's output; the first to fail (or the
@@ -66,7 +73,7 @@ def run_workers(spec: dict, num_processes: int = 2, timeout: float = 900.0, duri
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=3",
+                   XLA_FLAGS=_worker_xla_flags(),
                    OUROBOROS_JAX_CACHE=os.path.join(tmp, "auto_cache"),
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         procs, logs = [], []
