@@ -273,3 +273,19 @@ def test_sharded_call_probes_and_keys_the_sharded_model(tiny_pair, tmp_path, mon
     assert sharded_sig != auto.model_signature(target)
     assert any(f"|{sharded_sig}|" in k for k in keys), keys
     assert not any(f"|{auto.model_signature(target)}|" in k for k in keys), keys
+
+
+def test_a_deferred_probe_lands_in_the_store_that_missed_it(tiny_target, tmp_path, monkeypatch):
+    """A probe registered while one store was in use and finished while another is (a test,
+    or a user switching $OUROBOROS_JAX_CACHE) is written where it was missing, never into the
+    store in use when it finishes."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(first))
+    table, measured = auto.latency_table(tiny_target, 1, 64, (1,))
+    assert not measured and table[1] > 0  # the prior, while the probe waits
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(second))
+    auto.finish_probes()
+    key = f"{auto.device_kind()}|{auto.model_signature(tiny_target)}|B1|S64"
+    assert set(json.loads((first / "auto.json").read_text())["latency"]) >= {key}
+    assert not (second / "auto.json").exists() or \
+        key not in json.loads((second / "auto.json").read_text()).get("latency", {})

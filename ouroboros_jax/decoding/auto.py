@@ -199,12 +199,13 @@ def _replace_atomically(p: Path, text: str) -> None:
         raise
 
 
-def _update_cache(change):
+def _update_cache(change, path: Optional[Path] = None):
     """Applies change(data) -> result to the cache's current contents under the lock (the file
     re-read inside it, so other processes' entries are kept) and writes the result back;
     returns change's result. The in-process copy follows. A cache that cannot be written
-    (read-only home, a directory in its place) is warned about once and otherwise skipped."""
-    p = cache_path()
+    (read-only home, a directory in its place) is warned about once and otherwise skipped.
+    path: the cache file (default: `cache_path()` now)."""
+    p = cache_path() if path is None else path
     try:
         with _locked(p):
             data, _ = _load_file(p)
@@ -219,10 +220,10 @@ def _update_cache(change):
     return result
 
 
-def _put(section: str, key: str, value) -> None:
+def _put(section: str, key: str, value, path: Optional[Path] = None) -> None:
     def change(data):
         data.setdefault(section, {})[key] = value
-    _update_cache(change)
+    _update_cache(change, path)
 
 
 def _add(section: str, key: str, counts: tuple, zero: tuple) -> list:
@@ -343,6 +344,9 @@ class DeferredProbe:
 
     def __init__(self, model, batch: int, slots: int, sizes):
         self.model, self.batch, self.slots, self.sizes = model, batch_bucket(batch), slots, sizes
+        # the store whose miss registered the probe: a later step may run while another is
+        # in use (a changed $OUROBOROS_JAX_CACHE), and the table belongs where it was missing
+        self.path = cache_path()
         self.timers: dict = {}
         self.table: Optional[dict] = None
 
@@ -358,7 +362,7 @@ class DeferredProbe:
         self.table = _measure(self.timers, reps)
         self.timers = {}  # drop the compiled timers
         _put("latency", _latency_key(self.model, self.batch, self.slots),
-             {str(n): t for n, t in self.table.items()})
+             {str(n): t for n, t in self.table.items()}, self.path)
         return True
 
 
