@@ -18,6 +18,7 @@ single-host path pays nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -66,8 +67,6 @@ def model_id(model) -> Optional[list]:
     dtype (paths may differ between hosts; the weights are too large to hash on every call)."""
     if model is None:
         return None
-    import dataclasses
-
     return [dataclasses.asdict(model.config), str(model.dtype)]
 
 

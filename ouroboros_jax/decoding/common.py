@@ -308,6 +308,15 @@ def check_fraction(obj, name: str) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be a number in [0, 1), got {v!r}")
 
 
+def check_bool(obj, *names: str) -> None:
+    """Config validation: each obj.<name> must be a bool; else a ValueError naming the config
+    class and field."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, bool):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a bool, got {v!r}")
+
+
 def loop_config(cfg):
     """A pool-keeping method's config as its compiled loop sees it: `history` and `pool_rows`
     only shape the starting pool (`pool.prepare_pool`), so they are normalized away and toggling

@@ -27,7 +27,8 @@ from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
-from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter, counters_dict,
+from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, count_round, counter,
+                     counters_dict,
                      emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
                      make_pair, make_runner, plain_step, pool_summary, pool_with_context,
                      prefill_rows, set_rows)
@@ -65,10 +66,7 @@ class LookaheadConfig:
         check_tree_tokens(self, _forward_sizes(self)[0], "(window + guesses) * (ngram - 1)")
         if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
             check_int(self, "pool_rows", 1, INT32_MAX)
-        for name in ("history", "context_phrases"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LookaheadConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
+        check_bool(self, "history", "context_phrases")
 
 
 @struct.dataclass

@@ -55,7 +55,8 @@ from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
-from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
+from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction, check_int,
+                     count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_pair, make_runner, plain_step,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
@@ -117,11 +118,8 @@ class OuroborosConfig:
         if self.pool_rows is not None:  # bounded by the vocabulary per call (bounds.check_call)
             check_int(self, "pool_rows", 1, INT32_MAX)
         check_fraction(self, "confidence")
-        for name in ("phrase_drafting", "lengthening", "recycling", "history",
-                     "context_phrases"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"OuroborosConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
+        check_bool(self, "phrase_drafting", "lengthening", "recycling", "history",
+                   "context_phrases")
         n_t, n_s, n_first = _forward_sizes(self)
         check_tree_tokens(self, n_t, "1 + gamma + suffixes * (ngram - 1) (target)")
         check_tree_tokens(self, max(n_s, n_first), "(window + guesses) * (ngram - 1) (draft)")
