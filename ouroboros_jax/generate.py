@@ -121,8 +121,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
         from .decoding.auto import auto_config
 
+        # a pool passed in keeps its shape: auto chooses among the configs it can serve
+        shape = (None if pool is None or not hasattr(pool, "phrase_len")
+                 else (int(pool.guesses), int(pool.phrase_len)))
         choice = auto_config(method, target, draft, prompt_j, plens_j,
-                             cache_slots(P, max_new_tokens, 0, max_cache_len))
+                             cache_slots(P, max_new_tokens, 0, max_cache_len), pool_shape=shape)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)

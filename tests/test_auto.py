@@ -5,6 +5,8 @@ the tokens."""
 
 import json
 
+import jax
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,7 @@ def test_flat_latency_gives_the_papers_large_trees():
     assert o.method == "ouroboros" and isinstance(o.config, OuroborosConfig)
     c = o.config
     assert (c.gamma, c.window, c.ngram, c.suffixes) == (12, 20, 7, 3)  # the paper's code recipe
+    assert c.phrase_drafting and c.lengthening and c.recycling  # every mechanism pays here
     la = auto.choose("lookahead", FLAT_T, None, None)
     assert isinstance(la.config, LookaheadConfig) and la.config.window >= 15 and la.config.ngram >= 5
     sd = auto.choose("speculative", FLAT_T, FLAT_D, 0.8)
@@ -50,6 +53,63 @@ def test_steep_cpu_latency_gives_small_trees():
     assert sd.method == "speculative" and 2 <= sd.config.gamma <= 6
 
 
+def test_ouroboros_auto_drops_mechanisms_that_cost_more_than_they_bring():
+    """On steep CPU latencies at the demo pair's agreement, wide draft forwards and branches
+    cost more than they bring: auto runs Ouroboros with its mechanisms off (speculative
+    decoding, the ablation's SD step), predicted as fast as speculative, instead of falling
+    back to vanilla; the recipe says which mechanisms are off."""
+    sd = auto.choose("speculative", CPU_T, CPU_D, 0.65)
+    o = auto.choose("ouroboros", CPU_T, CPU_D, 0.65)
+    assert sd.method == "speculative" and o.method == "ouroboros"
+    c = o.config
+    assert not c.phrase_drafting and not c.lengthening and not c.recycling and c.history
+    assert "phrase_drafting=False" in o.as_stats("auto")["config"]
+    assert c.gamma == sd.config.gamma
+    assert o.predicted_speedup == pytest.approx(sd.predicted_speedup, rel=1e-6)
+    # the same rate as speculative decoding at any gamma: the SD step's round model
+    for g in (1, 3, 6):
+        off = OuroborosConfig(gamma=g, window=2, ngram=3, guesses=2, suffixes=1,
+                              phrase_drafting=False, lengthening=False, recycling=False)
+        assert auto.predicted_rate("ouroboros", off, CPU_T, CPU_D, 0.7) == pytest.approx(
+            auto.predicted_rate("speculative", SpeculativeConfig(gamma=g), CPU_T, CPU_D, 0.7))
+    # a mechanism switched on costs its forwards and brings its tokens in the model
+    on = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1)
+    pd_off = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1,
+                             phrase_drafting=False)
+    from ouroboros_jax.decoding import METHODS
+    rm = METHODS["ouroboros"].round_model
+    assert rm(pd_off, 0.7).draft_forwards == 3 > rm(on, 0.7).draft_forwards
+    assert rm(pd_off, 0.7).tokens == rm(on, 0.7).tokens
+
+
+def test_auto_keeps_the_shape_of_a_pool_the_call_passes(tiny_pair, random_prompts, fresh_auto):
+    """A pool from an earlier call (here ngram 4: phrases of 3 tokens) goes on serving later
+    config="auto" calls: auto chooses among the configs it fits, whatever it would pick
+    without it, and a pool that fits none is refused by name."""
+    target, draft, _ = tiny_pair
+    first = oj.generate(target, random_prompts[:1], draft=draft, method="ouroboros",
+                        max_new_tokens=8,
+                        config=OuroborosConfig(gamma=2, window=2, ngram=4, guesses=2,
+                                               suffixes=1))
+    assert first.pool.phrase_len == 3
+    out = oj.generate(target, random_prompts[:1], draft=draft, method="ouroboros",
+                      max_new_tokens=8, pool=first.pool)
+    assert out.stats["auto"]["method"] == "ouroboros"
+    cfg = eval(out.stats["auto"]["config"], {"OuroborosConfig": OuroborosConfig})
+    assert cfg.ngram == 4 and out.pool.phrase_len == 3
+    if not (cfg.recycling or cfg.context_phrases):  # nothing wrote it: it comes back as given
+        for a, b in zip(jax.tree.leaves(first.pool), jax.tree.leaves(out.pool)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # where the unconstrained pick has another phrase length, the pool's shape wins
+    assert auto.choose("ouroboros", CPU_T, CPU_D, 0.65).config.ngram == 3
+    assert auto.choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(2, 3)).config.ngram == 4
+    assert auto.fits_pool(OuroborosConfig(ngram=4, guesses=2, window=2, suffixes=1), (2, 3))
+    assert not auto.fits_pool(OuroborosConfig(ngram=3, guesses=2, window=2, suffixes=1), (2, 3))
+    assert not auto.fits_pool(OuroborosConfig(ngram=4, guesses=3, window=3, suffixes=1), (2, 3))
+    with pytest.raises(ValueError, match="pool: its phrases of 8 tokens"):
+        auto.choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(20, 8))
+
+
 def test_each_method_describes_its_own_auto_grid():
     # the candidates come from the method's MethodSpec, so a registered method is sized by auto
     # with nothing added to auto.py; vanilla has no knobs and is refused by name
@@ -58,7 +118,11 @@ def test_each_method_describes_its_own_auto_grid():
     grid = {"gamma": (2, 5), "window": (3,), "ngram": (4,), "suffixes": (1, 4)}
     assert [c.gamma for c in METHODS["speculative"].auto_grid(grid)] == [2, 5]
     assert [(c.window, c.guesses) for c in METHODS["lookahead"].auto_grid(grid)] == [(3, 3)]
-    assert [(c.gamma, c.suffixes) for c in METHODS["ouroboros"].auto_grid(grid)] == [(2, 1), (5, 1)]
+    # Ouroboros' grid comes once with its mechanisms on, then once per switch variant
+    og = METHODS["ouroboros"].auto_grid(grid)
+    assert [(c.gamma, c.suffixes) for c in og] == [(2, 1), (5, 1)] * 4
+    assert [(c.phrase_drafting, c.lengthening) for c in og[::2]] == [
+        (True, True), (False, True), (True, False), (False, False)]
     best = auto.choose("speculative", CPU_T, CPU_D, 0.75)
     assert best.predicted_speedup == pytest.approx(
         auto.predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)

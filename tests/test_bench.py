@@ -337,3 +337,30 @@ def test_batch_sizes_table_plot_and_exactness(tiny_pair, tmp_path):
     for bad in ("0,1", "a,b", ""):
         with pytest.raises(ValueError, match="--batch-sizes"):
             parse_batch_sizes(bad)
+
+
+def test_cpu_forward_bench_times_every_size_and_both_vanilla_rates(tiny_target, capsys):
+    """bench/cpu_forward on a tokenizer-less tiny model without llama.cpp: every requested
+    forward size is timed and reported relative to T = 1, vanilla's whole-call and decode-only
+    rates are positive, and llama.cpp is reported as skipped, not compared."""
+    from ouroboros_jax.bench import cpu_forward
+
+    assert cpu_forward.main(["--target", tiny_target.path, "--max-new-tokens", "6",
+                             "--reps", "1", "--sizes", "4,2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["forward_vs_T1"]) == {"1", "2", "4"} and res["forward_vs_T1"]["1"] == 1.0
+    assert all(res["median"][f"forward_s_T{T}"] > 0 for T in (1, 2, 4))
+    assert res["median"]["vanilla_call_s_per_token"] > 0
+    assert res["median"]["vanilla_decode_s_per_token"] > 0
+    assert res["llama_cpp"] == "not installed or no --gguf"
+    assert "vanilla_speed_vs_llama_cpp_call" not in res
+
+
+@pytest.mark.parametrize("argv, message", [(["--sizes", "1,x"], "--sizes"),
+                                           (["--sizes", "0"], "--sizes"),
+                                           (["--reps", "0"], "--reps")])
+def test_cpu_forward_bench_refuses_bad_flags(argv, message):
+    from ouroboros_jax.bench import cpu_forward
+
+    with pytest.raises(SystemExit, match=message):
+        cpu_forward.main(["--target", "unused"] + argv)

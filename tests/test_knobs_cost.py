@@ -18,7 +18,12 @@ def test_auto_grid_applies_the_tie_rules():
     values = {"gamma": (2, 3), "window": (2, 4), "ngram": (3,), "suffixes": (1, 3)}
     grid = METHODS["ouroboros"].auto_grid(values)
     want = [(g, w, 3, w, x) for g, w, x in itertools.product((2, 3), (2, 4), (1, 3)) if x <= w]
-    assert [(c.gamma, c.window, c.ngram, c.guesses, c.suffixes) for c in grid] == want
+    assert [(c.gamma, c.window, c.ngram, c.guesses, c.suffixes) for c in grid[:len(want)]] == want
+    # then the switch variants, their idle knobs pinned (G = W still holds)
+    assert all(c.phrase_drafting and c.lengthening for c in grid[:len(want)])
+    assert all(c.guesses == c.window and c.suffixes <= c.window for c in grid)
+    sd = [c for c in grid if not (c.phrase_drafting or c.lengthening)]
+    assert [(c.gamma, c.window, c.suffixes) for c in sd] == [(2, 2, 1), (3, 2, 1)]
     la = METHODS["lookahead"].auto_grid({"window": (2, 8), "ngram": (3, 5)})
     assert [(c.window, c.ngram, c.guesses) for c in la] == [(2, 3, 2), (2, 5, 2), (8, 3, 8),
                                                              (8, 5, 8)]
@@ -42,7 +47,10 @@ def test_auto_and_tune_search_the_same_knobs():
 @pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=7), LookaheadConfig(window=3, ngram=4,
                                                                               guesses=3),
                                  OuroborosConfig(gamma=5, window=6, ngram=4, guesses=6,
-                                                 suffixes=2)])
+                                                 suffixes=2),
+                                 OuroborosConfig(gamma=2, window=2, ngram=3, guesses=2,
+                                                 suffixes=1, phrase_drafting=False,
+                                                 lengthening=False, recycling=False)])
 def test_recipe_evaluates_back_into_the_config(cfg):
     r = recipe_of(cfg)
     assert r.startswith(type(cfg).__name__ + "(")

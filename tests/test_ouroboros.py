@@ -204,11 +204,15 @@ def test_full_pool_and_carried_pool(tiny_target, noisy_draft, random_prompts, re
         ouro(tiny_target, noisy_draft, REPEAT, pool=init_pool(TINY_VOCAB, 4, 5), **kw)
 
 
-@pytest.mark.parametrize("switch", ["phrase_drafting", "lengthening", "recycling",
-                                    "context_phrases"])
+# "all": every mechanism off, the SD step that config="auto" runs where none pays
+ALL_OFF = ("phrase_drafting", "lengthening", "recycling", "context_phrases")
+
+
+@pytest.mark.parametrize("switch", list(ALL_OFF) + ["all"])
 def test_each_mechanism_off_alone(tiny_target, noisy_draft, random_prompts, repeat_full,
                                   switch):
-    cfg = dataclasses.replace(CFG, **{switch: False})
+    cfg = dataclasses.replace(CFG, **{s: False for s in (ALL_OFF if switch == "all"
+                                                           else (switch,))})
     prompts = REPEAT + random_prompts[:2]
     kw = dict(max_new_tokens=32, eos_token_id=-1)
     ref = repeat_full + oj.generate(tiny_target, random_prompts[:2], **kw).tokens
@@ -217,8 +221,10 @@ def test_each_mechanism_off_alone(tiny_target, noisy_draft, random_prompts, repe
         assert out.tokens == ref, draft is tiny_target
         s = out.stats
         check_stats(s, len(prompts))
-        if switch == "phrase_drafting":
+        if switch in ("phrase_drafting", "all"):
             assert s["c"] == 1.0
+        if switch == "all":
+            assert s["suffix_tokens_accepted"] == 0 and s["pool_hit_rate"] == 0.0
         if switch == "lengthening":
             assert s["suffix_tokens_accepted"] == 0 and s["pool_hit_rate"] == 0.0
             if draft is tiny_target:

@@ -6,11 +6,15 @@
 Measures, interleaved over `--reps` rounds (the machine is shared: medians and spread):
   - the bandwidth bound: this machine's memory read rate (numpy copy and sum of 256 MB) and
     the seconds reading the model's weights once takes at it (a 1-token step's lower bound);
-  - our 1-token forward (`models.timing.forward_timer`, after a prompt-long cache);
-  - vanilla decoding's seconds per token (`oj.generate`, greedy, one prompt);
-  - llama.cpp's (llama-cpp-python, greedy, same prompt), when `llama_cpp` is installed and
-    `--gguf` names an F32 GGUF of the same weights (`--quantize-from Q.gguf` writes one with
-    `llama_model_quantize(LLAMA_FTYPE_ALL_F32, allow_requantize)`); skipped cleanly otherwise.
+  - our forward of T tokens for each T of `--sizes` (`models.timing.forward_timer`, after a
+    prompt-long cache): T = 1 is a decoding step's, larger T a verification tree's, and their
+    ratio is what a speculative method's extra tokens per forward must beat on this device;
+  - vanilla decoding (`oj.generate`, greedy, one prompt) and llama.cpp (llama-cpp-python,
+    greedy, same prompt), when `llama_cpp` is installed and `--gguf` names an F32 GGUF of the
+    same weights (`--quantize-from Q.gguf` writes one with `llama_model_quantize(
+    LLAMA_FTYPE_ALL_F32, allow_requantize)`); skipped cleanly otherwise. Both are timed the
+    same two ways: the whole call (prompt processing and N tokens) per token, and decoding
+    alone, per token after the first (ours: the call for N tokens minus the call for one).
 Prints one JSON object; "tokens_identical" compares our greedy tokens with llama.cpp's.
 """
 
@@ -59,27 +63,58 @@ def quantize_f32(src: str, dst: str) -> None:
         raise RuntimeError(f"llama_model_quantize({src!r}) failed with {rc}")
 
 
-def llama_cpp_runner(gguf: str, threads: int):
-    """-> run(prompt_ids, n) -> (tokens, seconds per generated token), greedy, or None when
-    llama_cpp is not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
+def _llama_cpp_generate(llm, ids, n):
+    """Greedy llama.cpp -> (tokens, seconds of the whole call, seconds per token after the
+    first)."""
+    llm.reset()
+    out, t0, t_first = [], time.perf_counter(), None
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        if t_first is None:
+            t_first = time.perf_counter()  # prompt processed, first token out
+        out.append(int(tok))
+        if len(out) >= n:
+            break
+    t_end = time.perf_counter()
+    return out, t_end - t0, (t_end - t_first) / max(len(out) - 1, 1)
+
+
+def _llama_cpp_server(conn, gguf: str, threads: int) -> None:
+    """The child process: loads the GGUF, then answers (ids, n) requests until None."""
+    import llama_cpp
+
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_batch=512,
                           verbose=False, logits_all=False)
+    conn.send("ready")
+    while (req := conn.recv()) is not None:
+        conn.send(_llama_cpp_generate(llm, *req))
+
+
+def llama_cpp_runner(gguf: str, threads: int):
+    """-> run(prompt_ids, n) -> (tokens, call seconds, decode seconds per token), greedy, or
+    None when llama_cpp is not installed.
+
+    llama.cpp runs in a child process: in ours, its worker threads kept polling after a call
+    and slowed our next vanilla call by about 40% (measured: 55.6 vs 39.0 ms per token)."""
+    import importlib.util
+    import multiprocessing as mp
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    child = ctx.Process(target=_llama_cpp_server, args=(theirs, gguf, threads), daemon=True)
+    child.start()
+    if not mine.poll(600) or mine.recv() != "ready":
+        child.kill()
+        raise RuntimeError(f"llama.cpp could not load {gguf!r}")
 
     def run(ids, n):
-        llm.reset()
-        out, t0, t_first = [], time.perf_counter(), None
-        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
-            if t_first is None:
-                t_first = time.perf_counter()  # prompt processed, first token out
-            out.append(int(tok))
-            if len(out) >= n:
-                break
-        return out, (time.perf_counter() - t_first) / max(len(out) - 1, 1)
+        mine.send((list(ids), n))
+        result = mine.recv()
+        time.sleep(0.5)  # let its threads go idle before we time anything
+        return result
 
+    run.close = lambda: (mine.send(None), child.join(30))
     return run
 
 
@@ -91,35 +126,57 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--sizes", default="1,2,5,9,17",
+                    help="forward sizes T to time (comma-separated; 1 is always included)")
     a = ap.parse_args(argv)
+    try:
+        sizes = sorted({1, *(int(x) for x in a.sizes.split(","))})
+    except ValueError:
+        raise SystemExit(f"--sizes must be comma-separated integers, got {a.sizes!r}") from None
+    for name in ("max_new_tokens", "reps", "threads"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if min(sizes) < 1:
+        raise SystemExit(f"--sizes must be >= 1, got {a.sizes!r}")
     import jax
 
     import ouroboros_jax as oj
     from ..models.timing import forward_timer
 
     model = oj.load_model(a.target)
-    ids = list(model.tokenizer(PROMPT)["input_ids"]) if model.tokenizer else list(range(3, 99))
+    vocab = model.config.vocab_size
+    ids = (list(model.tokenizer(PROMPT)["input_ids"]) if model.tokenizer
+           else [3 + i % max(vocab - 3, 1) for i in range(96)])  # no tokenizer: in-vocab ids
     n = a.max_new_tokens
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
-    step = forward_timer(model, 1, len(ids), 1024)
-    oj.generate(model, [ids], max_new_tokens=n, eos_token_id=-1)  # compile
+    timers = {T: forward_timer(model, T, len(ids), 1024) for T in sizes}
+
+    def ours(tokens):
+        o = oj.generate(model, [ids], max_new_tokens=tokens, eos_token_id=-1)
+        return o.tokens[0], o.stats["seconds"]
+
+    ours(n), ours(1)  # compile both lengths
     lcpp = None
     if a.gguf:
         if a.quantize_from and not os.path.exists(a.gguf):
             quantize_f32(a.quantize_from, a.gguf)
         lcpp = llama_cpp_runner(a.gguf, a.threads)
-    rows = {"bandwidth_bytes_per_s": [], "forward_s": [], "vanilla_s_per_token": [],
-            "llama_cpp_s_per_token": []}
-    ours = theirs = None
+    rows = {"bandwidth_bytes_per_s": [], "vanilla_call_s_per_token": [],
+            "vanilla_decode_s_per_token": [], "llama_cpp_call_s_per_token": [],
+            "llama_cpp_decode_s_per_token": [], **{f"forward_s_T{T}": [] for T in sizes}}
+    mine = theirs = None
     for _ in range(a.reps):
         rows["bandwidth_bytes_per_s"].append(memory_read_rate())
-        rows["forward_s"].append(min(step() for _ in range(5)))
-        o = oj.generate(model, [ids], max_new_tokens=n, eos_token_id=-1)
-        rows["vanilla_s_per_token"].append(o.stats["seconds"] / len(o.tokens[0]))
-        ours = o.tokens[0]
+        for T, timer in timers.items():
+            rows[f"forward_s_T{T}"].append(min(timer() for _ in range(3)))
+        mine, whole = ours(n)
+        _, one = ours(1)
+        rows["vanilla_call_s_per_token"].append(whole / len(mine))
+        rows["vanilla_decode_s_per_token"].append((whole - one) / max(len(mine) - 1, 1))
         if lcpp is not None:
-            theirs, s = lcpp(ids, n)
-            rows["llama_cpp_s_per_token"].append(s)
+            theirs, call, decode = lcpp(ids, n)
+            rows["llama_cpp_call_s_per_token"].append(call / len(theirs))
+            rows["llama_cpp_decode_s_per_token"].append(decode)
     med = {k: float(np.median(v)) if v else None for k, v in rows.items()}
     res = {"command": "python -m ouroboros_jax.bench.cpu_forward " + " ".join(
         sys.argv[1:] if argv is None else argv),
@@ -127,15 +184,19 @@ def main(argv=None) -> int:
         "median": med, "spread": {k: [round(min(v), 5), round(max(v), 5)] for k, v in
                                   rows.items() if v},
         "bandwidth_bound_s": weight_bytes / med["bandwidth_bytes_per_s"],
+        "forward_vs_T1": {T: round(med[f"forward_s_T{T}"] / med["forward_s_T1"], 3)
+                          for T in sizes},
         "llama_cpp": "not installed or no --gguf" if lcpp is None else "ran"}
     if lcpp is not None:
-        per_rep = [t / v for t, v in zip(rows["llama_cpp_s_per_token"],
-                                         rows["vanilla_s_per_token"])]
-        res["vanilla_speed_vs_llama_cpp"] = float(np.median(per_rep))
-        res["vanilla_speed_vs_llama_cpp_per_rep"] = [round(x, 3) for x in per_rep]
-        res["tokens_identical"] = ours == theirs
-        res["first_divergence"] = next((i for i, (x, y) in enumerate(zip(ours, theirs))
+        for how in ("call", "decode"):
+            per_rep = [t / v for t, v in zip(rows[f"llama_cpp_{how}_s_per_token"],
+                                             rows[f"vanilla_{how}_s_per_token"])]
+            res[f"vanilla_speed_vs_llama_cpp_{how}"] = float(np.median(per_rep))
+            res[f"vanilla_speed_vs_llama_cpp_{how}_per_rep"] = [round(x, 3) for x in per_rep]
+        res["tokens_identical"] = mine == theirs
+        res["first_divergence"] = next((i for i, (x, y) in enumerate(zip(mine, theirs))
                                         if x != y), None)
+        lcpp.close()
     print(json.dumps(res, indent=1))
     return 0
 

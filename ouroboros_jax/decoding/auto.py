@@ -530,13 +530,28 @@ class Choice:
                 "reason": self.reason}
 
 
-def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]) -> Choice:
+def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
+    """Whether a pool of pool_shape (phrases per key, tokens per phrase) can serve cfg: its
+    phrases are ngram - 1 tokens and it holds at least `guesses` per key (None: no pool given,
+    anything fits; a config without a pool fits any)."""
+    if pool_shape is None or not hasattr(cfg, "ngram"):
+        return True
+    guesses, phrase_len = pool_shape
+    return cfg.ngram - 1 == phrase_len and cfg.guesses <= guesses
+
+
+def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],
+           pool_shape: Optional[tuple] = None) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
     {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN. The
     candidates are the method's knob grid (`MethodSpec.auto_grid`, from its config's `KNOBS`)
-    and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py)."""
+    and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py); with pool_shape
+    (a pool the call passes: phrases per key, tokens per phrase) only those it can serve."""
     spec = _spec(method)
-    candidates = spec.auto_grid()
+    candidates = [c for c in spec.auto_grid() if fits_pool(c, pool_shape)]
+    if not candidates:
+        raise ValueError(f"pool: its phrases of {pool_shape[1]} tokens fit no {method} config "
+                         "that config='auto' searches; pass the config the pool was made with")
     rates = [spec.rate(c, agreement, tt, td) for c in candidates]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
@@ -571,15 +586,18 @@ _CHOICES: dict = {}
 STICKY_GAIN = 1.10
 
 
-def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True) -> Choice:
+def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True,
+                pool_shape: Optional[tuple] = None) -> Choice:
     """Probe (or recall) the latencies and the pair's agreement, then `choose` (keeping this
-    process's earlier choice for the same shapes unless the new one is clearly better)."""
+    process's earlier choice for the same shapes unless the new one is clearly better).
+    pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which the
+    chosen config must fit (`fits_pool`)."""
     B = int(prompt.shape[0])
     key = (method, model_signature(target), model_signature(draft) if draft is not None else None,
-           batch_bucket(B), slots, str(cache_path()))
+           batch_bucket(B), slots, str(cache_path()), pool_shape)
     if model_spans_processes(target):
-        return _auto_spmd(key, method, target, draft, prompt, plens, slots)
-    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache)
+        return _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape)
+    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape)
     old = _CHOICES.get(key)
     if old is not None and old.config != new.config:
         tt, td, a = new.tables + (new.agreement,)
@@ -594,7 +612,7 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     return new
 
 
-def _auto_spmd(key, method, target, draft, prompt, plens, slots) -> Choice:
+def _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape=None) -> Choice:
     """auto_config over processes (one model on a mesh spanning them): every process runs the
     same probes (collective programs: a process skipping one on a disk-cache hit would leave
     the others waiting), so the disk cache, which differs per host, is not read; process 0's
@@ -603,12 +621,14 @@ def _auto_spmd(key, method, target, draft, prompt, plens, slots) -> Choice:
     every process hits or misses together)."""
     old = _CHOICES.get(key)
     if old is None:
-        old = broadcast(_auto_choice(method, target, draft, prompt, plens, slots, False))
+        old = broadcast(_auto_choice(method, target, draft, prompt, plens, slots, False,
+                                     pool_shape))
         _CHOICES[key] = old
     return old
 
 
-def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choice:
+def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape=None
+                 ) -> Choice:
     """With use_cache (generate's calls): measured tables and agreement from disk where they
     exist, else a prior (`prior_latency`, DEFAULT_AGREEMENT) while the probe runs one piece per
     later call (`DeferredProbe`): a process's first call costs what the method's own compile
@@ -629,7 +649,7 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache) -> Choi
             _defer_agreement(target, draft)
             if a is None:
                 a, measured = DEFAULT_AGREEMENT, False
-    choice = dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a),
+    choice = dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape),
                                  tables=(tt, td))
     if not measured:
         choice = dataclasses.replace(choice, reason=choice.reason + _A_PRIORI)
@@ -644,7 +664,8 @@ def _frozen(table: Optional[dict]):
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_memo(method, tt, td, a) -> Choice:
-    """`choose` once per (method, tables, agreement): a grid search of a few ms per call is
-    not repeated on every `generate` call once the tables and agreement have settled."""
-    return choose(method, dict(tt), None if td is None else dict(td), a)
+def _choose_memo(method, tt, td, a, pool_shape=None) -> Choice:
+    """`choose` once per (method, tables, agreement, pool shape): a grid search of a few ms
+    per call is not repeated on every `generate` call once the tables and agreement have
+    settled."""
+    return choose(method, dict(tt), None if td is None else dict(td), a, pool_shape)

@@ -3,7 +3,9 @@
 A method config names its knobs once (`KnobSpace`, the config class's `KNOBS`), and everything
 that enumerates configs derives from that description:
 
-- `config="auto"`'s candidates (`KnobSpace.grid` over each knob's `auto` values);
+- `config="auto"`'s candidates (`KnobSpace.grid` over each knob's `auto` values, once with the
+  config's default switches and once per `Variant`: mechanisms off, so that where they cost
+  more than they bring, auto picks the method without them rather than vanilla);
 - `ouroboros-jax tune`'s one-knob-at-a-time search (the `tune` values and `start`; `--quick`
   uses `quick` / `quick_start`);
 - `recipe_of`, the evaluable `Config(field=value, ...)` string that tune prints and
@@ -76,6 +78,21 @@ LENGTH = Knob("length", auto=(2, 4, 6, 8, 12), tune=(4, 8, 12), start=8, quick=(
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """Switch settings `config="auto"` also searches (besides the config's defaults), and the
+    knobs they leave idle, searched at one value only (`pinned`: field -> value; a knob the
+    switches make irrelevant to the cost model would only add duplicate candidates).
+
+    Ouroboros with its mechanisms off is speculative decoding (the ablation's "SD" step); on a
+    device where a wider forward costs much more than a 1-token one (a CPU), phrase drafting
+    and lengthening can cost more than they bring, and then that is the fastest Ouroboros.
+    """
+
+    switches: dict
+    pinned: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class KnobSpace:
     """A method config's knobs (in search order) and mechanism switches.
 
@@ -83,11 +100,13 @@ class KnobSpace:
         knobs: the integer knobs, searched and tied, in the order recipes name them.
         switches: mechanism switches in ablation order (empty: no ablation).
         baseline: the label of the ablation step with every switch off.
+        variants: `Variant`s config="auto" searches besides the default switches.
     """
 
     knobs: tuple
     switches: tuple = ()
     baseline: str = "SD"
+    variants: tuple = ()
 
     @property
     def searched(self) -> tuple:
@@ -114,9 +133,11 @@ class KnobSpace:
                 kw[k.field] = min(kw[k.field], kw[k.at_most])
         return cfg_type(**kw, **fixed)
 
-    def grid(self, cfg_type, values: Optional[dict] = None) -> list:
+    def grid(self, cfg_type, values: Optional[dict] = None, fixed: Optional[dict] = None
+             ) -> list:
         """Every config over the product of the searched knobs' values (`values`, default each
-        knob's `auto`), in knob order, dropping points that break an `at_most` rule."""
+        knob's `auto`), in knob order, dropping points that break an `at_most` rule; `fixed`
+        fields (switches) passed to every config as given."""
         values = {**self.values("auto"), **(values or {})}
         fields = [k.field for k in self.searched]
         out = []
@@ -124,13 +145,27 @@ class KnobSpace:
             point = dict(zip(fields, combo))
             if all(k.at_most is None or point[k.field] <= point[k.at_most]
                    for k in self.searched):
-                out.append(self.make(cfg_type, point))
+                out.append(self.make(cfg_type, point, **(fixed or {})))
+        return out
+
+    def auto_grid(self, cfg_type, values: Optional[dict] = None) -> list:
+        """config="auto"'s candidates: the grid with the default switches, then each variant's
+        grid (its switches fixed, its idle knobs at their pinned value)."""
+        out = self.grid(cfg_type, values)
+        full = {**self.values("auto"), **(values or {})}
+        for v in self.variants:
+            pinned = {f: (x,) for f, x in v.pinned.items()}
+            out += self.grid(cfg_type, {**full, **pinned}, fixed=v.switches)
         return out
 
     def recipe(self, cfg) -> str:
-        """`Config(field=value, ...)` over the knobs, evaluable back into cfg."""
-        body = ", ".join(f"{k.field}={getattr(cfg, k.field)}" for k in self.knobs)
-        return f"{type(cfg).__name__}({body})"
+        """`Config(field=value, ...)` over the knobs and the switches that differ from the
+        config's defaults, evaluable back into cfg."""
+        fields = {f.name: f for f in dataclasses.fields(cfg)}
+        body = [f"{k.field}={getattr(cfg, k.field)}" for k in self.knobs]
+        body += [f"{s.field}={getattr(cfg, s.field)}" for s in self.switches
+                 if getattr(cfg, s.field) != fields[s.field].default]
+        return f"{type(cfg).__name__}({', '.join(body)})"
 
     def ablation_steps(self) -> tuple:
         """((label, {switch: bool}), ...): every switch off, then one more on per step (paper

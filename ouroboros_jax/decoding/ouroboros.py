@@ -64,7 +64,8 @@ from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window
                      tree_forward)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
-from .knobs import CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace, Switch
+from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace,
+                    Switch, Variant)
 from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
@@ -107,7 +108,16 @@ class OuroborosConfig:
         knobs=(GAMMA, WINDOW, NGRAM, GUESSES, SUFFIXES),
         switches=(Switch("phrase_drafting", "phrase drafting"), Switch("lengthening", "lengthening"),
                   Switch("recycling", "recycling"), Switch("history", "history"),
-                  CONTEXT_PHRASES))
+                  CONTEXT_PHRASES),
+        # where wide forwards cost more than they bring (a CPU), auto may drop mechanisms:
+        # token-by-token drafting (the window is idle), no lengthening (suffixes idle), or
+        # neither and no pool at all, which is speculative decoding
+        variants=(Variant({"phrase_drafting": False}, pinned={"window": 3}),
+                  Variant({"lengthening": False}, pinned={"suffixes": 1}),
+                  # history stays on: a pool the caller passes goes through untouched
+                  Variant(dict(phrase_drafting=False, lengthening=False, recycling=False,
+                               context_phrases=False),
+                          pinned={"window": 2, "suffixes": 1})))
 
     def __post_init__(self):
         check_int(self, "gamma", 1, MAX_TREE_TOKENS)
@@ -464,12 +474,17 @@ def _family(cfg: OuroborosConfig):
 
 
 def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
-    c = 1 + phrase_gain(cfg.guesses, cfg.ngram) * a  # draft tokens per draft forward (phrase drafting)
-    draft_forwards = cfg.gamma / c  # on average: a forward yields 1 to N-1 tokens
+    # draft tokens per draft forward: phrase drafting yields 1 to N-1 tokens a forward,
+    # token-by-token drafting one
+    c = 1 + phrase_gain(cfg.guesses, cfg.ngram) * a if cfg.phrase_drafting else 1.0
+    draft_forwards = cfg.gamma / c
+    gain = branch_gain(a, cfg.gamma, cfg.suffixes, cfg.ngram) if cfg.lengthening else 0.0
+    # the pool is read by phrase drafting and lengthening and written by recycling; with all
+    # three off a round is speculative decoding's (the ablation's SD step)
+    pool = POOL_OVERHEAD if (cfg.phrase_drafting or cfg.lengthening or cfg.recycling) else 0.0
     return RoundModel(
-        tokens=expected_tokens(a, cfg.gamma) + branch_gain(a, cfg.gamma, cfg.suffixes, cfg.ngram),
-        draft_forwards=draft_forwards,
-        overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + POOL_OVERHEAD)
+        tokens=expected_tokens(a, cfg.gamma) + gain, draft_forwards=draft_forwards,
+        overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + pool)
 
 
 SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,

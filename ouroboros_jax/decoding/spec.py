@@ -115,8 +115,8 @@ class MethodSpec:
 
     def auto_grid(self, values: Optional[dict] = None) -> list:
         """The configs `config="auto"` chooses among: the knob space's grid over `values`
-        ({knob: values}, default each knob's auto values)."""
-        return self.knobs.grid(self.config_type, values)
+        ({knob: values}, default each knob's auto values), with its switch variants."""
+        return self.knobs.auto_grid(self.config_type, values)
 
     def rate(self, cfg, agreement, tt: dict, td: Optional[dict]) -> float:
         """Predicted tokens/s of one config from latency tables (decoding/cost.py)."""
