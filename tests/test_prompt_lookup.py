@@ -184,3 +184,32 @@ def test_no_recompile_across_prompts_and_auto(tiny_target):
                       eos_token_id=-1)  # config="auto"
     assert out.tokens == ref
     assert out.stats["auto"]["asked"] == "prompt_lookup"
+
+
+def test_replay_predicts_the_rounds_generate_takes(bigram, tiny_target, random_prompts):
+    """bench/lookup_replay's eta, computed from vanilla's output alone, equals what greedy
+    prompt lookup measures as tokens per target call, on copying and on random rows."""
+    from ouroboros_jax.bench.lookup_replay import replay_eta
+
+    cases = [(bigram, p) for p in _cycling_prompts(bigram)[:3]]
+    cases += [(tiny_target, p) for p in random_prompts[:2]]
+    for model, p in cases:
+        ref = oj.generate(model, [p], max_new_tokens=20, eos_token_id=-1).tokens[0]
+        out = oj.generate(model, [p], method="prompt_lookup", config=CFG, max_new_tokens=20,
+                          eos_token_id=-1)
+        assert out.tokens[0] == ref
+        assert replay_eta(p, ref, CFG) == pytest.approx(
+            len(ref) / out.stats["target_calls"]), (p, out.stats)
+
+
+def test_oracle_eta_by_hand():
+    from ouroboros_jax.bench.lookup_replay import oracle_eta, parse_configs
+
+    assert oracle_eta([1, 2, 3, 4], [1, 2, 3, 4], length=8) == 4.0  # one round copies it all
+    # round 1: 9 is new (the target's own token); round 2 copies 5 6 7 and the target adds 8
+    assert oracle_eta([5, 6, 7], [9, 5, 6, 7, 8], length=8) == 2.5
+    assert oracle_eta([5, 6, 7], [9, 5, 6, 7, 8], length=1) == 5 / 3  # 9 | 5 6 | 7 8
+    assert parse_configs("1x4, 2x8") == [(1, 4), (2, 8)]
+    for bad in ("2", "0x4", "ax4", "2x"):
+        with pytest.raises(SystemExit, match="--configs"):
+            parse_configs(bad)

@@ -235,19 +235,23 @@ def _run(target, draft, prompt, plens, limits, sp, cfg: PromptLookupConfig, *, g
 
 
 # ------------------------------------------------------------------------------ config="auto"
-# How often a copied candidate pays, fitted on SmolLM2-135M-Instruct's copy-heavy requests
-# (code rewrites, Spec-Bench summarization and RAG): the best candidate's first token is the
-# target's own next token with probability HIT, and each later token continues with CONTINUES.
-HIT = 0.55
-CONTINUES = 0.8
+# How often a copied candidate pays, fitted to the tokens per round greedy prompt lookup takes
+# on SmolLM2-135M-Instruct's copy-heavy requests (3 code rewrites, 3 Spec-Bench summarization,
+# 3 RAG; 128 tokens; `python -m ouroboros_jax.bench.lookup_replay ... --per-task 3`): X = 1
+# gave eta 1.61 / 1.83 / 2.09 / 2.29 at M = 2 / 4 / 8 / 16, and each further candidate adds
+# about 8% of the first one's gain (X = 2, 3 at M = 8: 2.19, 2.28), far less than independent
+# candidates would: they are the same context's other matches, right or wrong together.
+HIT = 0.3
+CONTINUES = 0.75
+OTHER_CANDIDATE = 0.08
 
 
 def expected_tokens(candidates: int, length: int, hit: float = HIT,
                     continues: float = CONTINUES) -> float:
     """Tokens per round: the target's own token, plus the accepted prefix of the best of
-    `candidates` candidates (some first token right with 1 - (1 - hit)^X, then each of the
-    M - 1 later ones continues with `continues`)."""
-    p = 1 - (1 - hit) ** candidates
+    `candidates` candidates (the first token right with hit * (1 + OTHER_CANDIDATE * (X - 1)),
+    then each of the M - 1 later ones continues with `continues`)."""
+    p = min(1.0, hit * (1 + OTHER_CANDIDATE * (candidates - 1)))
     return 1 + p * sum(continues ** j for j in range(length))
 
 
