@@ -27,6 +27,7 @@ from typing import Optional
 import jax
 
 from .models.attention import BLOCK
+from .models.layout import packed_bytes
 
 MAX_TREE_TOKENS = 4096  # tokens one round may score in one forward (see the module docstring)
 INT32_MAX = 2**31 - 1
@@ -73,12 +74,16 @@ def _forward_bytes(config, batch: int, tokens: int, slots: int, logits: bool = T
 
 def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slots: int,
                    pool_rows: Optional[int] = None) -> int:
-    """Device bytes a call allocates beyond the models' params: both caches, the token buffer,
-    the pool, and the larger of the prefill's and a round's transient buffers. Pure arithmetic
+    """Device bytes a call allocates beyond the models' params: the packed copy of their
+    weights where decoding packs them (models/layout.py), both caches, the token buffer, the
+    pool, and the larger of the prefill's and a round's transient buffers. Pure arithmetic
     on Python ints (no overflow, nothing allocated)."""
     n_t, n_s, n_first = forward_sizes(spec, cfg)
     item = lambda m: m.params["embed"].dtype.itemsize  # noqa: E731  caches use the params' dtype
     total = _kv_bytes(target.config, batch, slots, item(target)) + 4 * batch * slots
+    total += packed_bytes(target.params, target.config)
+    if draft is not None and n_s > 0:
+        total += packed_bytes(draft.params, draft.config)
     peak = max(_forward_bytes(target.config, batch, prompt_width, prompt_width, False),
                _forward_bytes(target.config, batch, n_t, slots))
     if draft is not None and n_s > 0:

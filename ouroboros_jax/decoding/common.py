@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..models import causal_mask, forward
 from ..models.config import ModelConfig
 from ..models.kv_cache import KVCache, commit_prefix, init_cache
+from ..models.layout import decode_params
 from ..sharding import cache_spec
 from ..pool import insert_context, pool_occupancy
 from ..sampling import choose_tokens
@@ -91,11 +92,13 @@ class Pair:
 
 
 def make_pair(target, draft=None) -> Pair:
-    """A Pair from `Model`s (draft None: no draft). When the target's params live on a mesh
-    (`sharding.shard_model`), the pair carries it, so caches are placed on it too."""
+    """A Pair from `Model`s (draft None: no draft), each model's params in the layout decoding
+    runs on (`layout.decode_params`: packed on a CPU, as given on a mesh). When the target's
+    params live on a mesh (`sharding.shard_model`), the pair carries it, so caches are placed
+    on it too."""
     sharding = getattr(target.params["embed"], "sharding", None)
-    return Pair(tparams=target.params, tconfig=target.config,
-                dparams=None if draft is None else draft.params,
+    return Pair(tparams=decode_params(target.params, target.config), tconfig=target.config,
+                dparams=None if draft is None else decode_params(draft.params, draft.config),
                 dconfig=None if draft is None else draft.config,
                 mesh=sharding.mesh if isinstance(sharding, NamedSharding) else None)
 

@@ -18,7 +18,9 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
 wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
-name and layout and initializer are described once, in `params.LEAVES`.
+name and layout and initializer are described once, in `params.LEAVES`. `forward` also takes
+the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
+unrolled; `layout.py`): the same numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
 from .kv_cache import KVCache, NewKV
+from .layout import is_packed
 from .params import nest
 
 Params = dict
@@ -135,6 +138,31 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
     return x, k, v
 
 
+def _layer_packed(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
+                  live_blocks):
+    """`_layer` over one layer of the packed layout (models/layout.py): q, k, v from one fused
+    matmul, gate and up from another. x [B,T,E] -> (x [B,T,E], k [B,T,K,D], v [B,T,K,D])."""
+    B, T, _ = x.shape
+    H, K, D, F = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    qkv = h @ lp["wqkv"]
+    if config.qkv_bias:
+        qkv = qkv + lp["bqkv"]
+    q = qkv[..., :H * D].reshape(B, T, H, D)
+    k = qkv[..., H * D:(H + K) * D].reshape(B, T, K, D)
+    v = qkv[..., (H + K) * D:].reshape(B, T, K, D)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
+    a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
+               live_blocks=live_blocks)
+    x = x + a.reshape(B, T, H * D) @ lp["wo"]
+    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    gate_up = h @ lp["w_gate_up"]
+    x = x + (jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
+    return x, k, v
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: Optional[KVCache] = None,
             select: Optional[jax.Array] = None) -> tuple[jax.Array, NewKV]:
@@ -159,13 +187,25 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         x, k, v = _layer(config, inv_freq, kernel, x, lp, layer, positions, mask, cache, live)
         return x, (k, v)
 
-    # the cache is not scanned over: each layer's kernel reads its own live blocks from it
-    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-    x, (ks, vs) = jax.lax.scan(step, x, (params["layers"], layers))
+    if is_packed(params):
+        # one buffer per layer (models/layout.py): unrolled, each matmul reads its weights
+        # where they lie instead of a scan's copy of them out of the stack
+        ks, vs = [], []
+        for i, lp in enumerate(params["layers"]):
+            x, k, v = _layer_packed(config, inv_freq, kernel, x, lp, jnp.int32(i), positions,
+                                    mask, cache, live)
+            ks.append(k)
+            vs.append(v)
+        ks, vs = jnp.stack(ks), jnp.stack(vs)
+        head = params["head_t"]
+    else:
+        # the cache is not scanned over: each layer's kernel reads its own live blocks from it
+        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+        x, (ks, vs) = jax.lax.scan(step, x, (params["layers"], layers))
+        head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     if select is not None:
         x = jnp.take_along_axis(x, select[..., None], axis=1)
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
     return logits, NewKV(k=ks, v=vs)
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .kv_cache import init_cache
+from .layout import decode_params
 from .llama import causal_mask, forward
 
 
@@ -54,7 +55,8 @@ def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int =
     # (a cache captured as a constant of zeros would let it drop attention over the cache)
     f = jax.jit(lambda params, inputs: jax.lax.fori_loop(
         0, inner, lambda i, acc: one_pass(acc, params, inputs), jnp.zeros((), jnp.float32)))
-    params = [m.params for m in models]
+    # the layout decoding runs on (packed on a CPU, layout.py), so a probe times what it prices
+    params = [decode_params(m.params, m.config) for m in models]
     f(params, inputs).block_until_ready()  # compile
 
     def timed() -> float:

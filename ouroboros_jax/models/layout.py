@@ -1,0 +1,129 @@
+"""The packed layout: how the forward's weights are laid out for decoding on a CPU.
+
+The canonical params (`params.LEAVES`) stack every layer's weights on a leading L axis, so the
+forward scans over layers and compile time does not grow with depth; sharding, loading,
+training and export all use that layout. On XLA:CPU it has a price at decoding's small T:
+each layer step slices its weights out of the stack into a fresh buffer before the matmuls
+read them (measured on SmolLM2-135M: 30 layers' slices, 425 MB written and read again per
+token), and the tied LM head reads the embedding transposed.
+
+The packed layout (`pack`) is what decoding runs on there instead:
+
+    {"embed": [V,E], "final_norm": [E], "head_t": [E,V] (the LM head, contiguous),
+     "layers": (L per-layer dicts: attn_norm [E], wqkv [E, (H+2K)*D], (bqkv [(H+2K)*D]),
+                wo [H*D, E], mlp_norm [E], w_gate_up [E, 2F], w_down [F, E]), ...}
+
+one buffer per layer (the forward unrolls its layers over them, `llama.forward`), q/k/v and
+gate/up fused into one matmul each (fewer, larger matrix-vector products), the head stored as
+it is read. The same numbers in the same order of operations per output element: greedy
+decoding on either layout gives the same tokens (tested).
+
+`decode_params` packs when it pays: on a CPU backend, for params on one device (sharded params
+keep the canonical layout the mesh's shardings describe) of at least PACK_MIN_BYTES. The packed copy is transient for a
+`generate` call (made once per call, about the time of one forward) and held for an engine's
+life. Letters as in the package glossary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+Params = dict
+
+
+def is_packed(params: Params) -> bool:
+    """Whether params are in the packed layout (per-layer tuple) rather than stacked."""
+    return isinstance(params.get("layers"), (tuple, list))
+
+
+def pack(params: Params, config: ModelConfig) -> Params:
+    """Canonical params -> the packed layout (see the module docstring). Pure and jittable;
+    packed params pass through."""
+    if is_packed(params):
+        return params
+    lay = params["layers"]
+    E = config.hidden_size
+
+    def flat(w):  # [..., E, N, D] -> [..., E, N*D]
+        return w.reshape(*w.shape[:-2], -1)
+
+    wqkv = jnp.concatenate([flat(lay["wq"]), flat(lay["wk"]), flat(lay["wv"])], axis=-1)
+    wo = lay["wo"].reshape(config.num_layers, -1, E)
+    w_gate_up = jnp.concatenate([lay["w_gate"], lay["w_up"]], axis=-1)
+    bqkv = (jnp.concatenate([flat(lay["bq"]), flat(lay["bk"]), flat(lay["bv"])], axis=-1)
+            if config.qkv_bias else None)
+    layers = []
+    for i in range(config.num_layers):
+        layer = {"attn_norm": lay["attn_norm"][i], "wqkv": wqkv[i], "wo": wo[i],
+                 "mlp_norm": lay["mlp_norm"][i], "w_gate_up": w_gate_up[i],
+                 "w_down": lay["w_down"][i]}
+        if bqkv is not None:
+            layer["bqkv"] = bqkv[i]
+        layers.append(layer)
+    head_t = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    out = {"embed": params["embed"], "final_norm": params["final_norm"],
+           "head_t": head_t, "layers": tuple(layers)}
+    return out
+
+
+_pack_jit = jax.jit(pack, static_argnums=1)
+
+
+# Weights below this size stay stacked on a CPU: measured on this project's 2-core x86 machine
+# (32 MB L3), packing made SmolLM2-135M's (538 MB) vanilla steps 1.3-2x faster and its
+# 9-token forward 1.3x, while for the demo pair (76 MB target, 13 MB draft: largely
+# cache-resident, where a stacked layer's slice costs little) it sped up vanilla but slowed
+# the draft's multi-token forwards and the speculative methods (bench/cpu_forward.py, the
+# `set_packing` A/B in README's "Where the CPU path stands").
+PACK_MIN_BYTES = 256 * 2**20
+
+_override: list = [None]
+
+
+def set_packing(enabled) -> None:
+    """Forces packing on (True) or off (False) for every later call, or back to the
+    per-device choice (None): for A/B benchmarks, or to keep a CPU call's memory at one copy
+    of the weights. Read when a call builds its model pair, outside any trace."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_packing: enabled must be True, False or None, got {enabled!r}")
+    _override[0] = enabled
+
+
+def weight_bytes(params: Params) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def wants_packing(params: Params) -> bool:
+    """The packed layout pays: a CPU backend, params on one device, weights of at least
+    PACK_MIN_BYTES (`set_packing` forces either way; sharded params are never packed)."""
+    leaf = params["embed"]
+    sharding = getattr(leaf, "sharding", None)
+    devices = getattr(sharding, "device_set", None)
+    on_one = devices is None or len(devices) == 1
+    if not on_one or _override[0] is False:
+        return False
+    if _override[0] is True:
+        return True
+    platform = (next(iter(devices)).platform if devices else jax.default_backend())
+    return platform == "cpu" and weight_bytes(params) >= PACK_MIN_BYTES
+
+
+def decode_params(params: Params, config: ModelConfig) -> Params:
+    """The params decoding should run on: packed (one jitted copy) where `wants_packing`,
+    else as given."""
+    if is_packed(params) or not wants_packing(params):
+        return params
+    return _pack_jit(params, config)
+
+
+def packed_bytes(params: Params, config: ModelConfig) -> int:
+    """Bytes the packed copy adds beside the canonical params (0 where nothing is packed):
+    every layer's weights, and the transposed head of a tied model."""
+    if is_packed(params) or not wants_packing(params):
+        return 0
+    layers = weight_bytes(params["layers"])
+    head = params["embed"].size * params["embed"].dtype.itemsize
+    return int(layers + (head if config.tie_word_embeddings else 0))

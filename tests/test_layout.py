@@ -1,0 +1,84 @@
+"""The packed layout decoding runs on a CPU (models/layout.py): the same tokens as the stacked
+layout for every method, packed only where it pays, never for sharded params, counted by the
+memory planner. (Logits against transformers in both layouts: test_model.py.)"""
+
+import jax
+import numpy as np
+import pytest
+
+import ouroboros_jax as oj
+from ouroboros_jax.bounds import estimate_bytes
+from ouroboros_jax.decoding import METHODS
+from ouroboros_jax.decoding.common import make_pair
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.decoding.prompt_lookup import PromptLookupConfig
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+from ouroboros_jax.models import layout
+
+
+@pytest.fixture
+def packing():
+    """set_packing for one test, back to the per-device choice after it."""
+    yield layout.set_packing
+    layout.set_packing(None)
+
+
+CALLS = [("vanilla", None), ("speculative", SpeculativeConfig(gamma=3)),
+         ("ouroboros", OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=2)),
+         ("prompt_lookup", PromptLookupConfig(candidates=2, length=3))]
+
+
+@pytest.mark.parametrize("method, cfg", CALLS, ids=[m for m, _ in CALLS])
+def test_every_method_gives_the_same_tokens_packed(tiny_pair, random_prompts, packing, method,
+                                                   cfg):
+    target, draft, _ = tiny_pair
+    kw = dict(method=method, config=cfg, max_new_tokens=16, eos_token_id=-1,
+              draft=draft if METHODS[method].needs_draft else None)
+    prompts = random_prompts[:3]
+    packing(False)
+    ref = oj.generate(target, prompts, **kw).tokens
+    packing(True)
+    assert oj.generate(target, prompts, **kw).tokens == ref
+    sampled = dict(kw, temperature=0.8, top_p=0.9, seed=3)
+    packing(False)
+    ref = oj.generate(target, prompts, **sampled).tokens
+    packing(True)
+    assert oj.generate(target, prompts, **sampled).tokens == ref
+
+
+def test_packing_follows_device_size_and_override(tiny_pair, packing):
+    target, draft, _ = tiny_pair
+    # a tiny model on a CPU stays stacked (below PACK_MIN_BYTES): nothing copied, nothing counted
+    assert layout.weight_bytes(target.params) < layout.PACK_MIN_BYTES
+    assert not layout.wants_packing(target.params)
+    assert make_pair(target, draft).tparams is target.params
+    assert layout.packed_bytes(target.params, target.config) == 0
+    packing(True)
+    pair = make_pair(target, draft)
+    assert layout.is_packed(pair.tparams) and layout.is_packed(pair.dparams)
+    assert len(pair.tparams["layers"]) == target.config.num_layers
+    assert layout.pack(pair.tparams, target.config) is pair.tparams  # packing is idempotent
+    # the planner counts the copy: every layer's weights (and a tied model's transposed head)
+    spec = METHODS["vanilla"]
+    with_copy = estimate_bytes(spec, None, target, None, 1, 8, 64)
+    extra = layout.weight_bytes(target.params["layers"]) + (
+        target.params["embed"].nbytes if target.config.tie_word_embeddings else 0)
+    assert layout.packed_bytes(target.params, target.config) == extra
+    packing(False)
+    assert estimate_bytes(spec, None, target, None, 1, 8, 64) == with_copy - extra
+    with pytest.raises(ValueError, match="set_packing: enabled"):
+        layout.set_packing("yes")
+
+
+def test_sharded_params_are_never_packed(tiny_target, packing):
+    from ouroboros_jax.sharding import make_mesh, shard_model
+
+    mesh = make_mesh(data=1, model=2)
+    sharded = shard_model(tiny_target, mesh)
+    packing(True)
+    assert not layout.wants_packing(sharded.params)
+    assert make_pair(sharded).tparams is sharded.params
+    out = oj.generate(tiny_target, [[5, 6, 7]], max_new_tokens=6, mesh=mesh, eos_token_id=-1)
+    packing(None)
+    assert out.tokens == oj.generate(tiny_target, [[5, 6, 7]], max_new_tokens=6,
+                                     eos_token_id=-1).tokens
