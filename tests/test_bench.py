@@ -354,6 +354,9 @@ def test_cpu_forward_bench_times_every_size_and_both_vanilla_rates(tiny_target, 
     assert res["median"]["vanilla_decode_s_per_token"] > 0
     assert res["llama_cpp"] == "not installed or no --gguf"
     assert "vanilla_speed_vs_llama_cpp_call" not in res
+    # the tiny model stays stacked by default, and the A/B against stacked is still timed
+    assert res["layout"] == "stacked" and len(res["layout_speedup_call_per_rep"]) == 1
+    assert set(res["layout_speedup_forward"]) == {"1", "2", "4"}
 
 
 @pytest.mark.parametrize("argv, message", [(["--sizes", "1,x"], "--sizes"),

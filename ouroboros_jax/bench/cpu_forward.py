@@ -9,6 +9,9 @@ Measures, interleaved over `--reps` rounds (the machine is shared: medians and s
   - our forward of T tokens for each T of `--sizes` (`models.timing.forward_timer`, after a
     prompt-long cache): T = 1 is a decoding step's, larger T a verification tree's, and their
     ratio is what a speculative method's extra tokens per forward must beat on this device;
+  - both in the layout decoding uses by default ("layout": packed for large models on a CPU,
+    models/layout.py) and in the canonical stacked one (`layout.set_packing(False)`), whose
+    ratio is "layout_speedup_*" (the tokens of both must be identical);
   - vanilla decoding (`oj.generate`, greedy, one prompt) and llama.cpp (llama-cpp-python,
     greedy, same prompt), when `llama_cpp` is installed and `--gguf` names an F32 GGUF of the
     same weights (`--quantize-from Q.gguf` writes one with `llama_model_quantize(
@@ -141,6 +144,7 @@ def main(argv=None) -> int:
     import jax
 
     import ouroboros_jax as oj
+    from ..models import layout
     from ..models.timing import forward_timer
 
     model = oj.load_model(a.target)
@@ -150,29 +154,47 @@ def main(argv=None) -> int:
     n = a.max_new_tokens
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     timers = {T: forward_timer(model, T, len(ids), 1024) for T in sizes}
+    default_layout = "packed" if layout.wants_packing(model.params) else "stacked"
+    layout.set_packing(False)  # the canonical stacked layout beside it, for the A/B
+    stacked_timers = {T: forward_timer(model, T, len(ids), 1024) for T in sizes}
+    layout.set_packing(None)
 
-    def ours(tokens):
-        o = oj.generate(model, [ids], max_new_tokens=tokens, eos_token_id=-1)
+    def ours(tokens, stacked=False):
+        layout.set_packing(False if stacked else None)
+        try:
+            o = oj.generate(model, [ids], max_new_tokens=tokens, eos_token_id=-1)
+        finally:
+            layout.set_packing(None)
         return o.tokens[0], o.stats["seconds"]
 
-    ours(n), ours(1)  # compile both lengths
+    for stacked in (False, True):  # compile both lengths in both layouts
+        ours(n, stacked), ours(1, stacked)
     lcpp = None
     if a.gguf:
         if a.quantize_from and not os.path.exists(a.gguf):
             quantize_f32(a.quantize_from, a.gguf)
         lcpp = llama_cpp_runner(a.gguf, a.threads)
     rows = {"bandwidth_bytes_per_s": [], "vanilla_call_s_per_token": [],
-            "vanilla_decode_s_per_token": [], "llama_cpp_call_s_per_token": [],
-            "llama_cpp_decode_s_per_token": [], **{f"forward_s_T{T}": [] for T in sizes}}
+            "vanilla_decode_s_per_token": [], "stacked_vanilla_call_s_per_token": [],
+            "stacked_vanilla_decode_s_per_token": [], "llama_cpp_call_s_per_token": [],
+            "llama_cpp_decode_s_per_token": [], **{f"forward_s_T{T}": [] for T in sizes},
+            **{f"stacked_forward_s_T{T}": [] for T in sizes}}
     mine = theirs = None
     for _ in range(a.reps):
         rows["bandwidth_bytes_per_s"].append(memory_read_rate())
-        for T, timer in timers.items():
-            rows[f"forward_s_T{T}"].append(min(timer() for _ in range(3)))
-        mine, whole = ours(n)
-        _, one = ours(1)
-        rows["vanilla_call_s_per_token"].append(whole / len(mine))
-        rows["vanilla_decode_s_per_token"].append((whole - one) / max(len(mine) - 1, 1))
+        for T in sizes:
+            rows[f"forward_s_T{T}"].append(min(timers[T]() for _ in range(3)))
+            rows[f"stacked_forward_s_T{T}"].append(min(stacked_timers[T]() for _ in range(3)))
+        for pre, stacked in (("", False), ("stacked_", True)):
+            out, whole = ours(n, stacked)
+            _, one = ours(1, stacked)
+            rows[pre + "vanilla_call_s_per_token"].append(whole / len(out))
+            rows[pre + "vanilla_decode_s_per_token"].append(
+                (whole - one) / max(len(out) - 1, 1))
+            if not stacked:
+                mine = out
+            elif out != mine:
+                raise RuntimeError("the stacked and packed layouts gave different tokens")
         if lcpp is not None:
             theirs, call, decode = lcpp(ids, n)
             rows["llama_cpp_call_s_per_token"].append(call / len(theirs))
@@ -186,6 +208,14 @@ def main(argv=None) -> int:
         "bandwidth_bound_s": weight_bytes / med["bandwidth_bytes_per_s"],
         "forward_vs_T1": {T: round(med[f"forward_s_T{T}"] / med["forward_s_T1"], 3)
                           for T in sizes},
+        "layout": default_layout,
+        # the default layout's speed over the stacked one's, per repeat (1.0 when the default
+        # is stacked): whole call, and each forward size
+        "layout_speedup_call_per_rep": [
+            round(x / y, 3) for x, y in zip(rows["stacked_vanilla_call_s_per_token"],
+                                            rows["vanilla_call_s_per_token"])],
+        "layout_speedup_forward": {T: round(med[f"stacked_forward_s_T{T}"]
+                                            / med[f"forward_s_T{T}"], 3) for T in sizes},
         "llama_cpp": "not installed or no --gguf" if lcpp is None else "ran"}
     if lcpp is not None:
         for how in ("call", "decode"):
