@@ -81,9 +81,9 @@ def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slot
     n_t, n_s, n_first = forward_sizes(spec, cfg)
     item = lambda m: m.params["embed"].dtype.itemsize  # noqa: E731  caches use the params' dtype
     total = _kv_bytes(target.config, batch, slots, item(target)) + 4 * batch * slots
-    total += packed_bytes(target.params, target.config)
+    total += packed_bytes(target)
     if draft is not None and n_s > 0:
-        total += packed_bytes(draft.params, draft.config)
+        total += packed_bytes(draft)
     peak = max(_forward_bytes(target.config, batch, prompt_width, prompt_width, False),
                _forward_bytes(target.config, batch, n_t, slots))
     if draft is not None and n_s > 0:

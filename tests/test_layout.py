@@ -2,8 +2,9 @@
 layout for every method, packed only where it pays, never for sharded params, counted by the
 memory planner. (Logits against transformers in both layouts: test_model.py.)"""
 
+import dataclasses
+
 import jax
-import numpy as np
 import pytest
 
 import ouroboros_jax as oj
@@ -52,20 +53,26 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     assert layout.weight_bytes(target.params) < layout.PACK_MIN_BYTES
     assert not layout.wants_packing(target.params)
     assert make_pair(target, draft).tparams is target.params
-    assert layout.packed_bytes(target.params, target.config) == 0
+    assert layout.packed_bytes(target) == 0
     packing(True)
-    pair = make_pair(target, draft)
-    assert layout.is_packed(pair.tparams) and layout.is_packed(pair.dparams)
-    assert len(pair.tparams["layers"]) == target.config.num_layers
-    assert layout.pack(pair.tparams, target.config) is pair.tparams  # packing is idempotent
-    # the planner counts the copy: every layer's weights (and a tied model's transposed head)
+    # the planner counts the copy before it exists: every layer's weights (and a tied
+    # model's transposed head)
+    model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
     spec = METHODS["vanilla"]
-    with_copy = estimate_bytes(spec, None, target, None, 1, 8, 64)
-    extra = layout.weight_bytes(target.params["layers"]) + (
-        target.params["embed"].nbytes if target.config.tie_word_embeddings else 0)
-    assert layout.packed_bytes(target.params, target.config) == extra
-    packing(False)
-    assert estimate_bytes(spec, None, target, None, 1, 8, 64) == with_copy - extra
+    with_copy = estimate_bytes(spec, None, model, None, 1, 8, 64)
+    extra = layout.weight_bytes(model.params["layers"]) + (
+        model.params["embed"].nbytes if model.config.tie_word_embeddings else 0)
+    assert layout.packed_bytes(model) == extra
+    pair = make_pair(model, draft)
+    assert layout.is_packed(pair.tparams) and layout.is_packed(pair.dparams)
+    assert len(pair.tparams["layers"]) == model.config.num_layers
+    assert layout.pack(pair.tparams, model.config) is pair.tparams  # packing is idempotent
+    # made once per model: the next pair reuses it, and nothing more is counted
+    assert make_pair(model).tparams is pair.tparams and layout.packed_bytes(model) == 0
+    assert estimate_bytes(spec, None, model, None, 1, 8, 64) == with_copy - extra
+    # new params (the same Model object) are packed anew
+    model.params = jax.tree.map(lambda x: x + 0, model.params)
+    assert layout.packed_bytes(model) == extra and make_pair(model).tparams is not pair.tparams
     with pytest.raises(ValueError, match="set_packing: enabled"):
         layout.set_packing("yes")
 

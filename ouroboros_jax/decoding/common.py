@@ -97,8 +97,8 @@ def make_pair(target, draft=None) -> Pair:
     params live on a mesh (`sharding.shard_model`), the pair carries it, so caches are placed
     on it too."""
     sharding = getattr(target.params["embed"], "sharding", None)
-    return Pair(tparams=decode_params(target.params, target.config), tconfig=target.config,
-                dparams=None if draft is None else decode_params(draft.params, draft.config),
+    return Pair(tparams=decode_params(target), tconfig=target.config,
+                dparams=None if draft is None else decode_params(draft),
                 dconfig=None if draft is None else draft.config,
                 mesh=sharding.mesh if isinstance(sharding, NamedSharding) else None)
 

@@ -41,6 +41,9 @@ class Model:
     # mesh -> this model placed on it (sharding.shard_model); lives and dies with the model
     _sharded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
+    # the packed copy decoding runs on a CPU (layout.decode_params), made once per params
+    _packed: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                      compare=False)
 
     def __post_init__(self):
         check_params(self.config, self.params)

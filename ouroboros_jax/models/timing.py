@@ -56,7 +56,7 @@ def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int =
     f = jax.jit(lambda params, inputs: jax.lax.fori_loop(
         0, inner, lambda i, acc: one_pass(acc, params, inputs), jnp.zeros((), jnp.float32)))
     # the layout decoding runs on (packed on a CPU, layout.py), so a probe times what it prices
-    params = [decode_params(m.params, m.config) for m in models]
+    params = [decode_params(m) for m in models]
     f(params, inputs).block_until_ready()  # compile
 
     def timed() -> float:
