@@ -141,7 +141,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if min(sizes) < 1:
         raise SystemExit(f"--sizes must be >= 1, got {a.sizes!r}")
-    import jax
 
     import ouroboros_jax as oj
     from ..models import layout
@@ -152,7 +151,7 @@ def main(argv=None) -> int:
     ids = (list(model.tokenizer(PROMPT)["input_ids"]) if model.tokenizer
            else [3 + i % max(vocab - 3, 1) for i in range(96)])  # no tokenizer: in-vocab ids
     n = a.max_new_tokens
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    weight_bytes = layout.weight_bytes(model.params)
     timers = {T: forward_timer(model, T, len(ids), 1024) for T in sizes}
     default_layout = "packed" if layout.wants_packing(model.params) else "stacked"
     layout.set_packing(False)  # the canonical stacked layout beside it, for the A/B

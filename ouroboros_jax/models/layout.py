@@ -115,12 +115,17 @@ def decode_params(model) -> Params:
     params = model.params
     if is_packed(params) or not wants_packing(params):
         return params
-    hit = model._packed.get("params")
-    if hit is not None and hit[0] is params:
-        return hit[1]
-    packed = _pack_jit(params, model.config)
-    model._packed["params"] = (params, packed)
+    packed = _made(model)
+    if packed is None:
+        packed = _pack_jit(params, model.config)
+        model._packed["params"] = (params, packed)
     return packed
+
+
+def _made(model):
+    """The model's packed copy when it was made from its current params, else None."""
+    hit = model._packed.get("params")
+    return hit[1] if hit is not None and hit[0] is model.params else None
 
 
 def packed_bytes(model) -> int:
@@ -128,10 +133,7 @@ def packed_bytes(model) -> int:
     packed or the copy already exists): every layer's weights, and the transposed head of a
     tied model."""
     params = model.params
-    if is_packed(params) or not wants_packing(params):
-        return 0
-    hit = model._packed.get("params")
-    if hit is not None and hit[0] is params:
+    if is_packed(params) or not wants_packing(params) or _made(model) is not None:
         return 0
     head = params["embed"].size * params["embed"].dtype.itemsize
     return weight_bytes(params["layers"]) + (head if model.config.tie_word_embeddings else 0)

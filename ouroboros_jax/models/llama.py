@@ -115,52 +115,49 @@ def _matmul_heads(h: jax.Array, w: jax.Array) -> jax.Array:
     return (h @ w.reshape(E, N * D)).reshape(*h.shape[:-1], N, D)
 
 
+def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
+    """h [B,T,E] -> (q [B,T,H,D], k [B,T,K,D], v [B,T,K,D]) from one layer's params in either
+    layout: three head-split matmuls (stacked) or one fused one (packed, layout.py)."""
+    if "wqkv" not in lp:
+        q, k, v = (_matmul_heads(h, lp[w]) for w in ("wq", "wk", "wv"))
+        if config.qkv_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        return q, k, v
+    B, T, _ = h.shape
+    H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = h @ lp["wqkv"]
+    if config.qkv_bias:
+        qkv = qkv + lp["bqkv"]
+    return (qkv[..., :H * D].reshape(B, T, H, D), qkv[..., H * D:(H + K) * D].reshape(B, T, K, D),
+            qkv[..., (H + K) * D:].reshape(B, T, K, D))
+
+
+def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
+    """The SwiGLU MLP, h [B,T,E] -> [B,T,E], in either layout (gate and up fused when packed)."""
+    if "w_gate_up" not in lp:
+        gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
+        up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
+    F = config.intermediate_size
+    gate_up = h @ lp["w_gate_up"]
+    return (jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
+
+
 def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
            live_blocks):
-    """One decoder layer. x [B,T,E] -> (x [B,T,E], k [B,T,K,D], v [B,T,K,D])."""
+    """One decoder layer, its params in either layout. x [B,T,E] -> (x [B,T,E],
+    k [B,T,K,D], v [B,T,K,D])."""
     h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-    q = _matmul_heads(h, lp["wq"])
-    k = _matmul_heads(h, lp["wk"])
-    v = _matmul_heads(h, lp["wv"])
-    if config.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = _qkv(config, h, lp)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
     a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
                live_blocks=live_blocks)
     B, T, H, D = a.shape
-    x = x + a.reshape(B, T, H * D) @ lp["wo"].reshape(H * D, -1)
+    x = x + a.reshape(B, T, H * D) @ lp["wo"].reshape(H * D, -1)  # packed wo is [H*D, E]
     h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
-    up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
-    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
-    return x, k, v
-
-
-def _layer_packed(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
-                  live_blocks):
-    """`_layer` over one layer of the packed layout (models/layout.py): q, k, v from one fused
-    matmul, gate and up from another. x [B,T,E] -> (x [B,T,E], k [B,T,K,D], v [B,T,K,D])."""
-    B, T, _ = x.shape
-    H, K, D, F = config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
-    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-    qkv = h @ lp["wqkv"]
-    if config.qkv_bias:
-        qkv = qkv + lp["bqkv"]
-    q = qkv[..., :H * D].reshape(B, T, H, D)
-    k = qkv[..., H * D:(H + K) * D].reshape(B, T, K, D)
-    v = qkv[..., (H + K) * D:].reshape(B, T, K, D)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
-    a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
-               live_blocks=live_blocks)
-    x = x + a.reshape(B, T, H * D) @ lp["wo"]
-    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    gate_up = h @ lp["w_gate_up"]
-    x = x + (jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
-    return x, k, v
+    return x + _mlp(config, h, lp), k, v
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -192,8 +189,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         # where they lie instead of a scan's copy of them out of the stack
         ks, vs = [], []
         for i, lp in enumerate(params["layers"]):
-            x, k, v = _layer_packed(config, inv_freq, kernel, x, lp, jnp.int32(i), positions,
-                                    mask, cache, live)
+            x, (k, v) = step(x, (lp, jnp.int32(i)))
             ks.append(k)
             vs.append(v)
         ks, vs = jnp.stack(ks), jnp.stack(vs)
