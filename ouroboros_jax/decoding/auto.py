@@ -56,6 +56,7 @@ except ImportError:  # Windows: no advisory locks
 from ..distributed import broadcast, model_spans_processes
 from ..models import causal_mask, forward
 from ..models.timing import forward_timer
+from ..pool.phrase_pool import shape_fits
 from . import METHODS
 from .cost import vanilla_rate
 from .knobs import recipe_of
@@ -536,8 +537,7 @@ def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
     anything fits; a config without a pool fits any)."""
     if pool_shape is None or not hasattr(cfg, "ngram"):
         return True
-    guesses, phrase_len = pool_shape
-    return cfg.ngram - 1 == phrase_len and cfg.guesses <= guesses
+    return shape_fits(pool_shape, cfg.guesses, cfg.ngram - 1)
 
 
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],

@@ -329,6 +329,13 @@ def lookup(pool: PhrasePool, key, k: int):
     return jnp.where(found[..., None], phrases, 0), found
 
 
+def shape_fits(shape: tuple, guesses: int, phrase_len: int) -> bool:
+    """Whether a pool of shape (phrases per key, tokens per phrase) can serve a call that
+    verifies `guesses` phrases of `phrase_len` tokens: the same phrase length, at least as
+    many phrases per key."""
+    return shape[1] == phrase_len and shape[0] >= guesses
+
+
 def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_len: int,
                  rows: Optional[int], history: bool) -> PhrasePool:
     """The pool a call starts from: the given one (history), emptied (history off), or new."""
@@ -338,7 +345,8 @@ def prepare_pool(pool: Optional[PhrasePool], vocab: int, guesses: int, phrase_le
         raise ValueError(f"pool must be a PhrasePool returned by an earlier call, got "
                          f"{type(pool).__name__}")
     check_pool(pool)
-    if pool.vocab_size != vocab or pool.phrase_len != phrase_len or pool.guesses < guesses:
+    if pool.vocab_size != vocab or not shape_fits((pool.guesses, pool.phrase_len), guesses,
+                                                  phrase_len):
         raise ValueError(f"pool: shape (vocab {pool.vocab_size}, {pool.guesses} phrases per key "
                          f"of {pool.phrase_len} tokens) does not fit this call (vocab {vocab}, "
                          f">= {guesses} phrases of ngram-1 = {phrase_len} tokens)")
