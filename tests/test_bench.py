@@ -60,7 +60,8 @@ def bench_run(tiny_pair, tmp_path_factory):
         main(["bench", "--quick", "--target", target.path, "--draft", draft.path,
               "--spec-bench", spec, "--prompts-per-task", "1", "--no-progress", "--ignore-eos",
               "--max-new-tokens", "8",
-              "--methods", "vanilla,speculative,lookahead,ouroboros,perturbed,peers",
+              "--methods", "vanilla,speculative,speculative@auto,lookahead,ouroboros,perturbed,"
+                           "peers",
               "--sweep", "pool", "--sweep", "history", "--sweep", "length",
               "--sweep", "confidence",
               "--out", str(d / "out")])
@@ -92,6 +93,13 @@ def test_quick_bench_json_has_every_field(bench_run):
         assert s["identical"] is True, (label, s["mismatches"])
         assert set(s["per_task"]) == {"mt-bench", "translation"}
     assert m["vanilla"]["speedup"] == pytest.approx(1.0)
+    # METHOD@auto: generate's default config, its calls timed with what auto compiles in them
+    a = m["speculative@auto"]
+    assert a["config"] == {"auto": True} and a["method"] == "speculative"
+    assert a["identical"] is True and a["calls"] == 3
+    assert a["recompile_seconds_excluded"] == 0.0
+    assert a["recompile_seconds_included"] == pytest.approx(
+        sum(c["compile_seconds"] for c in a["per_call"]))
     for label in ("speculative", "lookahead", "ouroboros"):
         s = m[label]
         assert s["eta"] >= 1.0 and s["target_calls"] > 0

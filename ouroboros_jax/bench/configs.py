@@ -13,6 +13,8 @@ from typing import Optional
 from ..decoding import METHODS
 from .runner import HF_PEERS, MethodRun
 
+AUTO_SUFFIX = "@auto"
+
 
 def ablation_steps() -> tuple:
     """The paper's Table 4 steps, one mechanism added per step: ((label, {switch: bool}), ...)
@@ -45,7 +47,9 @@ def make_config(method: str, overrides: Optional[dict] = None, quick: bool = Fal
 
 def method_runs(names, quick: bool = False, overrides: Optional[dict] = None) -> list[MethodRun]:
     """Names -> MethodRuns. Names: any registered method, "ablation" (the Table 4 steps on the
-    ouroboros engine), "peers" (hf-greedy, hf-assisted, hf-pld) or one peer name.
+    ouroboros engine), "peers" (hf-greedy, hf-assisted, hf-pld), one peer name, or
+    "METHOD@auto" (that method with generate's default, config="auto", its calls timed with
+    whatever auto compiles or probes in them).
     overrides: {method: {field: value}} applied to that method's config."""
     overrides = overrides or {}
     runs: list[MethodRun] = []
@@ -54,6 +58,9 @@ def method_runs(names, quick: bool = False, overrides: Optional[dict] = None) ->
             runs += [MethodRun(p, p, kind="hf") for p in HF_PEERS]
         elif n in HF_PEERS:
             runs.append(MethodRun(n, n, kind="hf"))
+        elif n.endswith(AUTO_SUFFIX):
+            m = n[:-len(AUTO_SUFFIX)]
+            runs.append(MethodRun(n, m, "auto"))
         elif n == "ablation":
             for step, sw in ablation_steps():
                 try:

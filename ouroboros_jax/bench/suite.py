@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-from .configs import make_config, method_runs  # noqa: F401  (make_config: public here too)
+from .configs import AUTO_SUFFIX, make_config, method_runs  # noqa: F401  (make_config: public)
 from .pair import load_models
 from .runner import HF_PEERS, MethodRun, run_bench
 from .sweeps import SWEEPS, run_sweeps
@@ -39,12 +39,15 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
 
         configs = {r.label: r.config for r in methods}
         configs["vanilla"] = None
+        # config="auto" picks per call: no one config's forward sizes to price its counts by
+        priced = {**results, "methods": {k: v for k, v in results["methods"].items()
+                                         if configs.get(k) != "auto"}}
         if latency_json:
             table = LatencyTable.from_json(latency_json)
         else:
             ts, ds, ds1 = {1}, set(), set()
             for r in methods:
-                if r.kind == "oj" and r.label in results["methods"]:
+                if r.kind == "oj" and r.label in priced["methods"]:
                     try:
                         nt, ns, ns1 = forward_sizes(r.method, r.config)
                     except (ValueError, AttributeError):
@@ -75,9 +78,9 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
         st = results["settings"]
         wb = weights_bound_table(st["target"]["params"], (st.get("draft") or {}).get("params"))
         results["cost_model"] = {"latency": table.to_json(),
-                                 "rows": cost_rows(results, table, configs),
+                                 "rows": cost_rows(priced, table, configs),
                                  "weights_bound": {"latency": wb.to_json(),
-                                                   "rows": cost_rows(results, wb, configs)},
+                                                   "rows": cost_rows(priced, wb, configs)},
                                  "formula": "vanilla_target_calls*t_T(1) / (target_calls*"
                                             "t_T(n_T) + draft_forwards*t_S(n_S)); prefill "
                                             "excluded"}
@@ -137,7 +140,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="generation length of a task (default: code 512, math_reasoning 256, "
                         "summarization 128, translation 64, others 128)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list: vanilla, speculative, lookahead, ouroboros, prompt_lookup, ablation, "
+                   help="comma list: vanilla, speculative, lookahead, ouroboros, prompt_lookup "
+                        "(each with the paper's recipe, or METHOD@auto: generate's default "
+                        "config=\"auto\", timed with what auto does inside the calls), ablation, "
                         f"peers, {', '.join(HF_PEERS)} (default {DEFAULT_METHODS})")
     p.add_argument("--config", action="append", metavar="METHOD=JSON",
                    help="""config fields over the method's paper recipe (the bench's default, unlike
@@ -173,10 +178,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def known_method_names() -> list[str]:
-    """What --methods accepts: registered methods, "ablation", "peers" and each peer."""
+    """What --methods accepts: registered methods, each as METHOD@auto (generate's default
+    config), "ablation", "peers" and each peer."""
     from ..decoding import METHODS
 
-    return sorted(METHODS) + ["ablation", "peers"] + sorted(HF_PEERS)
+    return (sorted(METHODS) + [m + AUTO_SUFFIX for m in sorted(METHODS)]
+            + ["ablation", "peers"] + sorted(HF_PEERS))
 
 
 def check_bench_flags(a) -> None:
