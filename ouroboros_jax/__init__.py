@@ -26,6 +26,10 @@ One meaning of "config" too: `config` is a decoding method's config (`oj.Specula
 draft) inside decoding/, and `config` only inside models/, which never sees a method config.
 """
 
+from .notices import silence_torch_advisory
+
+silence_torch_advisory()  # transformers' "PyTorch was not found" banner: the models here are JAX
+
 from .decoding.lookahead import LookaheadConfig
 from .decoding.ouroboros import OuroborosConfig
 from .decoding.prompt_lookup import PromptLookupConfig

@@ -9,8 +9,10 @@ comparison of methods (identical tokens, tokens/s) is still real.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -63,6 +65,37 @@ def load_pair():
 
 SPECULATIVE_METHODS = ("speculative", "lookahead", "ouroboros", "prompt_lookup")
 
+# Ouroboros with these off drafts token by token and verifies one chain: speculative decoding
+SD_SWITCHES = ("phrase_drafting", "lengthening", "recycling")
+
+
+def switches_off(config: Optional[str]) -> list[str]:
+    """The mechanism switches a config's recipe string sets False, in its order
+    ("OuroborosConfig(gamma=2, ..., lengthening=False)" -> ["lengthening"])."""
+    return re.findall(r"(\w+)=False", config or "")
+
+
+def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]:
+    """(label, why) for a method's row, from its `stats["auto"]`: the label names only the
+    mechanisms that ran ("ouroboros (as speculative γ2: mechanisms off on this device)",
+    "lookahead (ran vanilla)"); why is one line saying what auto turned off and why, None when
+    it turned nothing off."""
+    if not auto:
+        return method, None
+    if auto.get("method") == "vanilla" and method != "vanilla":
+        reason = auto.get("reason", "").split(" (a priori")[0]
+        return f"{method} (ran vanilla)", f"{method}: {reason}"
+    off = switches_off(auto.get("config"))
+    if not off:
+        return method, None
+    why = (f"{method}: auto turned off {', '.join(off)}: the cost model predicts this device "
+           f"runs it faster without them ({auto.get('reason', '').split(' (a priori')[0]})")
+    if method == "ouroboros" and all(s in off for s in SD_SWITCHES):
+        gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
+        g = f"γ{gamma.group(1)}" if gamma else ""
+        return f"ouroboros (as speculative {g}: mechanisms off on this device)", why
+    return f"{method} ({', '.join(off)} off)", why
+
 
 def _token_ids(target, prompt) -> list[int]:
     return list(target.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
@@ -111,7 +144,9 @@ def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int)
 def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
              method: str | None = None) -> dict:
     """Vanilla, then each speculative method (or just `method`), on the same prompts; prints
-    the code, a table of tokens/s, speedup, eta and exactness, and names the fastest."""
+    each prompt and its completion, a table of tokens/s, speedup, eta, exactness and what
+    config="auto" chose, one line per mechanism auto turned off and why, and names the fastest
+    with the mechanisms it ran."""
     for name, v in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -133,34 +168,37 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
     print("=" * 72)
     for i, o in enumerate(van["outs"]):
         head = prompts[i] if isinstance(prompts[i], str) else f"<{len(prompts[i])} token ids>"
-        print(f"--- prompt {i + 1} ---\n{head}", end="")
+        print(f"--- prompt {i + 1} ---\n{head.rstrip()}")
+        print(f"--- completion ({o.stats['new_tokens']} tokens, every method alike) ---")
         print(o.texts[0] if o.texts else o.tokens[0])
     print("=" * 72)
-    print(f"{'method':<12} {'tokens/s':>9} {'speedup':>8} {'eta':>6}  {'identical':<9}  config (auto)")
+    print(f"{'method':<13} {'tokens/s':>9} {'speedup':>8} {'eta':>6}  {'identical':<9}  "
+          "config (auto)")
     summary = {"trained_pair": trained, "methods": {}}
+    whys = []
     for m, r in results.items():
         same = all(a.tokens == b.tokens for a, b in zip(van["outs"], r["outs"]))
         speedup = r["tokens_per_second"] / van["tokens_per_second"]
         a = r["outs"][-1].stats.get("auto") or {}
-        chosen = ("off: ran vanilla (" + a["reason"].split(" (")[0].split(":")[0] + ")"
-                  if a.get("method") == "vanilla" else a.get("config") or "")
-        print(f"{m:<12} {r['tokens_per_second']:9.1f} {speedup:7.2f}x {r['eta']:6.2f}  "
+        label, why = describe_run(m, a)
+        chosen = "off: ran vanilla" if a.get("method") == "vanilla" else a.get("config") or ""
+        print(f"{m:<13} {r['tokens_per_second']:9.1f} {speedup:7.2f}x {r['eta']:6.2f}  "
               f"{'yes' if same else 'NO':<9}  {chosen}")
+        whys += [why] if why else []
         summary["methods"][m] = {"tokens_per_second": r["tokens_per_second"],
                                  "speedup": speedup, "eta": r["eta"], "identical": same,
-                                 "compile_seconds": r["compile_seconds"], "auto": a or None}
+                                 "compile_seconds": r["compile_seconds"], "auto": a or None,
+                                 "label": label}
+    for why in whys:  # what config="auto" turned off, one line each
+        print(f"  {why}")
     fastest = max(results, key=lambda m: results[m]["tokens_per_second"])
     summary["fastest"] = fastest
     summary["identical"] = all(v["identical"] for v in summary["methods"].values())
-    print(f"fastest here: {fastest}; identical to vanilla: "
+    print(f"fastest here: {summary['methods'][fastest]['label']}; identical to vanilla: "
           f"{'yes' if summary['identical'] else 'NO'}")
     if not trained:
         print("(random-weight pair: the draft never agrees with the target, so no method can "
               "be faster here; this run shows exactness, not speed)")
-    elif fastest != "ouroboros":
-        print("(config=auto sized every method for this machine from a latency probe and the "
-              "pair's agreement; on a CPU a forward's cost grows with every token it scores, so "
-              "trees stay small here; `ouroboros-jax bench --cost-model` prices the counts both ways)")
     print(f"(compile time excluded from tokens/s; whole demo took "
           f"{time.perf_counter() - t0:.0f} s)")
     return summary

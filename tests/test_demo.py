@@ -1,10 +1,20 @@
 """The README's main job runs end to end (few prompts, short generations)."""
 
+import pytest
+
 from ouroboros_jax.cli import main
 
 
 def test_demo_runs_and_reports_exactness(capsys):
-    main(["demo", "--num-prompts", "1", "--max-new-tokens", "12"])
+    from ouroboros_jax import demo
+    from ouroboros_jax.demo_assets import demo_prompts
+
+    said = {}
+    run = demo.run_demo
+    with pytest.MonkeyPatch.context() as mp:  # the CLI's demo, its summary kept for the checks
+        mp.setattr(demo, "run_demo", lambda **kw: said.setdefault("summary", run(**kw)))
+        main(["demo", "--num-prompts", "1", "--max-new-tokens", "12"])
+    summary = said["summary"]
     out = capsys.readouterr().out
     assert "identical to vanilla: yes" in out
     assert "tokens/s" in out
@@ -16,6 +26,29 @@ def test_demo_runs_and_reports_exactness(capsys):
     assert all(r[4] == "yes" for r in rows)  # each method's tokens equal vanilla's
     # every speculative row says what config=auto chose (a config, or off)
     assert all(("Config(" in " ".join(r[5:])) or r[5:6] == ["off:"] for r in rows[1:])
+    # the prompt is printed, then its completion, before the table
+    prompt = demo_prompts()[0]["text"].rstrip()
+    at_prompt = out.index(f"--- prompt 1 ---\n{prompt}\n")
+    assert at_prompt < out.index("--- completion", at_prompt) < out.index("tokens/s")
+    # the fastest is named with what it ran, and each thing auto turned off is explained
+    fastest = summary["fastest"]
+    auto = summary["methods"][fastest]["auto"] or {}
+    line = next(x for x in out.splitlines() if x.startswith("fastest here: "))
+    if auto.get("method") == "vanilla" and fastest != "vanilla":
+        assert line.startswith(f"fastest here: {fastest} (ran vanilla);")
+    elif "phrase_drafting=False" in (auto.get("config") or ""):
+        assert line.startswith("fastest here: ouroboros (as speculative γ") or "off)" in line
+    else:
+        assert line.startswith(f"fastest here: {fastest};")
+    lines = out.splitlines()
+    for m, r in summary["methods"].items():
+        a = r["auto"] or {}
+        if a.get("method") == "vanilla" and m != "vanilla":
+            assert f"  {m}: {a['reason'].split(' (a priori')[0]}" in lines
+        elif "=False" in (a.get("config") or ""):
+            assert any(x.startswith(f"  {m}: auto turned off ") for x in lines)
+        else:
+            assert not any(x.startswith(f"  {m}: ") for x in lines)
 
 
 def test_memory_command_prints_per_device_bytes(capsys):
@@ -39,3 +72,40 @@ def test_generate_command_with_method_config(tiny_pair, capsys):
     with pytest.raises(SystemExit, match="unexpected keyword argument 'gama'"):
         main(["generate", "--target", target.path, "--draft", draft.path, "--prompt", "hi",
               "--method", "speculative", "--config", '{"gama": 3}'])
+
+
+# ------------------------------------------------------------------- the demo says the truth
+OU_SD = ("OuroborosConfig(gamma=1, window=2, ngram=3, guesses=2, suffixes=1, "
+         "phrase_drafting=False, lengthening=False, recycling=False, context_phrases=False)")
+
+
+def test_fastest_label_names_only_the_mechanisms_that_ran():
+    from ouroboros_jax.demo import describe_run
+
+    label, why = describe_run("ouroboros", {"asked": "ouroboros", "method": "ouroboros",
+                                            "config": OU_SD, "reason": "predicted 1.20x vanilla"})
+    assert label == "ouroboros (as speculative γ1: mechanisms off on this device)"
+    # one line naming every switch auto turned off, and auto's own reason
+    assert "\n" not in why and "phrase_drafting, lengthening, recycling, context_phrases" in why
+    assert "predicted 1.20x vanilla" in why
+    # a partial ablation is named as such, not as speculative decoding
+    label, why = describe_run("ouroboros", {"method": "ouroboros", "reason": "predicted 1.1x",
+                                            "config": OU_SD.replace("phrase_drafting=False",
+                                                                    "phrase_drafting=True")})
+    assert label == "ouroboros (lengthening, recycling, context_phrases off)" and why
+    # every mechanism on: the bare name, nothing to explain
+    on = "OuroborosConfig(gamma=12, window=20, ngram=7, guesses=20, suffixes=3)"
+    assert describe_run("ouroboros", {"method": "ouroboros", "config": on,
+                                      "reason": "predicted 2.0x vanilla"}) == ("ouroboros", None)
+    assert describe_run("vanilla", None) == ("vanilla", None)
+
+
+def test_a_method_auto_ran_as_vanilla_says_so_and_why():
+    from ouroboros_jax.demo import describe_run
+
+    reason = ("no lookahead setting is predicted to beat vanilla here (best 0.97x): "
+              "speculation is off for this call")
+    label, why = describe_run("lookahead", {"asked": "lookahead", "method": "vanilla",
+                                            "config": None, "reason": reason})
+    assert label == "lookahead (ran vanilla)"
+    assert why == f"lookahead: {reason}"

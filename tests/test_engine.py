@@ -25,15 +25,16 @@ PROMPTS = [REPEAT[0], [9, 10, 11], REPEAT[2], [30, 31, 32, 33, 34, 35, 36], REPE
 LENGTHS = [14, 3, 9, 20, 6, 11]
 
 
-def test_auto_dtype_by_backend(caplog, tiny_pair):
-    loading._auto_said.clear()
-    with caplog.at_level(logging.INFO, logger=loading.__name__):
-        assert loading.resolve_dtype("auto", "cpu") == "float32"
-        assert loading.resolve_dtype("auto", "cpu") == "float32"
-        assert loading.resolve_dtype("auto", "gpu") == "bfloat16"
-        assert loading.resolve_dtype("auto", "tpu") == "bfloat16"
-    said = [r.getMessage() for r in caplog.records if "dtype='auto'" in r.getMessage()]
-    assert len(said) == 3 and "float32 on cpu" in said[0]  # once per backend
+def test_auto_dtype_by_backend(capsys, tiny_pair):
+    from ouroboros_jax import notices
+
+    notices._said.clear()
+    assert loading.resolve_dtype("auto", "cpu") == "float32"
+    assert loading.resolve_dtype("auto", "cpu") == "float32"
+    assert loading.resolve_dtype("auto", "gpu") == "bfloat16"
+    assert loading.resolve_dtype("auto", "tpu") == "bfloat16"
+    said = [line for line in capsys.readouterr().err.splitlines() if "dtype='auto'" in line]
+    assert len(said) == 3 and "float32 on cpu" in said[0]  # on stderr, once per backend
     assert loading.resolve_dtype("bfloat16", "cpu") == "bfloat16"
     target = tiny_pair[0]
     m = loading.load_model(target.path)  # the default is "auto": fp32 on this CPU

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from typing import Any, Optional
 
@@ -355,23 +354,20 @@ def read_generation_config(path: str) -> dict:
     return d
 
 
-_auto_said: set = set()
-
-
 def resolve_dtype(dtype, backend: Optional[str] = None):
     """"auto" -> bfloat16 on GPU/TPU, float32 on CPU (XLA:CPU runs bf16 5-9x slower than fp32
-    on the demo pair), said once per backend in a log line; any other value is returned as is."""
+    on the demo pair), said once per backend on stderr; any other value is returned as is."""
     if not (isinstance(dtype, str) and dtype == "auto"):
         return dtype
     import jax
 
+    from ..notices import say_once
+
     backend = backend or jax.default_backend()
     chosen = "float32" if backend == "cpu" else "bfloat16"
-    if backend not in _auto_said:
-        _auto_said.add(backend)
-        logging.getLogger(__name__).info(
-            "load_model(dtype='auto'): %s on %s (bfloat16 on gpu/tpu, float32 on cpu)",
-            chosen, backend)
+    say_once(f"dtype-auto-{backend}",
+             f"load_model(dtype='auto') loads {chosen} on {backend} (bfloat16 on gpu/tpu, "
+             "float32 on cpu); pass dtype= to choose")
     return chosen
 
 
