@@ -109,3 +109,35 @@ def test_a_method_auto_ran_as_vanilla_says_so_and_why():
                                             "config": None, "reason": reason})
     assert label == "lookahead (ran vanilla)"
     assert why == f"lookahead: {reason}"
+
+
+# ------------------------------------------------------------------- a quiet first contact
+def _stderr_without_torch(code: str) -> str:
+    """stderr of `code` run in a fresh interpreter where torch cannot be imported (the
+    quick-start install has no torch; this environment has it for the peers)."""
+    import os
+    import subprocess
+    import sys
+
+    hide = "import sys; sys.modules['torch'] = None\n"  # find_spec('torch') -> None
+    # transformers' own defaults (the suite's conftest quiets it with TRANSFORMERS_VERBOSITY)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")}
+    r = subprocess.run([sys.executable, "-c", hide + code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_no_pytorch_banner_after_importing_the_library():
+    from ouroboros_jax.notices import TORCH_ADVISORY
+
+    # transformers prints the banner when imported without torch...
+    assert TORCH_ADVISORY in _stderr_without_torch("import transformers")
+    # ...but not once ouroboros_jax is imported, and its other warnings still pass
+    err = _stderr_without_torch(
+        "import ouroboros_jax, transformers, logging\n"
+        "logging.getLogger('transformers').warning('a real warning')\n"
+        "ouroboros_jax.demo_pair()  # loads the tokenizer through transformers\n")
+    assert TORCH_ADVISORY not in err
+    assert "a real warning" in err
