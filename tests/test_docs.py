@@ -147,3 +147,21 @@ def test_every_generate_parameter_is_documented():
     # each parameter is a row of the table (and appears in the signature line above it)
     missing = [p for p in params if f"| `{p}` |" not in guide]
     assert not missing, f"generate parameters missing from docs/getting-started.md: {missing}"
+
+
+def test_readme_links_resolve():
+    """mkdocs --strict checks the site's links; the README is not part of the site, so its
+    relative links (into docs/) are checked here."""
+    text = (ROOT / "README.md").read_text()
+    links = [m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+             if not re.match(r"[a-z]+://", m)]
+    assert links, "no relative link found: the pattern no longer matches the README's"
+    missing = [m for m in links if not (ROOT / m).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+
+
+def test_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    # no development history: no issue numbers, no dates
+    assert not re.search(r"\bissue \d+|\b20\d\d-\d\d-\d\d\b", text, flags=re.I)
