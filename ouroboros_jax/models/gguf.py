@@ -87,23 +87,27 @@ def dequantizable_types() -> frozenset:
 
 
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` of the file; FileNotFoundError when missing, ValueError naming the
-    file when it is not a readable GGUF (wrong magic, truncated header, unknown tensor type)."""
+    """The file's metadata and tensor table (`gguf_read.GGUFFile`, which reads as a
+    `gguf.GGUFReader` does, without its per-element cost); FileNotFoundError when missing,
+    ValueError naming the file when it is not a readable GGUF (wrong magic, truncated header or
+    data, unknown tensor type)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ValueError(f"{path}: is not a file (a GGUF checkpoint is a single .gguf file)")
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (the tensor types and dequantization kernels)
     except ImportError:
         raise ImportError("loading a GGUF file needs the `gguf` package: pip install gguf") from None
+    from .gguf_read import GGUFFile
+
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors, none naming the file
+        return GGUFFile(path)
+    except Exception as e:  # ValueError/IndexError/struct errors, none naming the file
         raise ValueError(f"{path}: unreadable GGUF file, truncated or corrupt "
                          f"({type(e).__name__}: {e})") from None
 
@@ -288,16 +292,12 @@ def dequantize_tensor(t, path: str) -> np.ndarray:
     return w.reshape(shape)
 
 
-def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
-    """Every tensor of the file into our stacked params layout, strictly (as
-    `loading.load_params`): exactly the tensors the config implies, each once, each of its
-    shape. dtype: the params' numpy/jax dtype."""
-    import jax.numpy as jnp
-
+def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
+    """leaf name -> {layer (None when not per-layer): reader tensor}, after checking, before
+    reading any data, that the file holds exactly the tensors the config implies, each once,
+    each of its shape and of a loadable type."""
     names = _gguf_names(config)
-    arch = architecture(reader, path)
-    got: dict[str, Optional[np.ndarray]] = dict.fromkeys(names)
-    np_dtype = jnp.dtype(dtype)
+    got: dict[str, Any] = dict.fromkeys(names)
     for t in reader.tensors:
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
@@ -311,20 +311,79 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
                              f"metadata implies {want}")
         if got[t.name] is not None:
             raise ValueError(f"{path}: tensor {t.name} appears more than once")
-        w = dequantize_tensor(t, path)
-        if arch == "llama" and leaf.name in ("wq", "wk"):
-            w = unpermute_qk(w, config.num_heads if leaf.name == "wq" else config.num_kv_heads)
-        got[t.name] = leaf.from_hf(w, config).astype(np_dtype)
+        got[t.name] = t
     missing = [n for n, v in got.items() if v is None]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{path}: GGUF file lacks tensor(s) {missing[:5]}{more}")
-    by_leaf = {}
+    by_leaf: dict[str, dict] = {}
     for n, (leaf, i) in names.items():
         by_leaf.setdefault(leaf.name, {})[i] = got[n]
-    return nest(config, lambda leaf: jnp.asarray(
-        np.stack([by_leaf[leaf.name][i] for i in range(config.num_layers)]) if leaf.per_layer
-        else by_leaf[leaf.name][None]))
+    return by_leaf
+
+
+def _row_transform(arch: str, leaf: Leaf, config: ModelConfig):
+    """(rows per unit, fn) undoing a per-unit row reordering of the stored tensor, or (1, None):
+    llama's q/k rows are permuted within each head (`unpermute_qk`)."""
+    if arch == "llama" and leaf.name in ("wq", "wk"):
+        D = config.head_dim
+        return D, lambda w: unpermute_qk(w, w.shape[0] // D)
+    return 1, None
+
+
+def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bool = True) -> dict:
+    """Every tensor of the file into our stacked params layout, strictly (as
+    `loading.load_params`): exactly the tensors the config implies, each once, each of its
+    shape. dtype: the params' numpy/jax dtype. progress: a bar on stderr once the load has
+    taken over 2 s.
+
+    Each leaf is one preallocated array that its tensors are dequantized into, chunk by chunk
+    (`gguf_read.fill_tensor`), then handed to jax (without a copy on the CPU backend), so host
+    memory peaks near the weights themselves. The values are those of `dequantize_tensor` +
+    `Leaf.from_hf` + a cast: bit-identical."""
+    from .gguf_read import aligned_empty, fill_tensor, to_device
+
+    import jax.numpy as jnp
+
+    arch = architecture(reader, path)
+    by_leaf = _tensors_by_leaf(reader, config, path, arch)
+    np_dtype = jnp.dtype(dtype)
+    bar = _progress_bar(sum(t.n_bytes for ts in by_leaf.values() for t in ts.values()), path,
+                        progress)
+    release = getattr(reader, "release", None)
+
+    def leaf_array(leaf: Leaf):
+        out = aligned_empty(leaf.shape(config), np_dtype)
+        align, rows_fn = _row_transform(arch, leaf, config)
+        for i, t in by_leaf[leaf.name].items():
+            view, transposed = leaf.hf_rows_view(out if i is None else out[i])
+            fill_tensor(t, view, transposed, align, rows_fn)
+            if release is not None:
+                release(t)
+            if bar is not None:
+                bar.update(t.n_bytes)
+        return to_device(out)
+
+    try:
+        return nest(config, leaf_array)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(total: int, path: str, enabled: bool):
+    """A tqdm bar over the tensor bytes on stderr, shown only once 2 s have passed (a small
+    file loads silently); None when disabled or tqdm is missing."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    import sys
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
+                delay=2.0, file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def load_gguf_tokenizer(reader, path: str):
