@@ -24,6 +24,7 @@ our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style)
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -341,7 +342,7 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
     (`gguf_read.fill_tensor`), then handed to jax (without a copy on the CPU backend), so host
     memory peaks near the weights themselves. The values are those of `dequantize_tensor` +
     `Leaf.from_hf` + a cast: bit-identical."""
-    from .gguf_read import aligned_empty, fill_tensor, to_device
+    from .gguf_read import aligned_empty, fill_tensor, pieces, row_count, to_device
 
     import jax.numpy as jnp
 
@@ -352,20 +353,31 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
                         progress)
     release = getattr(reader, "release", None)
 
-    def leaf_array(leaf: Leaf):
+    def leaf_array(pool, leaf: Leaf):
         out = aligned_empty(leaf.shape(config), np_dtype)
         align, rows_fn = _row_transform(arch, leaf, config)
+
+        def fill(job):  # one piece of one tensor: disjoint from every other job's destination
+            t, view, transposed, rows = job
+            fill_tensor(t, view, transposed, align, rows_fn, rows)
+            if bar is not None:
+                bar.update(t.n_bytes * (rows[1] - rows[0]) // row_count(t))
+
+        jobs = []
         for i, t in by_leaf[leaf.name].items():
             view, transposed = leaf.hf_rows_view(out if i is None else out[i])
-            fill_tensor(t, view, transposed, align, rows_fn)
-            if release is not None:
+            jobs += [(t, view, transposed, rows) for rows in pieces(t, align)]
+        list(pool.map(fill, jobs))  # (list: re-raises a worker's exception here)
+        if release is not None:
+            for t in by_leaf[leaf.name].values():
                 release(t)
-            if bar is not None:
-                bar.update(t.n_bytes)
         return to_device(out)
 
+    # numpy's kernels release the GIL: the pieces dequantize in parallel
+    workers = max(1, min(4, os.cpu_count() or 1))
     try:
-        return nest(config, leaf_array)
+        with ThreadPoolExecutor(workers) as pool:
+            return nest(config, lambda leaf: leaf_array(pool, leaf))
     finally:
         if bar is not None:
             bar.close()
@@ -383,20 +395,48 @@ def _progress_bar(total: int, path: str, enabled: bool):
     import sys
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
-                delay=2.0, file=sys.stderr, leave=False, dynamic_ncols=True)
+                delay=2.0, mininterval=1.0, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+# GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
+# the file (checked against AutoTokenizer in tests/test_gguf.py)
+TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def _tokenizer_class(arch: str):
+    """The class `AutoTokenizer.from_pretrained(dir, gguf_file=...)` returns for a file of this
+    architecture (when no tokenizer_config.json sits beside it), or None where not known here.
+
+    Why not AutoTokenizer itself: to choose the class it builds the model's config with
+    transformers' legacy GGUF reader, which walks the 150k-token vocabulary and merges element
+    by element (~15 CPU-seconds for Qwen2.5, 90% of the tokenizer's load); the class then reads
+    the vocabulary again with a fast reader. The choice, for a config with no tokenizer class
+    and no tokenizer_config.json, is `TOKENIZER_MAPPING.get(config class, TokenizersBackend)`
+    (transformers 5)."""
+    model_type = TOKENIZER_MODEL_TYPES.get(arch)
+    if model_type is None:
+        return None
+    try:
+        from transformers import AutoConfig, TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:  # transformers 4: keep AutoTokenizer's own choice
+        return None
+    return TOKENIZER_MAPPING.get(type(AutoConfig.for_model(model_type)), TokenizersBackend)
 
 
 def load_gguf_tokenizer(reader, path: str):
     """transformers' tokenizer built from the file's tokenizer.* metadata (chat template
-    included), or None when the file carries no tokenizer."""
+    included), or None when the file carries no tokenizer. The class is AutoTokenizer's, chosen
+    without its slow config read where `_tokenizer_class` knows it."""
     if reader.get_field("tokenizer.ggml.model") is None:
         return None
     from transformers import AutoTokenizer
 
+    where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                             gguf_file=os.path.basename(path),
-                                             local_files_only=True)
+        cls = _tokenizer_class(architecture(reader, path)) or AutoTokenizer
+        return cls.from_pretrained(where, gguf_file=name, local_files_only=True)
     except Exception as e:  # transformers raises many types, none naming the file
         raise ValueError(f"{path}: the GGUF tokenizer could not be built "
                          f"({type(e).__name__}: {e})") from None
