@@ -267,14 +267,16 @@ def fill_tensor(t, out2d: np.ndarray, transpose: bool, row_align: int = 1,
             out2d[r0:r1] = w
 
 
-def aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts on an `align`-byte boundary: on the CPU
-    backend `jax.device_put(..., may_alias=True)` then adopts it without a copy."""
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array on fresh anonymous pages: page-aligned, so that on the CPU backend
+    `jax.device_put(..., may_alias=True)` adopts it without a copy. Not `np.empty`: numpy asks
+    for transparent huge pages on large arrays, and where memory is fragmented the kernel's
+    compaction for them cost 3.6x the system time of plain pages (2 GB: 4.6 s vs 1.3 s, here)."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = np.empty(n + align, np.uint8)
-    off = (-buf.ctypes.data) % align
-    return buf[off:off + n].view(dtype).reshape(shape)
+    if n == 0:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)
 
 
 def to_device(a: np.ndarray):
