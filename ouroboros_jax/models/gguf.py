@@ -24,6 +24,7 @@ our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style)
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -351,6 +352,7 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
     np_dtype = jnp.dtype(dtype)
     bar = _progress_bar(sum(t.n_bytes for ts in by_leaf.values() for t in ts.values()), path,
                         progress)
+    bar_lock = threading.Lock()
     release = getattr(reader, "release", None)
 
     def leaf_array(pool, leaf: Leaf):
@@ -361,7 +363,8 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
             t, view, transposed, rows = job
             fill_tensor(t, view, transposed, align, rows_fn, rows)
             if bar is not None:
-                bar.update(t.n_bytes * (rows[1] - rows[0]) // row_count(t))
+                with bar_lock:  # tqdm's counter is not thread-safe
+                    bar.update(t.n_bytes * (rows[1] - rows[0]) // row_count(t))
 
         jobs = []
         for i, t in by_leaf[leaf.name].items():
@@ -394,9 +397,12 @@ def _progress_bar(total: int, path: str, enabled: bool):
         return None
     import sys
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
-                delay=2.0, mininterval=1.0, file=sys.stderr, leave=False,
-                dynamic_ncols=True)
+    try:
+        return tqdm(total=total, unit="B", unit_scale=True,
+                    desc=f"loading {os.path.basename(path)}", delay=2.0, mininterval=1.0,
+                    file=sys.stderr, leave=False, dynamic_ncols=True)
+    except TypeError:  # a tqdm without `delay`: load silently rather than always print
+        return None
 
 
 # GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
