@@ -250,5 +250,5 @@ def smollm2_gguf_path():
 def smollm2(smollm2_gguf_path):
     """SmolLM2-135M-Instruct loaded from its GGUF by oj.load_model, fp32, tokenizer and chat
     template from the file. Loaded once per session (dequantizing and building the tokenizer
-    take ~30 s on 2 cores)."""
+    take ~6 CPU-seconds)."""
     return oj.load_model(smollm2_gguf_path, dtype="float32")

@@ -323,3 +323,205 @@ def test_end_of_turn_ids_of_the_metadata_stop_generation(small_llama, tmp_path):
     assert m.config.eos_token_id == 2 and default_eos_ids(m) == (2, 7)
     plain = oj.load_model(write_gguf(tmp_path / "plain.gguf", small_llama))
     assert default_eos_ids(plain) == 2
+
+
+# ------------------------------------------------------------------ the fast read path (gguf_read)
+def _all_dequantizable():
+    from gguf import quants
+
+    return sorted(quants._type_traits, key=lambda t: t.name)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # random scales: NaN/inf
+@pytest.mark.parametrize("qtype", _all_dequantizable(), ids=lambda t: t.name)
+def test_chunked_dequantization_is_bit_identical_to_gguf_dequantize(qtype, monkeypatch):
+    """Every type the gguf package dequantizes, on random bytes (any bit pattern is a valid
+    block): `gguf_read.fill_tensor`, cut into uneven chunks and pieces and transposed on the way,
+    gives the bits `gguf.dequantize` gives for the whole tensor."""
+    from gguf import GGML_QUANT_SIZES, ReaderTensor, dequantize
+
+    from ouroboros_jax.models import gguf_read
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = 13, 3 * block
+    data = np.random.default_rng(qtype.value).integers(0, 256, (rows, 3 * size), np.uint8)
+    t = ReaderTensor(name="w", tensor_type=qtype, shape=np.array([cols, rows], np.uint64),
+                     n_elements=rows * cols, n_bytes=data.nbytes, data_offset=0, data=data,
+                     field=None)
+    want = np.asarray(dequantize(data, qtype), np.float32).reshape(rows, cols)
+    monkeypatch.setattr(gguf_read, "CHUNK_ELEMS", 2 * cols)  # 2-row chunks, a 1-row tail
+    plain = np.full((rows, cols), np.nan, np.float32)
+    transposed = np.full((cols, rows), np.nan, np.float32)
+    for piece in gguf_read.pieces(t, elems=5 * cols):  # 5-row pieces
+        gguf_read.fill_tensor(t, plain, False, rows=piece)
+        gguf_read.fill_tensor(t, transposed, True, rows=piece)
+    np.testing.assert_array_equal(plain.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(transposed.T.view(np.uint32), want.view(np.uint32))
+
+
+# K-quants and others the gguf package cannot quantize, written as random blocks: the files llama.cpp
+# ships (Qwen2.5's Q4_K/Q6_K/Q5_0/Q8_0 mix) exercised in the suite
+_RAW_MIX = {"attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q5_0, "attn_output": T.Q8_0,
+            "ffn_gate": T.Q4_K, "ffn_up": T.Q5_K, "ffn_down": T.Q6_K, "token_embd": T.Q4_1,
+            "output": T.Q3_K}
+
+
+def _raw_blocks(torch_model, arch, seed=0):
+    """{GGUF name: (random uint8 blocks, type)} for every 2-D weight, per `_RAW_MIX`."""
+    from gguf import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for hf, t in torch_model.state_dict().items():
+        if t.dim() != 2 or (hf == "lm_head.weight" and torch_model.config.tie_word_embeddings):
+            continue
+        name = gguf_name(hf)
+        kind = _RAW_MIX[name.split(".")[-2]]
+        block, size = GGML_QUANT_SIZES[kind]
+        rows, cols = t.shape
+        out[name] = (rng.integers(0, 256, (rows, cols // block * size), np.uint8), kind)
+    return out
+
+
+def _reference_params(path, config, dtype):
+    """What the loader produced before gguf_read: `gguf.GGUFReader` + `gguf.dequantize` whole
+    tensors, llama q/k unpermuted, `Leaf.from_hf`, cast; HF name -> our (slice) array."""
+    import jax.numpy as jnp
+    from gguf import GGUFReader, dequantize
+
+    from ouroboros_jax.models.gguf import unpermute_qk
+
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    out = {}
+    for leaf in leaves_of(config):
+        for i in range(config.num_layers) if leaf.per_layer else (None,):
+            t = tensors[gguf_name(leaf.hf_name(i))]
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+            if config.model_type == "llama" and leaf.name in ("wq", "wk"):
+                w = unpermute_qk(w, config.num_heads if leaf.name == "wq" else config.num_kv_heads)
+            out[leaf.hf_name(i)] = leaf.from_hf(w, config).astype(jnp.dtype(dtype))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"),
+                                        ("qwen2", "float32")])
+def test_quantized_mix_loads_bit_identical_to_whole_tensor_dequantization(
+        tiny_llama, tmp_path, monkeypatch, arch, dtype):
+    """A file of random K-quant/Q5_0/Q8_0/Q4_1 blocks loads, through chunks and pieces smaller
+    than a tensor (and, for llama's permuted q/k, whole heads per chunk), to exactly the bits of
+    whole-tensor `gguf.dequantize` + layout + cast."""
+    from ouroboros_jax.models import gguf_read
+
+    if arch == "qwen2":
+        model = make_hf_model(tmp_path / "qwen_hf", model_type="qwen2", vocab=97, hidden=256,
+                              layers=2, heads=4, kv_heads=2, inter=512, seed=7)
+    else:
+        model = tiny_llama
+    path = write_gguf(tmp_path / "mix.gguf", model, arch=arch, raw=_raw_blocks(model, arch))
+    monkeypatch.setattr(gguf_read, "CHUNK_ELEMS", 3 * 256)  # 3 rows of 256 (64 for q/k heads)
+    monkeypatch.setattr(gguf_read, "PIECE_ELEMS", 7 * 256)
+    m = oj.load_model(path, dtype=dtype)
+    ref = _reference_params(path, m.config, dtype)
+    for leaf in leaves_of(m.config):
+        arr = np.asarray(m.params["layers"][leaf.name] if leaf.per_layer else m.params[leaf.name])
+        assert arr.dtype == np.dtype(ref[leaf.hf_name(0 if leaf.per_layer else None)].dtype)
+        for i in range(m.config.num_layers) if leaf.per_layer else (None,):
+            got = arr[i] if leaf.per_layer else arr
+            want = np.ascontiguousarray(ref[leaf.hf_name(i)])
+            np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint8),
+                                          want.view(np.uint8), err_msg=leaf.hf_name(i))
+
+
+def test_reader_metadata_equals_gguf_readers(tiny_llama, tmp_path):
+    """`gguf_read.GGUFFile` reads every key (scalars, strings, string and number arrays) and every
+    tensor's name, type, shape and bytes as `gguf.GGUFReader` does."""
+    from gguf import GGUFReader
+
+    from ouroboros_jax.models.gguf import open_gguf
+
+    path = write_gguf(tmp_path / "meta.gguf", tiny_llama, qtype=T.Q8_0, extra_keys={
+        "tokenizer.ggml.tokens": ("array", ["a", "b c", "ünï", ""]),
+        "tokenizer.ggml.scores": ("array", [0.5, -1.25, 3.0, 0.0]),
+        "tokenizer.ggml.model": ("string", "gpt2"),
+        "general.flag": ("bool", True),
+        "general.big": ("uint64", 2 ** 40 + 3),
+    })
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert list(ours.fields) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+    for k in ours.fields:
+        a, b = ours.get_field(k), theirs.get_field(k)
+        assert a.contents() == b.contents() and a.types == b.types, k
+        assert len(a.data) == len(b.data), k
+    assert ours.get_field("tokenizer.ggml.tokens").contents()[1] == "b c"
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and a.n_bytes == b.n_bytes, a.name
+        assert a.shape.tolist() == b.shape.tolist() and a.data_offset == b.data_offset, a.name
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
+
+
+def _byte_level_tokenizer_keys(vocab_size, pre):
+    """tokenizer.* keys of a small byte-level BPE vocabulary (as llama.cpp writes a gpt2-type
+    tokenizer): the 256 byte symbols, merges up to vocab_size - 3, three control tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    tokens, merges = list(symbols), []
+    text = "def return the import self print while for in not and".split()
+    for word in text:
+        cur = word[0]
+        for ch in word[1:]:
+            if len(tokens) >= vocab_size - 3:
+                break
+            if cur + ch not in tokens:
+                merges.append(f"{cur} {ch}")
+                tokens.append(cur + ch)
+            cur = cur + ch
+    while len(tokens) < vocab_size - 3:
+        tokens.append(f"<unused{len(tokens)}>")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [1] * len(tokens) + [3] * 3
+    tokens += specials
+    n = len(tokens)
+    return {
+        "tokenizer.ggml.model": ("string", "gpt2"),
+        "tokenizer.ggml.pre": ("string", pre),
+        "tokenizer.ggml.tokens": ("array", tokens),
+        "tokenizer.ggml.token_type": ("array", types),
+        "tokenizer.ggml.merges": ("array", merges),
+        "tokenizer.ggml.padding_token_id": ("uint32", n - 3),
+        "tokenizer.chat_template": ("string", "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+                                              "\n{{ m['content'] }}<|im_end|>\n{% endfor %}"),
+    }
+
+
+@pytest.mark.parametrize("arch,pre", [("llama", "smollm"), ("qwen2", "qwen2")])
+def test_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch, pre):
+    """`load_gguf_tokenizer` (class chosen without AutoTokenizer's slow config read) builds what
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds: same class, same backend
+    (vocabulary, merges, pre-tokenizer, added tokens), same chat template and encodings."""
+    from transformers import AutoTokenizer
+
+    from ouroboros_jax.models.gguf import _tokenizer_class, load_gguf_tokenizer, open_gguf
+
+    vocab = 300
+    model = make_hf_model(tmp_path / "hf", model_type=arch, vocab=vocab, hidden=64, layers=1,
+                          heads=4, kv_heads=2, inter=128)
+    d = tmp_path / "gguf"
+    d.mkdir()
+    path = write_gguf(d / "tok.gguf", model, arch=arch,
+                      extra_keys=_byte_level_tokenizer_keys(vocab, pre))
+    assert _tokenizer_class(arch) is not None  # the fast choice is the one under test
+    ours = load_gguf_tokenizer(open_gguf(path), path)
+    ref = AutoTokenizer.from_pretrained(str(d), gguf_file="tok.gguf", local_files_only=True)
+    assert type(ours) is type(ref)
+    assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    assert ours.chat_template == ref.chat_template and ours.chat_template
+    assert ours.special_tokens_map == ref.special_tokens_map
+    chat = [{"role": "user", "content": "def f(self): return the import"}]
+    for text in ("def return the import self", "print <|im_end|> while\n\tnot ünï 世界",
+                 ours.apply_chat_template(chat, tokenize=False)):
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+    assert len(ours(chat[0]["content"])["input_ids"]) < len(chat[0]["content"])  # merges used

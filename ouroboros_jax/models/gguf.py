@@ -24,6 +24,8 @@ our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style)
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -87,23 +89,27 @@ def dequantizable_types() -> frozenset:
 
 
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` of the file; FileNotFoundError when missing, ValueError naming the
-    file when it is not a readable GGUF (wrong magic, truncated header, unknown tensor type)."""
+    """The file's metadata and tensor table (`gguf_read.GGUFFile`, which reads as a
+    `gguf.GGUFReader` does, without its per-element cost); FileNotFoundError when missing,
+    ValueError naming the file when it is not a readable GGUF (wrong magic, truncated header or
+    data, unknown tensor type)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ValueError(f"{path}: is not a file (a GGUF checkpoint is a single .gguf file)")
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (the tensor types and dequantization kernels)
     except ImportError:
         raise ImportError("loading a GGUF file needs the `gguf` package: pip install gguf") from None
+    from .gguf_read import GGUFFile
+
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors, none naming the file
+        return GGUFFile(path)
+    except Exception as e:  # ValueError/IndexError/struct errors, none naming the file
         raise ValueError(f"{path}: unreadable GGUF file, truncated or corrupt "
                          f"({type(e).__name__}: {e})") from None
 
@@ -288,16 +294,12 @@ def dequantize_tensor(t, path: str) -> np.ndarray:
     return w.reshape(shape)
 
 
-def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
-    """Every tensor of the file into our stacked params layout, strictly (as
-    `loading.load_params`): exactly the tensors the config implies, each once, each of its
-    shape. dtype: the params' numpy/jax dtype."""
-    import jax.numpy as jnp
-
+def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
+    """leaf name -> {layer (None when not per-layer): reader tensor}, after checking, before
+    reading any data, that the file holds exactly the tensors the config implies, each once,
+    each of its shape and of a loadable type."""
     names = _gguf_names(config)
-    arch = architecture(reader, path)
-    got: dict[str, Optional[np.ndarray]] = dict.fromkeys(names)
-    np_dtype = jnp.dtype(dtype)
+    got: dict[str, Any] = dict.fromkeys(names)
     for t in reader.tensors:
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
@@ -311,33 +313,136 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
                              f"metadata implies {want}")
         if got[t.name] is not None:
             raise ValueError(f"{path}: tensor {t.name} appears more than once")
-        w = dequantize_tensor(t, path)
-        if arch == "llama" and leaf.name in ("wq", "wk"):
-            w = unpermute_qk(w, config.num_heads if leaf.name == "wq" else config.num_kv_heads)
-        got[t.name] = leaf.from_hf(w, config).astype(np_dtype)
+        got[t.name] = t
     missing = [n for n, v in got.items() if v is None]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{path}: GGUF file lacks tensor(s) {missing[:5]}{more}")
-    by_leaf = {}
+    by_leaf: dict[str, dict] = {}
     for n, (leaf, i) in names.items():
         by_leaf.setdefault(leaf.name, {})[i] = got[n]
-    return nest(config, lambda leaf: jnp.asarray(
-        np.stack([by_leaf[leaf.name][i] for i in range(config.num_layers)]) if leaf.per_layer
-        else by_leaf[leaf.name][None]))
+    return by_leaf
+
+
+def _row_transform(arch: str, leaf: Leaf, config: ModelConfig):
+    """(rows per unit, fn) undoing a per-unit row reordering of the stored tensor, or (1, None):
+    llama's q/k rows are permuted within each head (`unpermute_qk`)."""
+    if arch == "llama" and leaf.name in ("wq", "wk"):
+        D = config.head_dim
+        return D, lambda w: unpermute_qk(w, w.shape[0] // D)
+    return 1, None
+
+
+def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bool = True) -> dict:
+    """Every tensor of the file into our stacked params layout, strictly (as
+    `loading.load_params`): exactly the tensors the config implies, each once, each of its
+    shape. dtype: the params' numpy/jax dtype. progress: a bar on stderr once the load has
+    taken over 2 s.
+
+    Each leaf is one preallocated array that its tensors are dequantized into, chunk by chunk
+    (`gguf_read.fill_tensor`), then handed to jax (without a copy on the CPU backend), so host
+    memory peaks near the weights themselves. The values are those of `dequantize_tensor` +
+    `Leaf.from_hf` + a cast: bit-identical."""
+    from .gguf_read import aligned_empty, fill_tensor, pieces, row_count, to_device
+
+    import jax.numpy as jnp
+
+    arch = architecture(reader, path)
+    by_leaf = _tensors_by_leaf(reader, config, path, arch)
+    np_dtype = jnp.dtype(dtype)
+    bar = _progress_bar(sum(t.n_bytes for ts in by_leaf.values() for t in ts.values()), path,
+                        progress)
+    bar_lock = threading.Lock()
+    release = getattr(reader, "release", None)
+
+    def leaf_array(pool, leaf: Leaf):
+        out = aligned_empty(leaf.shape(config), np_dtype)
+        align, rows_fn = _row_transform(arch, leaf, config)
+
+        def fill(job):  # one piece of one tensor: disjoint from every other job's destination
+            t, view, transposed, rows = job
+            fill_tensor(t, view, transposed, align, rows_fn, rows)
+            if bar is not None:
+                with bar_lock:  # tqdm's counter is not thread-safe
+                    bar.update(t.n_bytes * (rows[1] - rows[0]) // row_count(t))
+
+        jobs = []
+        for i, t in by_leaf[leaf.name].items():
+            view, transposed = leaf.hf_rows_view(out if i is None else out[i])
+            jobs += [(t, view, transposed, rows) for rows in pieces(t, align)]
+        list(pool.map(fill, jobs))  # (list: re-raises a worker's exception here)
+        if release is not None:
+            for t in by_leaf[leaf.name].values():
+                release(t)
+        return to_device(out)
+
+    # numpy's kernels release the GIL: the pieces dequantize in parallel
+    workers = max(1, min(4, os.cpu_count() or 1))
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            return nest(config, lambda leaf: leaf_array(pool, leaf))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(total: int, path: str, enabled: bool):
+    """A tqdm bar over the tensor bytes on stderr, shown only once 2 s have passed (a small
+    file loads silently); None when disabled or tqdm is missing."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    import sys
+
+    try:
+        return tqdm(total=total, unit="B", unit_scale=True,
+                    desc=f"loading {os.path.basename(path)}", delay=2.0, mininterval=1.0,
+                    file=sys.stderr, leave=False, dynamic_ncols=True)
+    except TypeError:  # a tqdm without `delay`: load silently rather than always print
+        return None
+
+
+# GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
+# the file (checked against AutoTokenizer in tests/test_gguf.py)
+TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def _tokenizer_class(arch: str):
+    """The class `AutoTokenizer.from_pretrained(dir, gguf_file=...)` returns for a file of this
+    architecture (when no tokenizer_config.json sits beside it), or None where not known here.
+
+    Why not AutoTokenizer itself: to choose the class it builds the model's config with
+    transformers' legacy GGUF reader, which walks the 150k-token vocabulary and merges element
+    by element (~15 CPU-seconds for Qwen2.5, 90% of the tokenizer's load); the class then reads
+    the vocabulary again with a fast reader. The choice, for a config with no tokenizer class
+    and no tokenizer_config.json, is `TOKENIZER_MAPPING.get(config class, TokenizersBackend)`
+    (transformers 5)."""
+    model_type = TOKENIZER_MODEL_TYPES.get(arch)
+    if model_type is None:
+        return None
+    try:
+        from transformers import AutoConfig, TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:  # transformers 4: keep AutoTokenizer's own choice
+        return None
+    return TOKENIZER_MAPPING.get(type(AutoConfig.for_model(model_type)), TokenizersBackend)
 
 
 def load_gguf_tokenizer(reader, path: str):
     """transformers' tokenizer built from the file's tokenizer.* metadata (chat template
-    included), or None when the file carries no tokenizer."""
+    included), or None when the file carries no tokenizer. The class is AutoTokenizer's, chosen
+    without its slow config read where `_tokenizer_class` knows it."""
     if reader.get_field("tokenizer.ggml.model") is None:
         return None
     from transformers import AutoTokenizer
 
+    where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     try:
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                             gguf_file=os.path.basename(path),
-                                             local_files_only=True)
+        cls = _tokenizer_class(architecture(reader, path)) or AutoTokenizer
+        return cls.from_pretrained(where, gguf_file=name, local_files_only=True)
     except Exception as e:  # transformers raises many types, none naming the file
         raise ValueError(f"{path}: the GGUF tokenizer could not be built "
                          f"({type(e).__name__}: {e})") from None

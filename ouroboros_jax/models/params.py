@@ -116,6 +116,18 @@ class Leaf:
         shape = self.slice_shape(config)
         return (w.T if self.hf_layout == "linear" else w).reshape(shape)
 
+    def hf_rows_view(self, dst: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(view, transposed): a 2-D view of our contiguous (slice) array `dst` into which the HF
+        tensor's rows are written in place, as `from_hf` would place them. transposed: the view
+        is [in, out] and takes HF row r as its column r (a torch Linear); else it is [rows,
+        row length] and takes row r as its row r."""
+        assert dst.flags.c_contiguous, "a view needs a contiguous destination"
+        if self.hf_layout == "linear":
+            return dst.reshape(math.prod(dst.shape[:self.hf_in_dims]), -1), True
+        if self.hf_layout == "flat" or dst.ndim == 1:
+            return dst.reshape(1, -1), False
+        return dst.reshape(-1, dst.shape[-1]), False
+
 
 def _has_bias(config: ModelConfig) -> bool:
     return config.qkv_bias
