@@ -8,6 +8,7 @@ attention bias would load weights "fine" and then produce wrong tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Optional
 
@@ -74,6 +75,7 @@ class ModelConfig:
     head_dim: Optional[int] = None
     rope_theta: float = 10000.0
     # ("linear", factor) or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
+    # or ("factors", (one divisor per frequency, D/2 floats)): a GGUF's `rope_freqs` tensor
     rope_scaling: Optional[tuple] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -241,7 +243,10 @@ class ModelConfig:
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
         if self.rope_scaling is not None:
-            if self.rope_scaling[0] == "linear":
+            if self.rope_scaling[0] == "factors":
+                d["rope_scaling"] = llama3_from_factors(self.rope_theta, self.head_dim,
+                                                        self.rope_scaling[1])
+            elif self.rope_scaling[0] == "linear":
                 d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling[1]}
             else:
                 _, f, lo, hi, orig = self.rope_scaling
@@ -309,3 +314,53 @@ def _parse_rope_scaling(s: dict, source: str) -> Optional[tuple]:
                 num("original_max_position_embeddings", int))
     raise ValueError(f"{source}: rope_scaling type {kind!r} unsupported "
                      "(supported: default, linear, llama3)")
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                   original: int) -> list[float]:
+    """The per-frequency divisors [D/2] of transformers' llama3 rope scaling (its inverse
+    frequencies are the plain ones divided by these), as llama.cpp's converter writes them
+    into a GGUF's `rope_freqs` tensor: 1 above the high-frequency wavelength bound, `factor`
+    below the low one, the reciprocal of the smooth interpolation between."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(float(factor))
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_from_factors(theta: float, head_dim: int, factors) -> dict:
+    """The llama3 `rope_scaling` dict whose divisors (`llama3_factors`) are `factors`, for
+    writing a GGUF's rope factors as a config.json. The divisors fix the factor and, through
+    the smooth band, original/(high-low) and low/(high-low); low = 1 (every Llama 3.x) picks
+    the rest. ValueError naming rope_freqs when no llama3 scaling gives these divisors."""
+    factors = [float(f) for f in factors]
+    f = max(factors)
+    band = [(2 * math.pi * theta ** (2 * i / head_dim), r) for i, r in enumerate(factors)
+            if 1 + 1e-6 < r < f * (1 - 1e-6)]
+    fail = ValueError("rope_freqs: these rope frequency factors are not those of a llama3 "
+                      "rope_scaling, so they have no config.json form")
+    if f <= 1 or len(band) < 2:
+        raise fail
+    # s = (1/r - 1/f) / (1 - 1/f) = a / wavelen - b over the smooth band: a line in 1/wavelen
+    xs = [1 / w for w, _ in band]
+    ys = [(1 / r - 1 / f) / (1 - 1 / f) for _, r in band]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+         / sum((x - mx) ** 2 for x in xs))
+    b = a * mx - my
+    if not (a > 0 and b > 0):
+        raise fail
+    d = {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0,
+         "high_freq_factor": round((b + 1) / b, 6), "original_max_position_embeddings": round(a / b)}
+    again = llama3_factors(theta, head_dim, f, 1.0, d["high_freq_factor"],
+                           d["original_max_position_embeddings"])
+    if any(abs(x - y) > 1e-4 * y for x, y in zip(again, factors)):
+        raise fail
+    return d

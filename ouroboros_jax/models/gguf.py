@@ -19,6 +19,11 @@ converter permutes the rows of q/k projections of the "llama" architecture so th
 kernel can rotate adjacent pairs (`permute` in llama.cpp's convert_hf_to_gguf.py, undone by
 transformers' `LlamaTensorProcessor`); `unpermute_qk` undoes it, back to the rotate-half layout
 our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style).
+
+Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
+divisor per rotary frequency, no rope-scaling metadata): it is read into the config
+(`rope_factors`, `ModelConfig.rope_scaling = ("factors", ...)`) and divides the frequencies as
+llama.cpp does, which gives transformers' llama3 frequencies (`config.llama3_factors`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from .params import LEAVES, Leaf, leaves_of, nest
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 GGUF_MAGIC = b"GGUF"
+# llama3 rope scaling as llama.cpp's converter stores it (Llama 3.1/3.2/3.3): one divisor per
+# rotary frequency, read into the config (`rope_factors`), not into the params
+ROPE_FREQS = "rope_freqs.weight"
 
 # our leaf -> its GGUF tensor name ({i}: layer index)
 GGUF_NAMES: dict[str, str] = {
@@ -171,9 +179,6 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         raise ValueError(f"{path}: unsupported GGUF key(s) {unknown}; refusing to load a model "
                          "whose numerics might differ from what is implemented")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: tensor 'rope_freqs.weight' (per-frequency rope factors, as "
-                         "llama.cpp stores Llama 3.1 rope scaling) is not supported")
     E = _int_key(reader, pre + "embedding_length", path)
     H = _int_key(reader, pre + "attention.head_count", path)
     K = _int_key(reader, pre + "attention.head_count_kv", path, H)
@@ -193,6 +198,11 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
             raise ValueError(f"{path}: GGUF rope.scaling.type {kind!r} is not supported "
                              "(supported: none, linear)")
         scaling = ("linear", _float_key(reader, pre + "rope.scaling.factor", path))
+    if ROPE_FREQS in names:
+        if scaling is not None:
+            raise ValueError(f"{path}: tensor {ROPE_FREQS!r} together with rope.scaling.type "
+                             f"{kind!r} is not supported")
+        scaling = ("factors", rope_factors(reader, path, D))
     vocab = _value(reader, pre + "vocab_size")
     if vocab is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
@@ -223,6 +233,21 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         eos_token_id=normalize_eos(eos, f"{path}: tokenizer.ggml.eos_token_id"),
         pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
     )
+
+
+def rope_factors(reader, path: str, head_dim: int) -> tuple:
+    """The `rope_freqs.weight` tensor: D/2 positive divisors of the rotary inverse frequencies,
+    the llama3 scaling factors transformers computes from a config.json's `rope_scaling`
+    (`config.llama3_factors`); llama.cpp divides each frequency by its factor, and so does
+    `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
+    t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    w = dequantize_tensor(t, path).reshape(-1)
+    if w.shape[0] != head_dim // 2:
+        raise ValueError(f"{path}: tensor {ROPE_FREQS} has {w.shape[0]} values, the head dim "
+                         f"{head_dim} implies {head_dim // 2}")
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise ValueError(f"{path}: tensor {ROPE_FREQS} must hold positive finite factors")
+    return tuple(float(x) for x in w)
 
 
 def end_of_generation_ids(reader, path: str) -> list[int]:
@@ -299,6 +324,8 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
     got: dict[str, Optional[np.ndarray]] = dict.fromkeys(names)
     np_dtype = jnp.dtype(dtype)
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # read into the config
+            continue
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
                              f"with {config.num_layers} layers as its metadata says)")

@@ -75,7 +75,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling applied."""
+    """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling or a GGUF's per-frequency
+    factors applied."""
     D = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
     sc = config.rope_scaling
@@ -83,6 +84,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         return inv.astype(np.float32)
     if sc[0] == "linear":
         return (inv / sc[1]).astype(np.float32)
+    if sc[0] == "factors":  # a GGUF's rope_freqs: divisors, as llama.cpp applies them
+        return (inv / np.asarray(sc[1], np.float32)).astype(np.float32)
     _, factor, lo, hi, orig = sc
     low_wavelen, high_wavelen = orig / lo, orig / hi
     wavelen = 2 * math.pi / inv

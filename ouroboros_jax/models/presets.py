@@ -19,3 +19,20 @@ PRESETS = {
                               num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=5e5,
                               rms_norm_eps=1e-5, max_position_embeddings=8192),
 }
+
+# The canonical target/draft pairs of 2026 (issue 29), as their published config.json texts
+# give them (tests/data/hub_configs; tests/test_families.py checks each against its text).
+_LLAMA3 = dict(vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, bos_token_id=128000)
+PRESETS.update({
+    "llama-3.1-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8,
+                                rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), **_LLAMA3),
+    "llama-3.1-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                 num_heads=64, num_kv_heads=8,
+                                 rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), **_LLAMA3),
+    "llama-3.2-1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64,
+                                tie_word_embeddings=True,
+                                rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192), **_LLAMA3),
+})

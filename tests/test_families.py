@@ -1,0 +1,326 @@
+"""The model families people pair for speculative decoding (issue 29), each against
+transformers on tiny random models made here:
+
+- Llama 3.1+ from GGUF: the `rope_freqs` tensor (llama3 rope scaling as llama.cpp's converter
+  stores it) applied as the frequency divisors transformers computes from `rope_scaling`;
+
+For each family: logits equal transformers' (fp32, both params layouts), greedy `generate`
+equals transformers' greedy, speculative and Ouroboros with a same-family draft equal vanilla,
+speculative sampling keeps the exact distribution (chi-square), a GGUF round trip, and
+unsupported fields refused by name. Compiles are shared: every greedy call has the same batch
+and prompt bucket.
+"""
+
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import ouroboros_jax as oj
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+from ouroboros_jax.models import causal_mask, forward
+from ouroboros_jax.models.config import llama3_factors, llama3_from_factors
+from ouroboros_jax.models.gguf import permute_qk
+from ouroboros_jax.models.layout import pack
+
+from conftest import make_hf_model
+from test_speculative import chi2_pvalue
+
+gguf = pytest.importorskip("gguf")
+
+NEW = 24
+SPEC = SpeculativeConfig(gamma=4)
+OURO = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
+# four prompts in one batch (one prompt bucket), ids in [3, 97)
+PROMPTS = [np.random.RandomState(s).randint(3, 97, size=n).tolist()
+           for s, n in ((1, 7), (2, 30), (3, 1), (4, 19))]
+
+
+# ------------------------------------------------------------------ GGUF files as llama.cpp writes
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_PER_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensors(tm, arch):
+    """GGUF name -> float32 array of a torch model, as llama.cpp's converter names and lays
+    them out (q/k rows permuted for "llama"; the tied head not stored)."""
+    cfg = tm.config
+    out = {}
+    for hf, t in tm.state_dict().items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if hf in _TOP:
+            name = _TOP[hf]
+        else:
+            _, _, i, rest = hf.split(".", 3)
+            name = f"blk.{i}.{_PER_LAYER[rest]}"
+        a = t.detach().float().numpy().copy()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            a = permute_qk(a, cfg.num_attention_heads if "attn_q" in name
+                           else cfg.num_key_value_heads)
+        out[name] = a
+    return out
+
+
+def write_gguf(path, tm, arch, extra_tensors=None, extra_keys=None, drop=()):
+    """A GGUF file of torch model `tm` (F32) with the metadata llama.cpp writes for `arch`."""
+    cfg = tm.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), arch)
+    p = arch + "."
+    for key, v in (("block_count", cfg.num_hidden_layers),
+                   ("context_length", cfg.max_position_embeddings),
+                   ("embedding_length", cfg.hidden_size),
+                   ("feed_forward_length", cfg.intermediate_size),
+                   ("attention.head_count", cfg.num_attention_heads),
+                   ("attention.head_count_kv", cfg.num_key_value_heads),
+                   ("attention.key_length", head_dim), ("attention.value_length", head_dim),
+                   ("rope.dimension_count",
+                    int(head_dim * rope.get("partial_rotary_factor", 1.0))),
+                   ("vocab_size", cfg.vocab_size)):
+        w.add_uint32(p + key, v)
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(p + "rope.freq_base", rope["rope_theta"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for key, (kind, value) in (extra_keys or {}).items():
+        getattr(w, "add_" + kind)(key, value)
+    tensors = {**gguf_tensors(tm, arch), **(extra_tensors or {})}
+    for name, a in tensors.items():
+        if name not in drop:
+            w.add_tensor(name, np.asarray(a, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+# ------------------------------------------------------------------ the checks every family runs
+def check_logits(model, tm, vocab, T=300):
+    """Our logits on both params layouts equal transformers' (fp32) over T positions."""
+    toks = np.random.RandomState(0).randint(0, vocab, size=(1, T))
+    with torch.no_grad():
+        ref = tm(torch.tensor(toks)).logits.numpy()
+    for params in (model.params, pack(model.params, model.config)):
+        logits, _ = forward(params, model.config, jnp.asarray(toks), jnp.arange(T)[None],
+                            causal_mask(1, T))
+        rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
+        assert rel <= 1e-4, rel
+    return ref
+
+
+def transformers_greedy(tm, prompts, new=NEW):
+    """transformers' greedy continuation of each prompt, no stop token (argmax of its forward
+    over the whole sequence, step by step: `generate`'s min_new_tokens would also forbid the
+    EOS id, which our eos_token_id=-1 does not)."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(new):
+                seq.append(int(tm(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(p):])
+    return out
+
+
+def check_methods(target, draft, want):
+    """Vanilla, speculative and Ouroboros (same-family draft) all give `want` on PROMPTS."""
+    kw = dict(max_new_tokens=NEW, eos_token_id=-1)
+    assert oj.generate(target, PROMPTS, **kw).tokens == want
+    assert oj.generate(target, PROMPTS, draft=draft, method="speculative", config=SPEC,
+                       **kw).tokens == want
+    assert oj.generate(target, PROMPTS, draft=draft, method="ouroboros", config=OURO,
+                       **kw).tokens == want
+
+
+SV, S_ROWS, S_TEMP = 8, 3000, 0.8
+S_PROMPT = [1, 5, 3, 6]
+
+
+def three_token_probs(tm, temperature):
+    """Exact P(t1, t2, t3 | S_PROMPT) under temperature sampling, from transformers."""
+    with torch.no_grad():
+        def nxt(seqs):
+            return torch.softmax(tm(torch.tensor(seqs)).logits[:, -1].double() / temperature,
+                                 -1)
+        p1 = nxt([S_PROMPT])[0]
+        p2 = nxt([S_PROMPT + [a] for a in range(SV)])
+        p3 = nxt([S_PROMPT + [a, b] for a in range(SV) for b in range(SV)]).reshape(SV, SV, SV)
+    return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+
+
+def check_sampling(target, draft, tm):
+    """Speculative sampling (gamma 2: rejections at depth 1 and 2, a bonus) draws the first
+    three tokens from transformers' distribution; the wrong temperature is rejected."""
+    out = oj.generate(target, [S_PROMPT] * S_ROWS, draft=draft, method="speculative",
+                      config=SpeculativeConfig(gamma=2), max_new_tokens=3, eos_token_id=-1,
+                      temperature=S_TEMP, seed=29)
+    counts = np.zeros((SV,) * 3, int)
+    np.add.at(counts, tuple(np.asarray(out.tokens).T), 1)
+    p_right = chi2_pvalue(counts, three_token_probs(tm, S_TEMP))
+    p_wrong = chi2_pvalue(counts, three_token_probs(tm, 1.0))
+    assert p_right > 1e-3, p_right
+    assert p_wrong < 1e-6, p_wrong
+
+
+# ====================================================================== Llama 3.1+ from GGUF
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def llamacpp_rope_freqs(cfg):
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), transcribed: the
+    llama3 rope factors it writes as `rope_freqs.weight`."""
+    rope = cfg.rope_parameters
+    base = rope["rope_theta"]
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, np.float32)
+
+
+def _llama3_gguf(tm, path, **kw):
+    return write_gguf(path, tm, "llama",
+                      extra_tensors={"rope_freqs.weight": llamacpp_rope_freqs(tm.config)}, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory):
+    """(target, draft, torch target): Llama 3.1-style target (GQA, untied) and Llama 3.2-style
+    draft (tied), both with llama3 rope scaling, loaded from GGUF files written as llama.cpp
+    writes them (rope_freqs tensor, no rope_scaling metadata)."""
+    d = tmp_path_factory.mktemp("llama31")
+    kw = dict(rope_theta=10000.0, rope_scaling=dict(LLAMA3))  # transformers edits its dict
+    tt = make_hf_model(d / "t", vocab=97, seed=11, **kw)
+    td = make_hf_model(d / "d", vocab=97, layers=1, hidden=32, heads=2, kv_heads=1, inter=64,
+                       seed=12, tie_word_embeddings=True, **kw)
+    return (oj.load_model(_llama3_gguf(tt, d / "t.gguf")),
+            oj.load_model(_llama3_gguf(td, d / "d.gguf")), tt)
+
+
+def test_llama31_gguf_rope_freqs_are_transformers_llama3(llama31):
+    target, _, tm = llama31
+    assert target.config.rope_scaling[0] == "factors"
+    ref = check_logits(target, tm, 97)
+    # the factors matter here: the same weights without them are far off
+    import dataclasses
+
+    plain = dataclasses.replace(target.config, rope_scaling=None)
+    T = ref.shape[1]
+    toks = np.random.RandomState(0).randint(0, 97, size=(1, T))  # check_logits' tokens
+    logits, _ = forward(target.params, plain, jnp.asarray(toks), jnp.arange(T)[None],
+                        causal_mask(1, T))
+    assert np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max() > 1e-2
+
+
+def test_llama31_gguf_greedy_and_methods(llama31):
+    target, draft, tm = llama31
+    want = transformers_greedy(tm, PROMPTS)
+    check_methods(target, draft, want)
+
+
+def test_llama31_gguf_sampling_keeps_the_distribution(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama31_v8")
+    kw = dict(vocab=SV, rope_theta=10000.0, rope_scaling=dict(LLAMA3), scale=0.15)
+    tt = make_hf_model(d / "t", hidden=32, heads=2, kv_heads=1, inter=64, seed=13, **kw)
+    td = make_hf_model(d / "d", layers=1, hidden=32, heads=2, kv_heads=1, inter=64, seed=14,
+                       tie_word_embeddings=True, **kw)
+    check_sampling(oj.load_model(_llama3_gguf(tt, d / "t.gguf")),
+                   oj.load_model(_llama3_gguf(td, d / "d.gguf")), tt)
+
+
+def test_llama31_factors_as_config_json(llama31, tmp_path):
+    """gguf_to_hf writes the factors back as the llama3 rope_scaling they came from, and
+    transformers loads that directory to the same logits."""
+    from checkpoints_tools.gguf_to_hf import convert
+
+    target = llama31[0]
+    theta, D = 10000.0, target.config.head_dim
+    got = llama3_from_factors(theta, D, target.config.rope_scaling[1])
+    assert got == LLAMA3
+    np.testing.assert_allclose(llama3_factors(theta, D, 8.0, 1.0, 4.0, 64),
+                               target.config.rope_scaling[1], rtol=1e-6)
+    out = tmp_path / "hf"
+    convert(target.path, str(out))
+    back = oj.load_model(str(out))
+    assert back.config.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 64)
+    check_logits(back, llama31[2], 97, T=120)
+
+
+def test_llama31_gguf_bad_rope_freqs_refused(llama31, tmp_path):
+    tm = llama31[2]
+    freqs = llamacpp_rope_freqs(tm.config)
+    short = write_gguf(tmp_path / "short.gguf", tm, "llama",
+                       extra_tensors={"rope_freqs.weight": freqs[:-1]})
+    with pytest.raises(ValueError, match=r"short\.gguf: tensor rope_freqs\.weight has 7 values, "
+                                         "the head dim 16 implies 8"):
+        oj.load_model(short)
+    neg = write_gguf(tmp_path / "neg.gguf", tm, "llama",
+                     extra_tensors={"rope_freqs.weight": -freqs})
+    with pytest.raises(ValueError, match=r"neg\.gguf: tensor rope_freqs\.weight must hold "
+                                         "positive finite factors"):
+        oj.load_model(neg)
+    both = _llama3_gguf(tm, tmp_path / "both.gguf", extra_keys={
+        "llama.rope.scaling.type": ("string", "linear"),
+        "llama.rope.scaling.factor": ("float32", 2.0)})
+    with pytest.raises(ValueError, match=r"both\.gguf: tensor 'rope_freqs\.weight' together "
+                                         "with rope.scaling.type 'linear'"):
+        oj.load_model(both)
+    with pytest.raises(ValueError, match="rope_freqs: these rope frequency factors are not "
+                                         "those of a llama3 rope_scaling"):
+        llama3_from_factors(10000.0, 16, [1.0, 3.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0])
+
+
+# ====================================================================== presets and hub configs
+HUB = os.path.join(os.path.dirname(__file__), "data", "hub_configs")
+PRESET_OF = {  # memory-planner preset -> the published config.json it stands for
+    "llama-3.1-8b": "meta-llama--Llama-3.1-8B-Instruct",
+    "llama-3.1-70b": "meta-llama--Llama-3.1-70B-Instruct",
+    "llama-3.2-1b": "meta-llama--Llama-3.2-1B-Instruct",
+}
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+                "tie_word_embeddings", "qkv_bias", "model_type", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_OF))
+def test_preset_is_its_published_config(preset):
+    import json
+
+    from ouroboros_jax.models.config import ModelConfig
+    from ouroboros_jax.models.presets import PRESETS
+
+    with open(os.path.join(HUB, PRESET_OF[preset] + ".json")) as f:
+        hub = ModelConfig.from_hf_dict(json.load(f))
+    for field in SHAPE_FIELDS:
+        assert getattr(PRESETS[preset], field) == getattr(hub, field), field
+    assert PRESETS[preset].num_params() == hub.num_params()
