@@ -3,6 +3,8 @@ transformers on tiny random models made here:
 
 - Llama 3.1+ from GGUF: the `rope_freqs` tensor (llama3 rope scaling as llama.cpp's converter
   stores it) applied as the frequency divisors transformers computes from `rope_scaling`;
+- Qwen3 (dense): per-head RMSNorm of q and k before RoPE, no q/k/v bias, a head_dim that is
+  not hidden/heads, tied draft;
 
 For each family: logits equal transformers' (fp32, both params layouts), greedy `generate`
 equals transformers' greedy, speculative and Ouroboros with a same-family draft equal vanilla,
@@ -300,16 +302,103 @@ def test_llama31_gguf_bad_rope_freqs_refused(llama31, tmp_path):
         llama3_from_factors(10000.0, 16, [1.0, 3.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0])
 
 
+# ====================================================================== Qwen3 (dense)
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(target, draft, torch target, torch draft): a Qwen3 target (GQA, untied, head_dim 32 !=
+    hidden/heads) and a tied draft (as Qwen3-0.6B), from HF directories."""
+    d = tmp_path_factory.mktemp("qwen3")
+    tt = make_hf_model(d / "t", model_type="qwen3", vocab=97, head_dim=32, seed=21)
+    td = make_hf_model(d / "d", model_type="qwen3", vocab=97, layers=1, hidden=32, heads=2,
+                       kv_heads=1, inter=64, seed=22, tie_word_embeddings=True)
+    return oj.load_model(str(d / "t")), oj.load_model(str(d / "d")), tt, td
+
+
+def test_qwen3_logits_greedy_and_methods(qwen3):
+    target, draft, tm, _ = qwen3
+    c = target.config
+    assert (c.qk_norm, c.qkv_bias, c.head_dim, c.hidden_size // c.num_heads) == (
+        True, False, 32, 16)
+    check_logits(target, tm, 97)
+    check_methods(target, draft, transformers_greedy(tm, PROMPTS))
+
+
+def test_qwen3_sampling_keeps_the_distribution(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_v8")
+    kw = dict(model_type="qwen3", vocab=SV, hidden=32, heads=2, kv_heads=1, inter=64,
+              scale=0.15)
+    tt = make_hf_model(d / "t", seed=23, **kw)
+    make_hf_model(d / "d", layers=1, seed=24, tie_word_embeddings=True, **kw)
+    check_sampling(oj.load_model(str(d / "t")), oj.load_model(str(d / "d")), tt)
+
+
+def test_qwen3_gguf_round_trip(qwen3, tmp_path):
+    """qwen3 GGUFs as llama.cpp writes them (attn_q_norm / attn_k_norm, q/k unpermuted, a tied
+    head not stored) load to the directories' config and params exactly."""
+    import dataclasses
+
+    import jax
+
+    for m, tm in ((qwen3[0], qwen3[2]), (qwen3[1], qwen3[3])):
+        g = oj.load_model(write_gguf(tmp_path / f"{m.config.num_layers}.gguf", tm, "qwen3"))
+        # GGUF keeps eps as float32 and no pad id here
+        assert g.config.rms_norm_eps == pytest.approx(m.config.rms_norm_eps, rel=1e-6)
+        assert g.config == dataclasses.replace(m.config, pad_token_id=None,
+                                               rms_norm_eps=g.config.rms_norm_eps)
+        for a, b in zip(jax.tree.leaves(g.params), jax.tree.leaves(m.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def check_load_sharded(model):
+    """load_sharded over a 2-way "model" axis reads the directory into the same params, each
+    leaf placed by its table axes (norm vectors over head_dim replicated)."""
+    import jax
+
+    from ouroboros_jax.sharding import load_sharded, make_mesh, param_shardings
+
+    mesh = make_mesh(1, 2)
+    sharded = load_sharded(model.path, mesh, dtype="float32")
+    want = param_shardings(model.config, mesh)
+    for a, b, sh in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(model.params),
+                        jax.tree.leaves(want)):
+        assert a.sharding == sh
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_qwen3_load_sharded(qwen3):
+    check_load_sharded(qwen3[0])
+
+
+def test_qwen3_bad_fields_refused(qwen3):
+    import json
+
+    from ouroboros_jax.models.config import ModelConfig
+
+    with open(os.path.join(HUB, "Qwen--Qwen3-8B.json")) as f:
+        hub = json.load(f)
+    for change, match in (
+            (dict(use_sliding_window=True), "use_sliding_window=true is unsupported for qwen3"),
+            (dict(attention_bias=True), "attention_bias=true is unsupported"),
+            (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 32768}),
+             "rope_scaling type 'yarn' unsupported"),
+            (dict(num_experts=8), r"unsupported config field\(s\) \['num_experts'\]")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dict({**hub, **change})
+
+
 # ====================================================================== presets and hub configs
 HUB = os.path.join(os.path.dirname(__file__), "data", "hub_configs")
 PRESET_OF = {  # memory-planner preset -> the published config.json it stands for
     "llama-3.1-8b": "meta-llama--Llama-3.1-8B-Instruct",
     "llama-3.1-70b": "meta-llama--Llama-3.1-70B-Instruct",
     "llama-3.2-1b": "meta-llama--Llama-3.2-1B-Instruct",
+    "qwen3-0.6b": "Qwen--Qwen3-0.6B", "qwen3-8b": "Qwen--Qwen3-8B", "qwen3-32b": "Qwen--Qwen3-32B",
 }
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
-                "tie_word_embeddings", "qkv_bias", "model_type", "max_position_embeddings")
+                "tie_word_embeddings", "qkv_bias", "model_type", "max_position_embeddings",
+                "qk_norm")
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_OF))

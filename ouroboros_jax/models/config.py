@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
 _READ_HF_FIELDS = frozenset({
@@ -87,6 +87,8 @@ class ModelConfig:
     # one id or a tuple of ids (Llama 3 / Qwen2.5 instruct configs list several)
     eos_token_id: Optional[int | tuple] = None
     pad_token_id: Optional[int] = None
+    # Qwen3: per-head RMSNorm of q and k (weights [D]) before RoPE
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -119,6 +121,8 @@ class ModelConfig:
         per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
+        if self.qk_norm:
+            per_layer += 2 * D
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
     # ---------------------------------------------------------------- Hugging Face interop
@@ -184,8 +188,9 @@ class ModelConfig:
         sliding = None
         if model_type == "mistral":
             sliding = d.get("sliding_window")
-        elif model_type == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is unsupported for qwen2")
+        elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is unsupported for "
+                             f"{model_type}")
 
         heads = need("num_attention_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -219,12 +224,13 @@ class ModelConfig:
             bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
             eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
             pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
+            qk_norm=model_type == "qwen3",
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers loads for this model."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -240,6 +246,8 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             d.update(attention_bias=False, mlp_bias=False)
+        if self.model_type == "qwen3":
+            d["attention_bias"] = False
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
         if self.rope_scaling is not None:

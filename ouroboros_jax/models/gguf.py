@@ -36,7 +36,7 @@ import numpy as np
 from .config import ModelConfig, normalize_eos
 from .params import LEAVES, Leaf, leaves_of, nest
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GGUF_MAGIC = b"GGUF"
 # llama3 rope scaling as llama.cpp's converter stores it (Llama 3.1/3.2/3.3): one divisor per
 # rotary frequency, read into the config (`rope_factors`), not into the params
@@ -55,6 +55,8 @@ GGUF_NAMES: dict[str, str] = {
     "bq": "blk.{i}.attn_q.bias",
     "bk": "blk.{i}.attn_k.bias",
     "bv": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
     "mlp_norm": "blk.{i}.ffn_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
@@ -227,6 +229,7 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         rms_norm_eps=_float_key(reader, pre + "attention.layer_norm_rms_epsilon", path),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         max_position_embeddings=_int_key(reader, pre + "context_length", path, 2048),
         model_type=arch,
         bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3) as one
 pure function over a params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
@@ -17,7 +17,7 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
-wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
+wo, (qwen2: bq, bk, bv), (qwen3: q_norm, k_norm), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
 name and layout and initializer are described once, in `params.LEAVES`. `forward` also takes
 the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
 unrolled; `layout.py`): the same numbers.
@@ -135,6 +135,13 @@ def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
             qkv[..., (H + K) * D:].reshape(B, T, K, D))
 
 
+def _qk_norm(config: ModelConfig, q: jax.Array, k: jax.Array, lp: dict):
+    """Qwen3's per-head RMSNorm of q [B,T,H,D] and k [B,T,K,D] over D (weights q_norm,
+    k_norm [D]), before RoPE."""
+    return (rms_norm(q, lp["q_norm"], config.rms_norm_eps),
+            rms_norm(k, lp["k_norm"], config.rms_norm_eps))
+
+
 def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
     """The SwiGLU MLP, h [B,T,E] -> [B,T,E], in either layout (gate and up fused when packed)."""
     if "w_gate_up" not in lp:
@@ -152,6 +159,8 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
     k [B,T,K,D], v [B,T,K,D])."""
     h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
     q, k, v = _qkv(config, h, lp)
+    if config.qk_norm:
+        q, k = _qk_norm(config, q, k, lp)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)

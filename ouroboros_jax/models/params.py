@@ -121,6 +121,10 @@ def _has_bias(config: ModelConfig) -> bool:
     return config.qkv_bias
 
 
+def _has_qk_norm(config: ModelConfig) -> bool:
+    return config.qk_norm
+
+
 def _untied(config: ModelConfig) -> bool:
     return not config.tie_word_embeddings
 
@@ -148,6 +152,10 @@ LEAVES: tuple[Leaf, ...] = (
          init="zeros", present=_has_bias),
     Leaf("bv", ("layers", "kv_heads", "head_dim"), _LAYER + "self_attn.v_proj.bias", "flat",
          init="zeros", present=_has_bias),
+    Leaf("q_norm", ("layers", "head_dim"), _LAYER + "self_attn.q_norm.weight", init="ones",
+         present=_has_qk_norm),
+    Leaf("k_norm", ("layers", "head_dim"), _LAYER + "self_attn.k_norm.weight", init="ones",
+         present=_has_qk_norm),
     Leaf("mlp_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
          init="ones"),
     Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear"),

@@ -36,3 +36,14 @@ PRESETS.update({
                                 tie_word_embeddings=True,
                                 rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192), **_LLAMA3),
 })
+_QWEN3 = dict(vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+              rms_norm_eps=1e-6, max_position_embeddings=40960, model_type="qwen3",
+              qk_norm=True, bos_token_id=151643, eos_token_id=151645)
+PRESETS.update({
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, tie_word_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, **_QWEN3),
+    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64,
+                             num_heads=64, **_QWEN3),
+})
