@@ -5,6 +5,8 @@ transformers on tiny random models made here:
   stores it) applied as the frequency divisors transformers computes from `rope_scaling`;
 - Qwen3 (dense): per-head RMSNorm of q and k before RoPE, no q/k/v bias, a head_dim that is
   not hidden/heads, tied draft;
+- Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary embeddings, LongRoPE
+  (its short regime, inside original_max_position_embeddings), a sliding window;
 
 For each family: logits equal transformers' (fp32, both params layouts), greedy `generate`
 equals transformers' greedy, speculative and Ouroboros with a same-family draft equal vanilla,
@@ -387,6 +389,91 @@ def test_qwen3_bad_fields_refused(qwen3):
             ModelConfig.from_hf_dict({**hub, **change})
 
 
+# ====================================================================== Phi-3 / Phi-4-mini
+def _longrope(rotary_dim, seed):
+    rs = np.random.RandomState(seed)
+    return {"type": "longrope", "short_factor": (1 + rs.rand(rotary_dim // 2)).tolist(),
+            "long_factor": (4 + 8 * rs.rand(rotary_dim // 2)).tolist()}
+
+
+PHI = dict(model_type="phi3", vocab=97, partial_rotary_factor=0.75,
+           original_max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """(target, draft, torch target, torch draft) as Phi-4-mini: fused qkv_proj and
+    gate_up_proj, RoPE over 3/4 of each head, LongRoPE (4x the original 256 positions: an
+    attention factor of 1.118); the target with GQA and a sliding window of 48, the draft
+    tied."""
+    d = tmp_path_factory.mktemp("phi3")
+    tt = make_hf_model(d / "t", seed=31, sliding_window=48, rope_scaling=_longrope(12, 0), **PHI)
+    td = make_hf_model(d / "d", layers=1, hidden=32, heads=2, kv_heads=1, inter=64, seed=32,
+                       tie_word_embeddings=True, rope_scaling=_longrope(12, 1), **PHI)
+    return oj.load_model(str(d / "t")), oj.load_model(str(d / "d")), tt, td
+
+
+def test_phi3_logits_greedy_and_methods(phi3):
+    target, draft, tm, _ = phi3
+    c = target.config
+    assert (c.rotary_dim, c.sliding_window, c.max_position_embeddings) == (12, 48, 256)
+    assert c.rope_attention_scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+    check_logits(target, tm, 97, T=250)  # inside the original 256 positions
+    check_methods(target, draft, transformers_greedy(tm, PROMPTS))
+
+
+def test_phi3_sampling_keeps_the_distribution(tmp_path_factory):
+    d = tmp_path_factory.mktemp("phi3_v8")
+    kw = dict(PHI, vocab=SV, hidden=32, heads=2, kv_heads=1, inter=64, scale=0.15)
+    tt = make_hf_model(d / "t", seed=33, rope_scaling=_longrope(12, 2), **kw)
+    make_hf_model(d / "d", layers=1, seed=34, tie_word_embeddings=True,
+                  rope_scaling=_longrope(12, 3), **kw)
+    check_sampling(oj.load_model(str(d / "t")), oj.load_model(str(d / "d")), tt)
+
+
+def test_phi3_load_sharded_and_save(phi3, tmp_path):
+    """load_sharded reads each head's rows out of the fused tensors; save_hf_checkpoint writes
+    them fused again, as transformers loads them."""
+    import transformers
+
+    from ouroboros_jax.models.loading import save_hf_checkpoint
+
+    target, _, tm, _ = phi3
+    check_load_sharded(target)
+    save_hf_checkpoint(str(tmp_path), target.config, target.params)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ref = tm.state_dict()
+    assert "model.layers.0.self_attn.qkv_proj.weight" in back.state_dict()
+    for k, v in back.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), ref[k].numpy(), err_msg=k)
+    toks = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        np.testing.assert_allclose(back(toks).logits.numpy(), tm(toks).logits.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_phi3_bad_fields_refused(phi3):
+    import json
+
+    from ouroboros_jax.models.config import ModelConfig
+
+    with open(os.path.join(HUB, "microsoft--Phi-4-mini-instruct.json")) as f:
+        hub = json.load(f)
+    short = dict(hub["rope_scaling"], short_factor=hub["rope_scaling"]["short_factor"][:-1])
+    for change, match in (
+            (dict(rope_scaling=short), "rope_scaling field 'short_factor' must be a list of 48 "
+                                       "positive numbers"),
+            (dict(rope_scaling={"type": "su", "short_factor": [1.0] * 48,
+                                "long_factor": [1.0] * 48}), "rope_scaling type 'su'"),
+            (dict(partial_rotary_factor=1.5), "field 'partial_rotary_factor' must be in"),
+            (dict(hidden_act="gelu_new"), "hidden_act 'gelu_new' unsupported")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dict({**hub, **change})
+    llama = {**hub, "model_type": "llama", "rope_scaling": None}
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is unsupported"):
+        ModelConfig.from_hf_dict(llama)
+
+
 # ====================================================================== presets and hub configs
 HUB = os.path.join(os.path.dirname(__file__), "data", "hub_configs")
 PRESET_OF = {  # memory-planner preset -> the published config.json it stands for
@@ -394,11 +481,12 @@ PRESET_OF = {  # memory-planner preset -> the published config.json it stands fo
     "llama-3.1-70b": "meta-llama--Llama-3.1-70B-Instruct",
     "llama-3.2-1b": "meta-llama--Llama-3.2-1B-Instruct",
     "qwen3-0.6b": "Qwen--Qwen3-0.6B", "qwen3-8b": "Qwen--Qwen3-8B", "qwen3-32b": "Qwen--Qwen3-32B",
+    "phi-4-mini": "microsoft--Phi-4-mini-instruct",
 }
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
                 "tie_word_embeddings", "qkv_bias", "model_type", "max_position_embeddings",
-                "qk_norm")
+                "qk_norm", "partial_rotary_factor", "sliding_window")
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_OF))

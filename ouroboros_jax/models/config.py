@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
 _READ_HF_FIELDS = frozenset({
@@ -21,6 +21,8 @@ _READ_HF_FIELDS = frozenset({
     "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
     "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
     "bos_token_id", "eos_token_id", "pad_token_id",
+    # phi3 only (refused elsewhere)
+    "original_max_position_embeddings",
 })
 
 # Hub config fields accepted without effect because they do not change inference numerics
@@ -51,7 +53,12 @@ HF_QWEN2_WINDOW_FIELDS = frozenset({"max_window_layers", "layer_types"})
 HF_NEUTRAL_VALUES: dict[str, tuple] = {
     "rope_interleaved": (False,),  # SmolLM2: rotate-half rope, as implemented
     "use_mrope": (False,),  # Qwen2.5: multimodal rope off
-    "partial_rotary_factor": (1, 1.0),  # rope over the whole head
+    "partial_rotary_factor": (1, 1.0),  # rope over the whole head (phi3 reads it)
+    # Phi-4-mini: fields of its remote code that transformers' Phi3 does not read, at the
+    # values that mean the plain model (every layer full attention, no interpolation)
+    "lm_head_bias": (False,),
+    "full_attn_mod": (1,),
+    "interpolate_factor": (1,),
 }
 NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_QWEN2_WINDOW_FIELDS
                            | frozenset(HF_NEUTRAL_VALUES))
@@ -76,6 +83,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # ("linear", factor) or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
     # or ("factors", (one divisor per frequency, D/2 floats)): a GGUF's `rope_freqs` tensor
+    # or ("longrope", short_factors, long_factors, original_max_pos, attention_factor): Phi-3's
+    # LongRoPE in its short regime (see `_parse_longrope`)
     rope_scaling: Optional[tuple] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -89,6 +98,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     # Qwen3: per-head RMSNorm of q and k (weights [D]) before RoPE
     qk_norm: bool = False
+    # Phi-3 / Phi-4-mini: RoPE rotates only the first int(D * factor) dims of each head
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -104,12 +115,28 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type {self.model_type!r} is not one of "
                              f"{SUPPORTED_MODEL_TYPES}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1 \
+                or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1] and leave an "
+                             f"even number of rotary dims, got {f!r}")
         eps = self.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < 1:
             # eps <= 0 divides by zero on an all-zero row; >= 1 is surely a typo
             raise ValueError(f"ModelConfig.rms_norm_eps must be a number in (0, 1), got {eps!r}")
         object.__setattr__(self, "eos_token_id",
                            normalize_eos(self.eos_token_id, "ModelConfig.eos_token_id"))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims RoPE rotates (the first ones), as transformers: int(D * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_attention_scale(self) -> float:
+        """LongRoPE's factor on cos and sin (so on q and k's rotated dims); 1 otherwise."""
+        sc = self.rope_scaling
+        return float(sc[4]) if sc is not None and sc[0] == "longrope" else 1.0
 
     @property
     def kv_groups(self) -> int:
@@ -158,6 +185,8 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported config field(s) {unknown}; refusing to load "
                              "a model whose numerics might differ from what is implemented")
         for name, allowed in HF_NEUTRAL_VALUES.items():
+            if model_type == "phi3" and name == "partial_rotary_factor":
+                continue  # implemented for phi3
             if name in d and d[name] is not None and (
                     isinstance(d[name], bool) != isinstance(allowed[0], bool)
                     or d[name] not in allowed):
@@ -183,10 +212,28 @@ class ModelConfig:
                              f"{scaling_src!r}")
         if not scaling_src and rope.get("rope_type", "default") != "default":
             scaling_src = rope
-        rope_scaling = _parse_rope_scaling(scaling_src, source)
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if model_type != "phi3":
+            if "original_max_position_embeddings" in d:
+                raise ValueError(f"{source}: field 'original_max_position_embeddings' is "
+                                 f"unsupported for {model_type} (a phi3 field)")
+        elif isinstance(partial, bool) or not isinstance(partial, (int, float)) \
+                or not 0 < partial <= 1:
+            raise ValueError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got "
+                             f"{partial!r}")
+        max_pos = opt_int("max_position_embeddings", 2048)
+        if model_type == "phi3" and scaling_src.get("rope_type",
+                                                    scaling_src.get("type")) == "longrope":
+            head_dim = opt_int("head_dim", None) or need("hidden_size") // need(
+                "num_attention_heads")
+            rope_scaling = _parse_longrope(scaling_src, d, source, int(head_dim * partial),
+                                           max_pos)
+            max_pos = min(max_pos, rope_scaling[3])  # the short regime only (see there)
+        else:
+            rope_scaling = _parse_rope_scaling(scaling_src, source)
 
         sliding = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "phi3"):
             sliding = d.get("sliding_window")
         elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is unsupported for "
@@ -219,18 +266,20 @@ class ModelConfig:
             tie_word_embeddings=tie,
             qkv_bias=model_type == "qwen2",
             sliding_window=_int(sliding, "sliding_window", source) if sliding else None,
-            max_position_embeddings=opt_int("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             model_type=model_type,
             bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
             eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
             pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
             qk_norm=model_type == "qwen3",
+            partial_rotary_factor=float(partial),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers loads for this model."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -248,10 +297,17 @@ class ModelConfig:
             d.update(attention_bias=False, mlp_bias=False)
         if self.model_type == "qwen3":
             d["attention_bias"] = False
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "phi3"):
             d["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3":
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_scaling is not None:
-            if self.rope_scaling[0] == "factors":
+            if self.rope_scaling[0] == "longrope":
+                _, short, long, orig, attn = self.rope_scaling
+                d["original_max_position_embeddings"] = orig
+                d["rope_scaling"] = {"type": "longrope", "short_factor": list(short),
+                                     "long_factor": list(long), "attention_factor": attn}
+            elif self.rope_scaling[0] == "factors":
                 d["rope_scaling"] = llama3_from_factors(self.rope_theta, self.head_dim,
                                                         self.rope_scaling[1])
             elif self.rope_scaling[0] == "linear":
@@ -372,3 +428,43 @@ def llama3_from_factors(theta: float, head_dim: int, factors) -> dict:
     if any(abs(x - y) > 1e-4 * y for x, y in zip(again, factors)):
         raise fail
     return d
+
+
+def _parse_longrope(s: dict, d: dict, source: str, rotary_dim: int,
+                    max_pos: int) -> tuple:
+    """Phi-3's LongRoPE (`rope_scaling.type = longrope`) -> ("longrope", short_factors,
+    long_factors, original_max_position_embeddings, attention_factor), as transformers'
+    `_compute_longrope_parameters` reads it: the frequencies divided by the short factors up
+    to `original_max_position_embeddings` positions, cos and sin scaled by the attention factor
+    (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original).
+
+    Past the original length transformers switches every position of a forward to the long
+    factors once the sequence passes it, while the keys already cached keep the short ones:
+    the result depends on how a sequence was split into forwards, so no decoding method could
+    equal another there. Only the short regime is implemented: the config's
+    max_position_embeddings becomes the original length, and a longer call is refused by
+    name (max_cache_len / max_position_embeddings)."""
+
+    def factors(name):
+        v = s.get(name)
+        if not isinstance(v, (list, tuple)) or len(v) != rotary_dim // 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
+            raise ValueError(f"{source}: rope_scaling field {name!r} must be a list of "
+                             f"{rotary_dim // 2} positive numbers (one per rotary frequency), "
+                             f"got {v!r}")
+        return tuple(float(x) for x in v)
+
+    short, long = factors("short_factor"), factors("long_factor")
+    orig = d.get("original_max_position_embeddings", s.get("original_max_position_embeddings"))
+    orig = max_pos if orig is None else _int(orig, "original_max_position_embeddings", source)
+    if orig <= 0:
+        raise ValueError(f"{source}: field 'original_max_position_embeddings' must be positive, "
+                         f"got {orig}")
+    attn = s.get("attention_factor")
+    if attn is None:
+        factor = s.get("factor") or max_pos / orig
+        attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    elif isinstance(attn, bool) or not isinstance(attn, (int, float)) or not attn > 0:
+        raise ValueError(f"{source}: rope_scaling field 'attention_factor' must be a positive "
+                         f"number, got {attn!r}")
+    return ("longrope", short, long, orig, float(attn))

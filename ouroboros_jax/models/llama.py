@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3) as one
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3) as one
 pure function over a params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
@@ -77,14 +77,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling or a GGUF's per-frequency
     factors applied."""
-    D = config.head_dim
+    D = config.rotary_dim  # the head dim unless rotary embeddings are partial (Phi-3)
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
     sc = config.rope_scaling
     if sc is None:
         return inv.astype(np.float32)
     if sc[0] == "linear":
         return (inv / sc[1]).astype(np.float32)
-    if sc[0] == "factors":  # a GGUF's rope_freqs: divisors, as llama.cpp applies them
+    if sc[0] in ("factors", "longrope"):  # divisors: a GGUF's rope_freqs, LongRoPE's short
         return (inv / np.asarray(sc[1], np.float32)).astype(np.float32)
     _, factor, lo, hi, orig = sc
     low_wavelen, high_wavelen = orig / lo, orig / hi
@@ -96,11 +96,20 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [B,T,N,D], positions int[B,T] -> [B,T,N,D]; angles in fp32 (bf16 positions drift)."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               scale: float = 1.0) -> jax.Array:
+    """x [B,T,N,D], positions int[B,T] -> [B,T,N,D]; angles in fp32 (bf16 positions drift).
+    Rotates the first 2 * len(inv_freq) dims (all unless partial, Phi-3), the rest pass;
+    `scale` multiplies cos and sin (LongRoPE's attention factor)."""
+    R = 2 * len(inv_freq)
+    if R < x.shape[-1]:
+        rot = apply_rope(x[..., :R], positions, inv_freq, scale)
+        return jnp.concatenate([rot, x[..., R:]], axis=-1)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -161,8 +170,8 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
     q, k, v = _qkv(config, h, lp)
     if config.qk_norm:
         q, k = _qk_norm(config, q, k, lp)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, config.rope_attention_scale)
+    k = apply_rope(k, positions, inv_freq, config.rope_attention_scale)
     ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
     a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
                live_blocks=live_blocks)

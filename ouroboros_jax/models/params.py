@@ -167,6 +167,32 @@ LEAF_BY_NAME: dict[str, Leaf] = {leaf.name: leaf for leaf in LEAVES}
 assert len(LEAF_BY_NAME) == len(LEAVES)
 
 
+# Checkpoints that store several leaves as one Linear, their outputs stacked along the rows:
+# model_type -> {fused HF name: the leaves it holds, in row order}. Phi-3's qkv_proj holds
+# q, k, v and its gate_up_proj gate then up; the leaves (and so sharding and the layouts) stay
+# the separate ones, the loaders split the fused tensor and `save_hf_checkpoint` joins it.
+FUSED_HF: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {_LAYER + "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
+             _LAYER + "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
+}
+
+
+def fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Each fused HF tensor of the config (one per layer) -> [(a part's own HF name, its first
+    row, its end row)] in row order; {} for checkpoints without fused tensors."""
+    out = {}
+    for fused, names in FUSED_HF.get(config.model_type, {}).items():
+        for i in range(config.num_layers):
+            parts, row = [], 0
+            for name in names:
+                leaf = LEAF_BY_NAME[name]
+                rows = leaf.hf_shape(config)[0]
+                parts.append((leaf.hf_name(i), row, row + rows))
+                row += rows
+            out[fused.format(i=i)] = parts
+    return out
+
+
 def leaves_of(config: ModelConfig) -> tuple[Leaf, ...]:
     """The leaves this config has, in table order."""
     return tuple(leaf for leaf in LEAVES if leaf.present(config))
