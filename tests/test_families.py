@@ -452,6 +452,46 @@ def test_phi3_load_sharded_and_save(phi3, tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
+def _phi3_gguf(tm, path, **kw):
+    """tm as llama.cpp's Phi3MiniModel converter writes it: fused tensors as they are, the
+    LongRoPE factors as tensors with the original length and the attention factor as keys,
+    the sliding window as a key (0: none)."""
+    cfg, rope = tm.config, tm.config.rope_parameters
+    orig = cfg.original_max_position_embeddings
+    scale = cfg.max_position_embeddings / orig
+    return write_gguf(path, tm, "phi3", extra_tensors={
+        "rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)},
+        extra_keys={"phi3.rope.scaling.original_context_length": ("uint32", orig),
+                    "phi3.rope.scaling.attn_factor": (
+                        "float32", math.sqrt(1 + math.log(scale) / math.log(orig))),
+                    "phi3.attention.sliding_window": ("uint32", cfg.sliding_window or 0)},
+        **kw)
+
+
+def test_phi3_gguf_round_trip(phi3, tmp_path):
+    """phi3 GGUFs load to the directories' params exactly and to their config (LongRoPE,
+    partial rotary, window), so to the same logits."""
+    import jax
+
+    for m, tm in ((phi3[0], phi3[2]), (phi3[1], phi3[3])):
+        g = oj.load_model(_phi3_gguf(tm, tmp_path / f"{m.config.num_layers}.gguf"))
+        c, want = g.config, m.config
+        assert (c.partial_rotary_factor, c.sliding_window, c.max_position_embeddings,
+                c.tie_word_embeddings) == (want.partial_rotary_factor, want.sliding_window,
+                                           want.max_position_embeddings,
+                                           want.tie_word_embeddings)
+        assert c.rope_scaling[0] == "longrope" and c.rope_scaling[3] == want.rope_scaling[3]
+        np.testing.assert_allclose(c.rope_scaling[1:3], want.rope_scaling[1:3], rtol=1e-6)
+        assert c.rope_attention_scale == pytest.approx(want.rope_attention_scale, rel=1e-6)
+        for a, b in zip(jax.tree.leaves(g.params), jax.tree.leaves(m.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bad = _phi3_gguf(phi3[2], tmp_path / "bad.gguf", drop={"blk.0.attn_qkv.weight"})
+    with pytest.raises(ValueError, match=r"bad\.gguf: GGUF file lacks tensor\(s\) "
+                                         r"\['blk\.0\.attn_qkv\.weight:wq'"):
+        oj.load_model(bad)
+
+
 def test_phi3_bad_fields_refused(phi3):
     import json
 
