@@ -541,3 +541,48 @@ def test_preset_is_its_published_config(preset):
     for field in SHAPE_FIELDS:
         assert getattr(PRESETS[preset], field) == getattr(hub, field), field
     assert PRESETS[preset].num_params() == hub.num_params()
+
+
+# ====================================================================== chat templates
+TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
+
+
+def _template_tokenizer(template, specials, eos):
+    """A character-level tokenizer carrying the family's special tokens and its published
+    chat template (the real tokenizers are not shipped here)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in ["\n"] + [chr(c) for c in range(32, 127)]:
+        vocab.setdefault(c, len(vocab))
+    t = Tokenizer(models.WordLevel(vocab, unk_token=specials[0]))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token=specials[0], eos_token=eos,
+                                  unk_token=specials[0], chat_template=template)
+    tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    return tok
+
+
+@pytest.mark.parametrize("name, specials, eot, prompt_end", [
+    ("Qwen--Qwen3-4B", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>",
+     "<|im_start|>assistant\n<think>\n"),
+    ("microsoft--Phi-4-mini-instruct", ["<|endoftext|>", "<|user|>", "<|assistant|>",
+                                        "<|system|>", "<|end|>"], "<|end|>", "<|assistant|>"),
+    ("meta-llama--Meta-Llama-3-8B-Instruct", [
+        "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+        "<|eot_id|>"], "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+])
+def test_family_chat_template_and_end_of_turn(name, specials, eot, prompt_end):
+    """The published template renders a conversation with its generation prompt, and the turn
+    ends in the family's end-of-turn token, which becomes a default stop."""
+    from ouroboros_jax.chat import apply_chat, end_of_turn_id
+
+    with open(os.path.join(TEMPLATES, name + ".jinja")) as f:
+        tok = _template_tokenizer(f.read(), specials, specials[1] if "Llama" in name
+                                  else specials[0])
+    chat = [{"role": "user", "content": "Hi"}]
+    ids = apply_chat(tok, chat)
+    assert tok.decode(ids).endswith(prompt_end)
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids(eot) == specials.index(eot)
