@@ -422,7 +422,8 @@ def llama3_from_factors(theta: float, head_dim: int, factors) -> dict:
     if not (a > 0 and b > 0):
         raise fail
     d = {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0,
-         "high_freq_factor": round((b + 1) / b, 6), "original_max_position_embeddings": round(a / b)}
+         "high_freq_factor": round((b + 1) / b, 6),
+         "original_max_position_embeddings": round(a / b)}
     again = llama3_factors(theta, head_dim, f, 1.0, d["high_freq_factor"],
                            d["original_max_position_embeddings"])
     if any(abs(x - y) > 1e-4 * y for x, y in zip(again, factors)):

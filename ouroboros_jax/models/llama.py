@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3) as one
-pure function over a params pytree.
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3)
+as one pure function over a params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
@@ -17,10 +17,11 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
-wo, (qwen2: bq, bk, bv), (qwen3: q_norm, k_norm), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
-name and layout and initializer are described once, in `params.LEAVES`. `forward` also takes
-the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
-unrolled; `layout.py`): the same numbers.
+wo, (qwen2: bq, bk, bv), (qwen3: q_norm, k_norm), mlp_norm, w_gate, w_up, w_down}}; each leaf's
+shape, sharding axes, HF name and layout and initializer are described once, in `params.LEAVES`
+(Phi-3's fused qkv_proj / gate_up_proj are split into those leaves, `params.FUSED_HF`).
+`forward` also takes the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and
+gate/up matmuls, unrolled; `layout.py`): the same numbers.
 """
 
 from __future__ import annotations
