@@ -74,8 +74,7 @@ def make_hf_model(tmp_dir, model_type="llama", vocab=TINY_VOCAB, hidden=64, laye
     import torch
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[model_type]
+    cls = transformers.CONFIG_MAPPING[model_type]  # LlamaConfig, Qwen3Config, ...
     cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=1024,

@@ -8,10 +8,11 @@ attention bias would load weights "fine" and then produce wrong tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 # Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
 _READ_HF_FIELDS = frozenset({
@@ -20,6 +21,8 @@ _READ_HF_FIELDS = frozenset({
     "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
     "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
     "bos_token_id", "eos_token_id", "pad_token_id",
+    # phi3 only (refused elsewhere)
+    "original_max_position_embeddings",
 })
 
 # Hub config fields accepted without effect because they do not change inference numerics
@@ -50,7 +53,12 @@ HF_QWEN2_WINDOW_FIELDS = frozenset({"max_window_layers", "layer_types"})
 HF_NEUTRAL_VALUES: dict[str, tuple] = {
     "rope_interleaved": (False,),  # SmolLM2: rotate-half rope, as implemented
     "use_mrope": (False,),  # Qwen2.5: multimodal rope off
-    "partial_rotary_factor": (1, 1.0),  # rope over the whole head
+    "partial_rotary_factor": (1, 1.0),  # rope over the whole head (phi3 reads it)
+    # Phi-4-mini: fields of its remote code that transformers' Phi3 does not read, at the
+    # values that mean the plain model (every layer full attention, no interpolation)
+    "lm_head_bias": (False,),
+    "full_attn_mod": (1,),
+    "interpolate_factor": (1,),
 }
 NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_QWEN2_WINDOW_FIELDS
                            | frozenset(HF_NEUTRAL_VALUES))
@@ -74,6 +82,9 @@ class ModelConfig:
     head_dim: Optional[int] = None
     rope_theta: float = 10000.0
     # ("linear", factor) or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
+    # or ("factors", (one divisor per frequency, D/2 floats)): a GGUF's `rope_freqs` tensor
+    # or ("longrope", short_factors, long_factors, original_max_pos, attention_factor): Phi-3's
+    # LongRoPE in its short regime (see `_parse_longrope`)
     rope_scaling: Optional[tuple] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -85,6 +96,10 @@ class ModelConfig:
     # one id or a tuple of ids (Llama 3 / Qwen2.5 instruct configs list several)
     eos_token_id: Optional[int | tuple] = None
     pad_token_id: Optional[int] = None
+    # Qwen3: per-head RMSNorm of q and k (weights [D]) before RoPE
+    qk_norm: bool = False
+    # Phi-3 / Phi-4-mini: RoPE rotates only the first int(D * factor) dims of each head
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -100,12 +115,28 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"ModelConfig.model_type {self.model_type!r} is not one of "
                              f"{SUPPORTED_MODEL_TYPES}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f <= 1 \
+                or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1] and leave an "
+                             f"even number of rotary dims, got {f!r}")
         eps = self.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < 1:
             # eps <= 0 divides by zero on an all-zero row; >= 1 is surely a typo
             raise ValueError(f"ModelConfig.rms_norm_eps must be a number in (0, 1), got {eps!r}")
         object.__setattr__(self, "eos_token_id",
                            normalize_eos(self.eos_token_id, "ModelConfig.eos_token_id"))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims RoPE rotates (the first ones), as transformers: int(D * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_attention_scale(self) -> float:
+        """LongRoPE's factor on cos and sin (so on q and k's rotated dims); 1 otherwise."""
+        sc = self.rope_scaling
+        return float(sc[4]) if sc is not None and sc[0] == "longrope" else 1.0
 
     @property
     def kv_groups(self) -> int:
@@ -117,6 +148,8 @@ class ModelConfig:
         per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
+        if self.qk_norm:
+            per_layer += 2 * D
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
     # ---------------------------------------------------------------- Hugging Face interop
@@ -152,6 +185,8 @@ class ModelConfig:
             raise ValueError(f"{source}: unsupported config field(s) {unknown}; refusing to load "
                              "a model whose numerics might differ from what is implemented")
         for name, allowed in HF_NEUTRAL_VALUES.items():
+            if model_type == "phi3" and name == "partial_rotary_factor":
+                continue  # implemented for phi3
             if name in d and d[name] is not None and (
                     isinstance(d[name], bool) != isinstance(allowed[0], bool)
                     or d[name] not in allowed):
@@ -177,13 +212,32 @@ class ModelConfig:
                              f"{scaling_src!r}")
         if not scaling_src and rope.get("rope_type", "default") != "default":
             scaling_src = rope
-        rope_scaling = _parse_rope_scaling(scaling_src, source)
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if model_type != "phi3":
+            if "original_max_position_embeddings" in d:
+                raise ValueError(f"{source}: field 'original_max_position_embeddings' is "
+                                 f"unsupported for {model_type} (a phi3 field)")
+        elif isinstance(partial, bool) or not isinstance(partial, (int, float)) \
+                or not 0 < partial <= 1:
+            raise ValueError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got "
+                             f"{partial!r}")
+        max_pos = opt_int("max_position_embeddings", 2048)
+        if model_type == "phi3" and scaling_src.get("rope_type",
+                                                    scaling_src.get("type")) == "longrope":
+            head_dim = opt_int("head_dim", None) or need("hidden_size") // need(
+                "num_attention_heads")
+            rope_scaling = _parse_longrope(scaling_src, d, source, int(head_dim * partial),
+                                           max_pos)
+            max_pos = min(max_pos, rope_scaling[3])  # the short regime only (see there)
+        else:
+            rope_scaling = _parse_rope_scaling(scaling_src, source)
 
         sliding = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "phi3"):
             sliding = d.get("sliding_window")
-        elif model_type == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is unsupported for qwen2")
+        elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is unsupported for "
+                             f"{model_type}")
 
         heads = need("num_attention_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -212,17 +266,20 @@ class ModelConfig:
             tie_word_embeddings=tie,
             qkv_bias=model_type == "qwen2",
             sliding_window=_int(sliding, "sliding_window", source) if sliding else None,
-            max_position_embeddings=opt_int("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             model_type=model_type,
             bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
             eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
             pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
+            qk_norm=model_type == "qwen3",
+            partial_rotary_factor=float(partial),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers loads for this model."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "phi3": "Phi3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -238,10 +295,22 @@ class ModelConfig:
         }
         if self.model_type == "llama":
             d.update(attention_bias=False, mlp_bias=False)
-        if self.model_type == "mistral":
+        if self.model_type == "qwen3":
+            d["attention_bias"] = False
+        if self.model_type in ("mistral", "phi3"):
             d["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3":
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_scaling is not None:
-            if self.rope_scaling[0] == "linear":
+            if self.rope_scaling[0] == "longrope":
+                _, short, long, orig, attn = self.rope_scaling
+                d["original_max_position_embeddings"] = orig
+                d["rope_scaling"] = {"type": "longrope", "short_factor": list(short),
+                                     "long_factor": list(long), "attention_factor": attn}
+            elif self.rope_scaling[0] == "factors":
+                d["rope_scaling"] = llama3_from_factors(self.rope_theta, self.head_dim,
+                                                        self.rope_scaling[1])
+            elif self.rope_scaling[0] == "linear":
                 d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling[1]}
             else:
                 _, f, lo, hi, orig = self.rope_scaling
@@ -309,3 +378,94 @@ def _parse_rope_scaling(s: dict, source: str) -> Optional[tuple]:
                 num("original_max_position_embeddings", int))
     raise ValueError(f"{source}: rope_scaling type {kind!r} unsupported "
                      "(supported: default, linear, llama3)")
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                   original: int) -> list[float]:
+    """The per-frequency divisors [D/2] of transformers' llama3 rope scaling (its inverse
+    frequencies are the plain ones divided by these), as llama.cpp's converter writes them
+    into a GGUF's `rope_freqs` tensor: 1 above the high-frequency wavelength bound, `factor`
+    below the low one, the reciprocal of the smooth interpolation between."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(float(factor))
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_from_factors(theta: float, head_dim: int, factors) -> dict:
+    """The llama3 `rope_scaling` dict whose divisors (`llama3_factors`) are `factors`, for
+    writing a GGUF's rope factors as a config.json. The divisors fix the factor and, through
+    the smooth band, original/(high-low) and low/(high-low); low = 1 (every Llama 3.x) picks
+    the rest. ValueError naming rope_freqs when no llama3 scaling gives these divisors."""
+    factors = [float(f) for f in factors]
+    f = max(factors)
+    band = [(2 * math.pi * theta ** (2 * i / head_dim), r) for i, r in enumerate(factors)
+            if 1 + 1e-6 < r < f * (1 - 1e-6)]
+    fail = ValueError("rope_freqs: these rope frequency factors are not those of a llama3 "
+                      "rope_scaling, so they have no config.json form")
+    if f <= 1 or len(band) < 2:
+        raise fail
+    # s = (1/r - 1/f) / (1 - 1/f) = a / wavelen - b over the smooth band: a line in 1/wavelen
+    xs = [1 / w for w, _ in band]
+    ys = [(1 / r - 1 / f) / (1 - 1 / f) for _, r in band]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    a = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+         / sum((x - mx) ** 2 for x in xs))
+    b = a * mx - my
+    if not (a > 0 and b > 0):
+        raise fail
+    d = {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0,
+         "high_freq_factor": round((b + 1) / b, 6),
+         "original_max_position_embeddings": round(a / b)}
+    again = llama3_factors(theta, head_dim, f, 1.0, d["high_freq_factor"],
+                           d["original_max_position_embeddings"])
+    if any(abs(x - y) > 1e-4 * y for x, y in zip(again, factors)):
+        raise fail
+    return d
+
+
+def _parse_longrope(s: dict, d: dict, source: str, rotary_dim: int,
+                    max_pos: int) -> tuple:
+    """Phi-3's LongRoPE (`rope_scaling.type = longrope`) -> ("longrope", short_factors,
+    long_factors, original_max_position_embeddings, attention_factor), as transformers'
+    `_compute_longrope_parameters` reads it: the frequencies divided by the short factors up
+    to `original_max_position_embeddings` positions, cos and sin scaled by the attention factor
+    (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original).
+
+    Past the original length transformers switches every position of a forward to the long
+    factors once the sequence passes it, while the keys already cached keep the short ones:
+    the result depends on how a sequence was split into forwards, so no decoding method could
+    equal another there. Only the short regime is implemented: the config's
+    max_position_embeddings becomes the original length, and a longer call is refused by
+    name (max_cache_len / max_position_embeddings)."""
+
+    def factors(name):
+        v = s.get(name)
+        if not isinstance(v, (list, tuple)) or len(v) != rotary_dim // 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
+            raise ValueError(f"{source}: rope_scaling field {name!r} must be a list of "
+                             f"{rotary_dim // 2} positive numbers (one per rotary frequency), "
+                             f"got {v!r}")
+        return tuple(float(x) for x in v)
+
+    short, long = factors("short_factor"), factors("long_factor")
+    orig = d.get("original_max_position_embeddings", s.get("original_max_position_embeddings"))
+    orig = max_pos if orig is None else _int(orig, "original_max_position_embeddings", source)
+    if orig <= 0:
+        raise ValueError(f"{source}: field 'original_max_position_embeddings' must be positive, "
+                         f"got {orig}")
+    attn = s.get("attention_factor")
+    if attn is None:
+        factor = s.get("factor") or max_pos / orig
+        attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    elif isinstance(attn, bool) or not isinstance(attn, (int, float)) or not attn > 0:
+        raise ValueError(f"{source}: rope_scaling field 'attention_factor' must be a positive "
+                         f"number, got {attn!r}")
+    return ("longrope", short, long, orig, float(attn))

@@ -19,6 +19,11 @@ converter permutes the rows of q/k projections of the "llama" architecture so th
 kernel can rotate adjacent pairs (`permute` in llama.cpp's convert_hf_to_gguf.py, undone by
 transformers' `LlamaTensorProcessor`); `unpermute_qk` undoes it, back to the rotate-half layout
 our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style).
+
+Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
+divisor per rotary frequency, no rope-scaling metadata): it is read into the config
+(`rope_factors`, `ModelConfig.rope_scaling = ("factors", ...)`) and divides the frequencies as
+llama.cpp does, which gives transformers' llama3 frequencies (`config.llama3_factors`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,19 @@ import numpy as np
 from .config import ModelConfig, normalize_eos
 from .params import LEAVES, Leaf, leaves_of, nest
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 GGUF_MAGIC = b"GGUF"
+# llama3 rope scaling as llama.cpp's converter stores it (Llama 3.1/3.2/3.3): one divisor per
+# rotary frequency, read into the config (`rope_factors`), not into the params
+ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors, read into the config (`longrope_from_gguf`)
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+# Phi-3 stores q/k/v as one tensor and gate/up as one (the gate's rows first), as its HF
+# checkpoints do: fused GGUF name -> the leaves it holds, in row order
+GGUF_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {"blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"),
+             "blk.{i}.ffn_up.weight": ("w_gate", "w_up")},
+}
 
 # our leaf -> its GGUF tensor name ({i}: layer index)
 GGUF_NAMES: dict[str, str] = {
@@ -49,6 +65,8 @@ GGUF_NAMES: dict[str, str] = {
     "bq": "blk.{i}.attn_q.bias",
     "bk": "blk.{i}.attn_k.bias",
     "bv": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
     "mlp_norm": "blk.{i}.ffn_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
@@ -64,6 +82,7 @@ _ARCH_KEYS = frozenset({
     "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
     "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "vocab_size",
+    "attention.sliding_window", "rope.scaling.attn_factor",  # phi3 (refused elsewhere)
 })
 _INT_TYPES = ("I8", "I16", "I32", "I64")
 
@@ -177,9 +196,6 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         raise ValueError(f"{path}: unsupported GGUF key(s) {unknown}; refusing to load a model "
                          "whose numerics might differ from what is implemented")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: tensor 'rope_freqs.weight' (per-frequency rope factors, as "
-                         "llama.cpp stores Llama 3.1 rope scaling) is not supported")
     E = _int_key(reader, pre + "embedding_length", path)
     H = _int_key(reader, pre + "attention.head_count", path)
     K = _int_key(reader, pre + "attention.head_count_kv", path, H)
@@ -189,9 +205,18 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         raise ValueError(f"{path}: attention.value_length {Dv} differs from key_length {D} "
                          "(not implemented)")
     rot = _int_key(reader, pre + "rope.dimension_count", path, None)
-    if rot is not None and rot != D:
+    partial = 1.0
+    if arch == "phi3" and rot is not None:
+        partial = rot / D
+        if int(D * partial) != rot:
+            raise ValueError(f"{path}: rope.dimension_count {rot} is not a fraction of the "
+                             f"head dim {D} that transformers can express")
+    elif rot is not None and rot != D:
         raise ValueError(f"{path}: rope.dimension_count {rot} differs from the head dim {D} "
                          "(partial rotary embeddings are not implemented)")
+    if arch != "phi3" and _value(reader, pre + "attention.sliding_window") is not None:
+        raise ValueError(f"{path}: GGUF key {pre}attention.sliding_window is not supported "
+                         f"for {arch}")
     scaling = None
     kind = _value(reader, pre + "rope.scaling.type")
     if kind not in (None, "none"):
@@ -199,6 +224,18 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
             raise ValueError(f"{path}: GGUF rope.scaling.type {kind!r} is not supported "
                              "(supported: none, linear)")
         scaling = ("linear", _float_key(reader, pre + "rope.scaling.factor", path))
+    max_pos = _int_key(reader, pre + "context_length", path, 2048)
+    if arch == "phi3" and ROPE_FACTORS[0] in names:
+        if scaling is not None:
+            raise ValueError(f"{path}: LongRoPE factor tensors together with rope.scaling.type "
+                             f"{kind!r} are not supported")
+        scaling = longrope_from_gguf(reader, path, pre, int(D * partial) // 2, max_pos)
+        max_pos = min(max_pos, scaling[3])  # the short regime only (config._parse_longrope)
+    if ROPE_FREQS in names:
+        if scaling is not None:
+            raise ValueError(f"{path}: tensor {ROPE_FREQS!r} together with rope.scaling.type "
+                             f"{kind!r} is not supported")
+        scaling = ("factors", rope_factors(reader, path, D))
     vocab = _value(reader, pre + "vocab_size")
     if vocab is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
@@ -223,12 +260,55 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         rms_norm_eps=_float_key(reader, pre + "attention.layer_norm_rms_epsilon", path),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2",
-        max_position_embeddings=_int_key(reader, pre + "context_length", path, 2048),
+        qk_norm=arch == "qwen3",
+        partial_rotary_factor=partial,
+        # llama.cpp writes 0 for "no window" (Phi-4-mini's converter reads none)
+        sliding_window=(_int_key(reader, pre + "attention.sliding_window", path, None)
+                        if _value(reader, pre + "attention.sliding_window") else None),
+        max_position_embeddings=max_pos,
         model_type=arch,
         bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),
         eos_token_id=normalize_eos(eos, f"{path}: tokenizer.ggml.eos_token_id"),
         pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
     )
+
+
+def rope_factors(reader, path: str, head_dim: int) -> tuple:
+    """The `rope_freqs.weight` tensor: D/2 positive divisors of the rotary inverse frequencies,
+    the llama3 scaling factors transformers computes from a config.json's `rope_scaling`
+    (`config.llama3_factors`); llama.cpp divides each frequency by its factor, and so does
+    `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
+    t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    w = dequantize_tensor(t, path).reshape(-1)
+    if w.shape[0] != head_dim // 2:
+        raise ValueError(f"{path}: tensor {ROPE_FREQS} has {w.shape[0]} values, the head dim "
+                         f"{head_dim} implies {head_dim // 2}")
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise ValueError(f"{path}: tensor {ROPE_FREQS} must hold positive finite factors")
+    return tuple(float(x) for x in w)
+
+
+def longrope_from_gguf(reader, path: str, pre: str, half: int, max_pos: int) -> tuple:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it (the `rope_factors_short/long`
+    tensors, rope.scaling.original_context_length, rope.scaling.attn_factor) -> the config's
+    ("longrope", short, long, original, attention_factor); ValueError naming what is wrong."""
+    import math
+
+    tensors = {t.name: t for t in reader.tensors}
+    factors = []
+    for name in ROPE_FACTORS:
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name} is missing (LongRoPE needs both factor "
+                             "tensors)")
+        w = dequantize_tensor(tensors[name], path).reshape(-1)
+        if w.shape[0] != half or not (np.isfinite(w).all() and (w > 0).all()):
+            raise ValueError(f"{path}: tensor {name} must hold {half} positive factors")
+        factors.append(tuple(float(x) for x in w))
+    orig = _int_key(reader, pre + "rope.scaling.original_context_length", path)
+    scale = max_pos / orig
+    default = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+    attn = _float_key(reader, pre + "rope.scaling.attn_factor", path, default)
+    return ("longrope", factors[0], factors[1], orig, attn)
 
 
 def end_of_generation_ids(reader, path: str) -> list[int]:
@@ -258,9 +338,34 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
-    """GGUF tensor name -> (leaf, layer), for every tensor the config implies."""
-    return {GGUF_NAMES[leaf.name].format(i=i): (leaf, i) for leaf in leaves_of(config)
+    """GGUF tensor name -> (leaf, layer), for every tensor the config implies (a part of a
+    fused tensor, `GGUF_FUSED`, as "<fused name>:<leaf>")."""
+    part = {leaf: f"{fused}:{leaf}" for fused, leaves in
+            GGUF_FUSED.get(config.model_type, {}).items() for leaf in leaves}
+    return {part.get(leaf.name, GGUF_NAMES[leaf.name]).format(i=i): (leaf, i)
+            for leaf in leaves_of(config)
             for i in (range(config.num_layers) if leaf.per_layer else (None,))}
+
+
+def _split_fused_gguf(t, config: ModelConfig, path: str):
+    """A fused tensor of the file (`GGUF_FUSED`) -> [(its parts' names in `_gguf_names`, HF
+    layout array)], its shape checked as a whole; [] when `t` is not one."""
+    for fused, leaves in GGUF_FUSED.get(config.model_type, {}).items():
+        for i in range(config.num_layers):
+            if t.name != fused.format(i=i):
+                continue
+            from .params import LEAF_BY_NAME
+
+            rows = [LEAF_BY_NAME[n].hf_shape(config)[0] for n in leaves]
+            want = (sum(rows), config.hidden_size)
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            if shape != want:
+                raise ValueError(f"{path}: tensor {t.name} has shape {shape} (numpy order), "
+                                 f"the metadata implies {want}")
+            w = dequantize_tensor(t, path)
+            bounds = np.cumsum([0] + rows)
+            return [(f"{t.name}:{n}", w[a:b]) for n, a, b in zip(leaves, bounds, bounds[1:])]
+    return []
 
 
 def check_tensor_type(t, path: str) -> None:
@@ -301,6 +406,15 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
     names = _gguf_names(config)
     got: dict[str, Any] = dict.fromkeys(names)
     for t in reader.tensors:
+        if t.name == ROPE_FREQS or (arch == "phi3" and t.name in ROPE_FACTORS):
+            continue  # read into the config
+        parts = _split_fused_gguf(t, config, path)
+        for name, w in parts:  # Phi-3's fused q/k/v and gate/up
+            if got[name] is not None:
+                raise ValueError(f"{path}: tensor {t.name} appears more than once")
+            got[name] = names[name][0].from_hf(w, config).astype(np_dtype)
+        if parts:
+            continue
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
                              f"with {config.num_layers} layers as its metadata says)")

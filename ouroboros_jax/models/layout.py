@@ -60,6 +60,8 @@ def pack(params: Params, config: ModelConfig) -> Params:
                  "w_down": lay["w_down"][i]}
         if config.qkv_bias:
             layer["bqkv"] = jnp.concatenate([lay[b][i].reshape(-1) for b in ("bq", "bk", "bv")])
+        if config.qk_norm:
+            layer.update(q_norm=lay["q_norm"][i], k_norm=lay["k_norm"][i])
         layers.append(layer)
     head_t = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     return {"embed": params["embed"], "final_norm": params["final_norm"],

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
-pure function over a params pytree.
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3)
+as one pure function over a params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
@@ -17,10 +17,11 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
-wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
-name and layout and initializer are described once, in `params.LEAVES`. `forward` also takes
-the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
-unrolled; `layout.py`): the same numbers.
+wo, (qwen2: bq, bk, bv), (qwen3: q_norm, k_norm), mlp_norm, w_gate, w_up, w_down}}; each leaf's
+shape, sharding axes, HF name and layout and initializer are described once, in `params.LEAVES`
+(Phi-3's fused qkv_proj / gate_up_proj are split into those leaves, `params.FUSED_HF`).
+`forward` also takes the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and
+gate/up matmuls, unrolled; `layout.py`): the same numbers.
 """
 
 from __future__ import annotations
@@ -75,14 +76,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling applied."""
-    D = config.head_dim
+    """Inverse frequencies [D/2] (fp32), with linear or llama3 scaling or a GGUF's per-frequency
+    factors applied."""
+    D = config.rotary_dim  # the head dim unless rotary embeddings are partial (Phi-3)
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
     sc = config.rope_scaling
     if sc is None:
         return inv.astype(np.float32)
     if sc[0] == "linear":
         return (inv / sc[1]).astype(np.float32)
+    if sc[0] in ("factors", "longrope"):  # divisors: a GGUF's rope_freqs, LongRoPE's short
+        return (inv / np.asarray(sc[1], np.float32)).astype(np.float32)
     _, factor, lo, hi, orig = sc
     low_wavelen, high_wavelen = orig / lo, orig / hi
     wavelen = 2 * math.pi / inv
@@ -93,11 +97,20 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [B,T,N,D], positions int[B,T] -> [B,T,N,D]; angles in fp32 (bf16 positions drift)."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+               scale: float = 1.0) -> jax.Array:
+    """x [B,T,N,D], positions int[B,T] -> [B,T,N,D]; angles in fp32 (bf16 positions drift).
+    Rotates the first 2 * len(inv_freq) dims (all unless partial, Phi-3), the rest pass;
+    `scale` multiplies cos and sin (LongRoPE's attention factor)."""
+    R = 2 * len(inv_freq)
+    if R < x.shape[-1]:
+        rot = apply_rope(x[..., :R], positions, inv_freq, scale)
+        return jnp.concatenate([rot, x[..., R:]], axis=-1)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B,T,1,D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -132,6 +145,13 @@ def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
             qkv[..., (H + K) * D:].reshape(B, T, K, D))
 
 
+def _qk_norm(config: ModelConfig, q: jax.Array, k: jax.Array, lp: dict):
+    """Qwen3's per-head RMSNorm of q [B,T,H,D] and k [B,T,K,D] over D (weights q_norm,
+    k_norm [D]), before RoPE."""
+    return (rms_norm(q, lp["q_norm"], config.rms_norm_eps),
+            rms_norm(k, lp["k_norm"], config.rms_norm_eps))
+
+
 def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
     """The SwiGLU MLP, h [B,T,E] -> [B,T,E], in either layout (gate and up fused when packed)."""
     if "w_gate_up" not in lp:
@@ -149,8 +169,10 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
     k [B,T,K,D], v [B,T,K,D])."""
     h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
     q, k, v = _qkv(config, h, lp)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    if config.qk_norm:
+        q, k = _qk_norm(config, q, k, lp)
+    q = apply_rope(q, positions, inv_freq, config.rope_attention_scale)
+    k = apply_rope(k, positions, inv_freq, config.rope_attention_scale)
     ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
     a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
                live_blocks=live_blocks)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .llama import Params
-from .params import LEAVES, Leaf, leaves_of, nest
+from .params import LEAVES, Leaf, fused_parts, leaves_of, nest
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -142,6 +142,23 @@ def _read_tensors(files: list[str]):
             raise ValueError(f"{fn}: corrupt or truncated safetensors file ({e})") from None
 
 
+def _split_fused(items, config: ModelConfig):
+    """(file, key, array) items with each fused tensor (`params.fused_parts`, Phi-3's qkv_proj
+    and gate_up_proj) replaced by its parts under their own names; a fused tensor of the wrong
+    row count raises naming it (its columns are checked as each part's)."""
+    fused = fused_parts(config)
+    for fn, key, w in items:
+        if key not in fused:
+            yield fn, key, w
+            continue
+        rows = fused[key][-1][2]
+        if w.ndim != 2 or w.shape[0] != rows:
+            raise ValueError(f"{fn}: tensor {key} has shape {tuple(w.shape)}, config implies "
+                             f"{rows} rows ({', '.join(p for p, _, _ in fused[key])} fused)")
+        for name, a, b in fused[key]:
+            yield fn, name, w[a:b]
+
+
 def _hf_names(config: ModelConfig) -> dict[str, Leaf]:
     """HF tensor name -> its leaf, for every tensor the config implies (table order)."""
     return {leaf.hf_name(i): leaf for leaf in leaves_of(config)
@@ -158,7 +175,7 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
     got: dict[str, Optional[np.ndarray]] = dict.fromkeys(names)
     np_dtype = jnp.dtype(dtype)
 
-    for fn, key, w in _read_tensors(_weight_files(path)):
+    for fn, key, w in _split_fused(_read_tensors(_weight_files(path)), config):
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -201,6 +218,7 @@ def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
     names = _hf_names(config)
     skipped = {leaf.hf for leaf in LEAVES
                if leaf.ignored_when_absent and not leaf.present(config)}
+    fused = fused_parts(config)
     where: dict[str, str] = {}
     for fn in files:
         try:
@@ -215,6 +233,17 @@ def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
                                          "floating-point checkpoints are supported (quantized "
                                          "or integer weights would be cast into wrong values)")
                     if key in skipped:
+                        continue
+                    parts = fused.get(key)
+                    if parts is not None:  # Phi-3's q/k/v or gate/up in one tensor
+                        want = (parts[-1][2], names[parts[0][0]].hf_shape(config)[1])
+                        if shape != want:
+                            raise ValueError(f"{fn}: tensor {key} has shape {shape}, config "
+                                             f"implies {want}")
+                        for part, _, _ in parts:
+                            if part in where:
+                                raise ValueError(f"{fn}: tensor {part} appears more than once")
+                            where[part] = fn
                         continue
                     if key not in names:
                         raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a "
@@ -249,10 +278,12 @@ def _flat_range(sizes: tuple, block: list) -> Optional[tuple[int, int]]:
     return start, start + (block[j][1] - block[j][0]) * stride[j]
 
 
-def _read_block(f, key: str, leaf: Leaf, config: ModelConfig, block: list) -> np.ndarray:
+def _read_block(f, key: str, leaf: Leaf, config: ModelConfig, block: list,
+                row0: int = 0) -> np.ndarray:
     """The block [(start, stop) per dim of one layer's slice in our layout] of tensor `key`,
     reading only that block's bytes where the HF layout keeps it contiguous (a head or FFN
-    range of a Linear weight is a range of its rows or columns), else the whole tensor."""
+    range of a Linear weight is a range of its rows or columns), else the whole tensor.
+    row0: where the leaf's rows start in `key` (a part of a fused tensor, Phi-3)."""
     ours = leaf.slice_shape(config)
     sl = f.get_slice(key)
     out_shape = tuple(b - a for a, b in block)
@@ -266,9 +297,17 @@ def _read_block(f, key: str, leaf: Leaf, config: ModelConfig, block: list) -> np
         k = leaf.hf_in_dims
         cols, rows = _flat_range(ours[:k], block[:k]), _flat_range(ours[k:], block[k:])
         if cols is not None and rows is not None:
-            return sl[rows[0]:rows[1], cols[0]:cols[1]].T.reshape(out_shape)
-    whole = leaf.from_hf(f.get_tensor(key), config)
+            return sl[row0 + rows[0]:row0 + rows[1], cols[0]:cols[1]].T.reshape(out_shape)
+    whole = leaf.from_hf(f.get_tensor(key)[row0:row0 + leaf.hf_shape(config)[0]], config)
     return whole[tuple(slice(a, b) for a, b in block)]
+
+
+def _read_layer(handles, where, source, leaf: Leaf, config: ModelConfig, i: int,
+                block: list) -> np.ndarray:
+    """`_read_block` of layer i's slice, from its own tensor or its rows of a fused one."""
+    name = leaf.hf_name(i)
+    key, row0 = source.get(name, (name, 0))
+    return _read_block(handles[where[name]], key, leaf, config, block, row0)
 
 
 def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Params:
@@ -282,6 +321,9 @@ def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Para
     from safetensors import safe_open
 
     where = _tensor_table(_weight_files(path), config)
+    # a fused tensor's part -> (the fused tensor, its first row)
+    source = {part: (key, a) for key, parts in fused_parts(config).items()
+              for part, a, _ in parts}
     np_dtype = jnp.dtype(dtype)
     shard_tree = nest(config, lambda leaf: leaf)  # leaf descriptions, params-shaped
 
@@ -299,8 +341,8 @@ def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Para
                 if key not in seen:
                     if leaf.per_layer:
                         (l0, l1), rest = block[0], block[1:]
-                        parts = [_read_block(handles[where[leaf.hf_name(i)]], leaf.hf_name(i),
-                                             leaf, config, rest) for i in range(l0, l1)]
+                        parts = [_read_layer(handles, where, source, leaf, config, i, rest)
+                                 for i in range(l0, l1)]
                         seen[key] = np.stack(parts).astype(np_dtype)
                     else:
                         seen[key] = _read_block(handles[where[leaf.hf_name()]], leaf.hf_name(),
@@ -372,8 +414,8 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Model:
-    """Loads a local Hugging Face Llama/Mistral/Qwen2 directory or a GGUF file (`.gguf`:
-    llama or qwen2 architecture, any tensor type the `gguf` package dequantizes; config,
+    """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3 directory or a GGUF file (`.gguf`:
+    llama, qwen2 or qwen3 architecture, any tensor type the `gguf` package dequantizes; config,
     tokenizer and chat template all come from the file, see `gguf.py`).
 
     dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "float32" or "bfloat16" (params are
@@ -468,6 +510,8 @@ def save_hf_checkpoint(out_dir: str, config: ModelConfig, params: Params,
                 tensors[leaf.hf_name(i)] = np.ascontiguousarray(leaf.to_hf(arr[i]))
         else:
             tensors[leaf.hf_name()] = np.ascontiguousarray(leaf.to_hf(cast(params[leaf.name])))
+    for fused, parts in fused_parts(config).items():  # Phi-3: as transformers stores them
+        tensors[fused] = np.concatenate([tensors.pop(p) for p, _, _ in parts])
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     d = config.to_hf_dict()
     d["torch_dtype"] = str(jnp.dtype(dtype)) if dtype else str(params["embed"].dtype)

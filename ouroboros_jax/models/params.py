@@ -133,6 +133,10 @@ def _has_bias(config: ModelConfig) -> bool:
     return config.qkv_bias
 
 
+def _has_qk_norm(config: ModelConfig) -> bool:
+    return config.qk_norm
+
+
 def _untied(config: ModelConfig) -> bool:
     return not config.tie_word_embeddings
 
@@ -160,6 +164,10 @@ LEAVES: tuple[Leaf, ...] = (
          init="zeros", present=_has_bias),
     Leaf("bv", ("layers", "kv_heads", "head_dim"), _LAYER + "self_attn.v_proj.bias", "flat",
          init="zeros", present=_has_bias),
+    Leaf("q_norm", ("layers", "head_dim"), _LAYER + "self_attn.q_norm.weight", init="ones",
+         present=_has_qk_norm),
+    Leaf("k_norm", ("layers", "head_dim"), _LAYER + "self_attn.k_norm.weight", init="ones",
+         present=_has_qk_norm),
     Leaf("mlp_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
          init="ones"),
     Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear"),
@@ -169,6 +177,32 @@ LEAVES: tuple[Leaf, ...] = (
 
 LEAF_BY_NAME: dict[str, Leaf] = {leaf.name: leaf for leaf in LEAVES}
 assert len(LEAF_BY_NAME) == len(LEAVES)
+
+
+# Checkpoints that store several leaves as one Linear, their outputs stacked along the rows:
+# model_type -> {fused HF name: the leaves it holds, in row order}. Phi-3's qkv_proj holds
+# q, k, v and its gate_up_proj gate then up; the leaves (and so sharding and the layouts) stay
+# the separate ones, the loaders split the fused tensor and `save_hf_checkpoint` joins it.
+FUSED_HF: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {_LAYER + "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
+             _LAYER + "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
+}
+
+
+def fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Each fused HF tensor of the config (one per layer) -> [(a part's own HF name, its first
+    row, its end row)] in row order; {} for checkpoints without fused tensors."""
+    out = {}
+    for fused, names in FUSED_HF.get(config.model_type, {}).items():
+        for i in range(config.num_layers):
+            parts, row = [], 0
+            for name in names:
+                leaf = LEAF_BY_NAME[name]
+                rows = leaf.hf_shape(config)[0]
+                parts.append((leaf.hf_name(i), row, row + rows))
+                row += rows
+            out[fused.format(i=i)] = parts
+    return out
 
 
 def leaves_of(config: ModelConfig) -> tuple[Leaf, ...]:

@@ -1,5 +1,7 @@
 """Full-size configurations of the paper's model pairs, for planning (eval_shape only)."""
 
+import math
+
 from .config import ModelConfig
 
 PRESETS = {
@@ -19,3 +21,46 @@ PRESETS = {
                               num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=5e5,
                               rms_norm_eps=1e-5, max_position_embeddings=8192),
 }
+
+# The canonical target/draft pairs of 2026 (issue 29), as their published config.json texts
+# give them (tests/data/hub_configs; tests/test_families.py checks each against its text).
+_LLAMA3 = dict(vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, bos_token_id=128000)
+PRESETS.update({
+    "llama-3.1-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8,
+                                rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), **_LLAMA3),
+    "llama-3.1-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                 num_heads=64, num_kv_heads=8,
+                                 rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), **_LLAMA3),
+    "llama-3.2-1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64,
+                                tie_word_embeddings=True,
+                                rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192), **_LLAMA3),
+})
+_QWEN3 = dict(vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+              rms_norm_eps=1e-6, max_position_embeddings=40960, model_type="qwen3",
+              qk_norm=True, bos_token_id=151643, eos_token_id=151645)
+PRESETS.update({
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, tie_word_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, **_QWEN3),
+    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64,
+                             num_heads=64, **_QWEN3),
+})
+# LongRoPE's short regime only (config._parse_longrope): 4096 positions, and the factor
+# sqrt(1 + ln 32 / ln 4096) on q and k's rotated dims
+PRESETS["phi-4-mini"] = ModelConfig(
+    vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_layers=32, num_heads=24,
+    num_kv_heads=8, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    sliding_window=262144, max_position_embeddings=4096, model_type="phi3",
+    partial_rotary_factor=0.75, bos_token_id=199999, eos_token_id=199999, pad_token_id=199999,
+    rope_scaling=("longrope", (1.0,) * 48, (
+        1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+        2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687,
+        4.279200023, 4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894,
+        8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+        16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03,
+        32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49,
+        33.5, 44.16, 47.77), 4096, math.sqrt(1 + math.log(32) / math.log(4096))))
