@@ -180,6 +180,26 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert "| ouroboros |" in md and "| hf-assisted |" in md
 
 
+def test_saved_counts_reprojected_onto_preset_shapes(bench_run, capsys):
+    """`python -m ouroboros_jax.bench.accelerator results.json --target ... --draft ...`:
+    the saved run's counts priced with other shapes, on each device asked; vanilla 1x by
+    construction."""
+    from ouroboros_jax.bench.accelerator import main as reproject
+
+    res, out = bench_run
+    rows = reproject([str(out / "results.json"), "--target", "llama-3.1-8b", "--draft",
+                      "llama-3.2-1b", "--project", "h100", "--project", "v5e"])
+    text = capsys.readouterr().out
+    assert "PROJECTION (not a measurement)" in text
+    by = {(r["device"], r["method"]): r for r in rows}
+    assert {m for _, m in by} == {"vanilla", "speculative", "lookahead", "ouroboros"}
+    for dev in ("h100", "v5e"):
+        assert by[(dev, "vanilla")]["projected_speedup"] == pytest.approx(1.0)
+        # the counts are the run's, whatever the shapes
+        for m in ("speculative", "ouroboros"):
+            assert by[(dev, m)]["target_calls"] == res["methods"][m]["target_calls"]
+
+
 def test_identical_check_catches_a_wrong_method(bench_run):
     res, out = bench_run
     bad = res["methods"]["perturbed"]

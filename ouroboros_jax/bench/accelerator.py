@@ -161,3 +161,77 @@ def projection_rows(results: dict, configs: dict, acc: Accelerator, tconfig: Mod
     buckets = {prompt_bucket(c["prompt_tokens"]) for c in van.get("per_call", [])}
     table = projected_table(acc, tconfig, dconfig, ts, ds, context, buckets)
     return table, cost_rows(results, table, configs)
+
+
+def configs_of(results: dict) -> dict:
+    """{method label: its config object} of a saved bench results dict (as run)."""
+    from ..decoding import METHODS
+
+    out = {}
+    for label, r in results["methods"].items():
+        spec = METHODS.get(r.get("method"))
+        if r.get("kind") != "oj" or spec is None:
+            continue
+        cfg = r.get("config")
+        out[label] = (spec.config_type(**cfg) if isinstance(cfg, dict) and "repr" not in cfg
+                      else None)
+    return out
+
+
+def main(argv=None) -> list:
+    """Re-projects a saved bench's counted forwards onto other model shapes and devices:
+
+        python -m ouroboros_jax.bench.accelerator runs/bench/results.json \\
+            --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --project h100
+
+    The counts (target forwards, draft forwards, their sizes, the prompts) are the saved run's;
+    the shapes are the presets' (`models/presets.py`): what the same counts would cost on that
+    pair, a projection twice over (the counts belong to the pair that ran)."""
+    import argparse
+    import json
+
+    from ..models.presets import PRESETS
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("results", help="a bench results.json")
+    ap.add_argument("--target", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--draft", choices=sorted(PRESETS))
+    ap.add_argument("--project", action="append", default=[], metavar="DEVICE")
+    ap.add_argument("--context", type=int, default=None,
+                    help="cached tokens the forwards see (default: the saved cost model's)")
+    a = ap.parse_args(argv)
+    try:
+        devices = [accelerator(n) for n in (a.project or ["h100"])]
+    except ValueError as e:
+        ap.error(str(e))
+    with open(a.results) as f:
+        results = json.load(f)
+    context = a.context if a.context is not None else int(
+        (results.get("cost_model") or {}).get("latency", {}).get("context", 512))
+    configs = configs_of(results)
+    configs["vanilla"] = None
+    rows = []
+    for acc in devices:
+        _, prows = projection_rows(results, configs, acc, PRESETS[a.target],
+                                   PRESETS[a.draft] if a.draft else None, context)
+        for r in prows:
+            rows.append({"device": acc.name, "method": r["method"],
+                         "target_calls": r["target_calls"],
+                         "draft_forwards": r["draft_forwards"], "n_target": r["n_target"],
+                         "n_draft": r["n_draft"], "measured_speedup": r["measured_speedup"],
+                         "projected_speedup": r["predicted_speedup"]})
+    print(f"PROJECTION (not a measurement): counts of {a.results}, shapes {a.target}"
+          + (f" / {a.draft}" if a.draft else "") + f", {context} cached tokens")
+    print("| device | method | target calls | draft forwards | n_T | n_S | measured speedup "
+          "(the run's own) | projected speedup |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ms = r["measured_speedup"]
+        print(f"| {r['device']} | {r['method']} | {r['target_calls']} | {r['draft_forwards']} "
+              f"| {r['n_target']} | {r['n_draft']} | "
+              f"{'–' if ms is None else f'{ms:.3g}×'} | {r['projected_speedup']:.3g}× |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

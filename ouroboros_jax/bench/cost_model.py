@@ -97,6 +97,8 @@ class LatencyTable:
                 obj = json.load(f)
         if "cost_model" in obj:  # a whole results.json from a bench run elsewhere
             obj = obj["cost_model"]["latency"]
+        elif "latency" in obj and "target" not in obj:  # the device script's device.json
+            obj = obj["latency"]
         if "target" not in obj:
             raise ValueError("latency table: expected {\"target\": {n: seconds}, \"draft\": "
                              "{n: seconds}} or a bench results.json with a cost_model")
