@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-TINY_SIZES = (1, 2, 4, 8)
+TINY_SIZES = (1, 4)
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 METHODS = ("vanilla", "speculative", "lookahead", "prompt_lookup", "ouroboros")
 
@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
                     help="cached tokens before each timed forward (default 512, --tiny 16)")
     ap.add_argument("--reps", type=int, default=None, help="timings per size (default 10)")
     ap.add_argument("--new-tokens", type=int, default=None,
-                    help="tokens per generate call (default 64, --tiny 8)")
+                    help="tokens per generate call (default 64, --tiny 4)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds after which remaining stages are skipped (recorded)")
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     context = a.context or (16 if a.tiny else 512)
     reps = a.reps or (3 if a.tiny else 10)
-    new_tokens = a.new_tokens or (8 if a.tiny else 64)
+    new_tokens = a.new_tokens or (4 if a.tiny else 64)
     sizes = TINY_SIZES if a.tiny else SIZES
     os.makedirs(a.out, exist_ok=True)
 
