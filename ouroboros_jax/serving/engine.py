@@ -288,24 +288,35 @@ def _replicated(pair, tree):
     return jax.tree_util.tree_map(lambda x: _placed(pair.mesh, (), x), tree)
 
 
-def _pinned(pair, dev: "_Device") -> "_Device":
-    """dev with every leaf at one fixed placement on the pair's mesh (as it is without one):
-    KV caches as `sharding.cache_spec` lays them out, leaves with a slot axis [B, ...] split
-    over "data", the rest replicated. Each device call returns the placements it was given,
-    so it compiles once (left to XLA's propagation, some leaves land elsewhere after an insert
-    or a step, and the next call would compile again for them)."""
-    if pair.mesh is None:
-        return dev
+def dev_placements(mesh, dev: "_Device"):
+    """The placement of every leaf of dev (or of its abstract shapes) on mesh, a pytree of
+    `NamedSharding` shaped like dev: KV caches as `sharding.cache_spec` lays them out, leaves
+    with a slot axis [B, ...] split over "data", the rest replicated. What `_pinned` pins, and
+    what lowering a device call for a mesh gives its abstract state (`lowering.py`)."""
     B = dev.limits.max_new_tokens.shape[0]
+
+    def at(logical: tuple, x):
+        spec = spec_for(logical + (None,) * (len(x.shape) - len(logical)), x.shape, mesh)
+        return jax.sharding.NamedSharding(mesh, spec)
 
     def one(x):
         if isinstance(x, KVCache):
-            return KVCache(k=_placed(pair.mesh, LOGICAL_AXES["cache"], x.k),
-                           v=_placed(pair.mesh, LOGICAL_AXES["cache"], x.v),
-                           lengths=_placed(pair.mesh, ("batch",), x.lengths))
-        return _placed(pair.mesh, ("batch",) if x.ndim and x.shape[0] == B else (), x)
+            return KVCache(k=at(LOGICAL_AXES["cache"], x.k), v=at(LOGICAL_AXES["cache"], x.v),
+                           lengths=at(("batch",), x.lengths))
+        return at(("batch",) if len(x.shape) and x.shape[0] == B else (), x)
 
     return jax.tree_util.tree_map(one, dev, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def _pinned(pair, dev: "_Device") -> "_Device":
+    """dev with every leaf at one fixed placement on the pair's mesh (`dev_placements`; as it
+    is without one). Each device call returns the placements it was given, so it compiles once
+    (left to XLA's propagation, some leaves land elsewhere after an insert or a step, and the
+    next call would compile again for them)."""
+    if pair.mesh is None:
+        return dev
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, dev,
+                                  dev_placements(pair.mesh, dev))
 
 
 @jax.jit

@@ -1,0 +1,244 @@
+"""Every jitted entry point called with abstract arguments, to lower it for a platform this
+machine does not have (`jax.export` lowers for "tpu" and "cuda" on a CPU-only jaxlib).
+
+Nothing here allocates: parameters, caches, prompts and pools are `jax.ShapeDtypeStruct`s (on a
+mesh, carrying the `NamedSharding` the real code places them with), so a Llama-3.1-8B-shaped
+call on an abstract 2x4 mesh (`jax.sharding.AbstractMesh`) lowers on a laptop. What lowering
+catches: an op or a sharding only the CPU backend accepts, a host callback in a loop that must
+stay on the device, an f32 copy of bf16 weights.
+
+A `Call` is one jitted function with its abstract arguments:
+
+    loop_call      generate's decoding loop of a method (`common.make_runner` over its seam
+                   functions, the loop `MethodSpec.run` runs), greedy or sampled;
+    engine_calls   the serving engine's insert and step (`engine._device_insert`,
+                   `engine._device_step`) over its pinned device state;
+    placement_call `load_sharded`'s placement: the checkpoint's (unplaced) weights onto the
+                   mesh's `sharding.param_shardings`, the shardings every loop's params carry.
+
+Params are given in the canonical (stacked) layout: the one decoding runs on an accelerator
+(`layout.decode_params` packs on a CPU only). `host_callbacks` and `f32_weight_copies` read a
+lowered module's text. Letters as in the package glossary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .decoding import METHODS
+from .decoding.common import Limits, Pair, make_runner
+from .models.config import ModelConfig
+from .models.params import nest
+from .request import cache_slots
+from .sampling import SamplingParams
+from .sharding import param_shardings, spec_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One jitted function and the abstract arguments it is lowered with.
+
+    Attributes:
+        name: what it is ("speculative loop, greedy", "engine step", ...).
+        fn: the jitted function (static arguments in `kwargs`).
+        args, kwargs: abstract positional arguments and keyword (static) arguments.
+    """
+
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def export(self, platforms: tuple = ("tpu", "cuda")) -> jax.export.Exported:
+        """The call lowered for `platforms` (one module serving each of them)."""
+        return jax.export.export(self.fn, platforms=tuple(platforms))(*self.args, **self.kwargs)
+
+
+def _sds(shape, dtype, mesh=None, spec: Optional[PartitionSpec] = None):
+    sharding = None if mesh is None else NamedSharding(mesh, spec or PartitionSpec())
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def _rows(shape, dtype, mesh):
+    """An abstract [B, ...] array placed as `sharding.shard_batch` places a batch."""
+    spec = None if mesh is None else spec_for(("batch",) + (None,) * (len(shape) - 1), shape,
+                                              mesh)
+    return _sds(shape, dtype, mesh, spec)
+
+
+def abstract_params(config: ModelConfig, dtype="bfloat16", mesh=None) -> dict:
+    """The params of `config` as ShapeDtypeStructs, placed with `param_shardings` on a mesh."""
+    shapes = nest(config, lambda leaf: leaf.shape(config))
+    if mesh is None:
+        return jax.tree.map(lambda s: _sds(s, dtype), shapes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jnp.dtype(dtype), sharding=sh),
+                        shapes, param_shardings(config, mesh),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def abstract_pair(tconfig: ModelConfig, dconfig: Optional[ModelConfig] = None,
+                  dtype="bfloat16", mesh=None) -> Pair:
+    """A `Pair` of abstract params (draft None: no draft), carrying the mesh as `make_pair`
+    does for placed params."""
+    return Pair(tparams=abstract_params(tconfig, dtype, mesh), tconfig=tconfig,
+                dparams=None if dconfig is None else abstract_params(dconfig, dtype, mesh),
+                dconfig=dconfig, mesh=mesh)
+
+
+def _knobs(rows: int, n_eos: int, mesh, greedy_rows: bool = False):
+    """Abstract (Limits, SamplingParams) of `rows` rows, as `request.row_knobs` builds them
+    (replicated on a mesh: generate passes them unplaced)."""
+    r = lambda dt: _sds((rows,), dt, mesh)  # noqa: E731
+    limits = Limits(max_new_tokens=r(jnp.int32), eos_token_id=_sds((rows, n_eos), jnp.int32,
+                                                                    mesh))
+    sp = SamplingParams(temperature=r(jnp.float32), top_k=r(jnp.int32), top_p=r(jnp.float32),
+                        seed=r(jnp.uint32), stream=r(jnp.int32),
+                        greedy_rows=r(jnp.bool_) if greedy_rows else None)
+    return limits, sp
+
+
+def _loop_config(method: str, cfg, vocab: int, mesh):
+    """(the config the compiled loop sees, its abstract starting pool or None)."""
+    spec = METHODS[method]
+    if spec.prepare is None:
+        return cfg, None
+    seen = {}
+
+    def pool_of():  # traced: the pool's shapes without allocating it
+        seen["cfg"], p = spec.prepare(cfg, None, vocab)
+        return p
+
+    pool = jax.eval_shape(pool_of)
+    return seen["cfg"], jax.tree.map(lambda x: _sds(x.shape, x.dtype, mesh), pool)
+
+
+_RUNNERS: dict = {}
+
+
+def runner(method: str) -> Callable:
+    """generate's jitted loop of a method: `common.make_runner` over its seam functions (one
+    per method, kept, so repeated lowerings reuse its trace)."""
+    if method not in _RUNNERS:
+        s = METHODS[method]
+        _RUNNERS[method] = make_runner(s.init, s.insert, s.round, s.finish)
+    return _RUNNERS[method]
+
+
+def loop_call(method: str, pair: Pair, cfg: Any = None, *, batch: int = 1,
+              prompt_width: int = 64, max_new_tokens: int = 128, greedy: bool = True,
+              n_eos: int = 2) -> Call:
+    """generate's decoding loop of `method` on abstract arguments: B = batch rows of
+    P = prompt_width prompt tokens, generate's cache slots for max_new_tokens more
+    (`request.cache_slots`).
+    cfg None: the paper's recipe."""
+    spec = METHODS[method]
+    cfg = spec.default_config() if cfg is None else cfg
+    loop_cfg, pool = _loop_config(method, cfg, pair.tconfig.vocab_size, pair.mesh)
+    limits, sp = _knobs(batch, n_eos, pair.mesh)
+    slots = cache_slots(prompt_width, max_new_tokens, spec.margin(cfg))
+    args = (pair, _rows((batch, prompt_width), jnp.int32, pair.mesh),
+            _rows((batch,), jnp.int32, pair.mesh), limits, sp, pool)
+    return Call(f"{method} loop, {'greedy' if greedy else 'sampled'}", runner(method), args,
+                dict(cfg=loop_cfg, slots=slots, greedy=greedy))
+
+
+def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
+                 cache_slots: int = 256, prompt_width: int = 64, rounds: int = 4,
+                 greedy: bool = True) -> list[Call]:
+    """The serving engine's two device calls on abstract arguments, as `Engine` makes them:
+    insert (one request's prompt into one slot) and step (k = rounds rounds on every slot),
+    its state over B = slots slots of S = cache_slots cache slots, pinned on a mesh as the
+    engine pins it (`engine.dev_placements`)."""
+    from .request import EOS_BUCKET
+    from .serving.engine import _Device, _Row, _device_insert, _device_step, dev_placements
+
+    spec = METHODS[method]
+    cfg = spec.default_config() if cfg is None else cfg
+    loop_cfg, pool = _loop_config(method, cfg, pair.tconfig.vocab_size, None)
+    # the state's shapes (placed below, as the engine pins it)
+    state = jax.eval_shape(lambda p, pl: spec.init(p, loop_cfg, slots, cache_slots, pl),
+                           pair.replace(mesh=None), pool)
+    limits, sp = _knobs(slots, EOS_BUCKET, None, greedy_rows=True)
+    dev = _Device(state, sp, limits)
+    mesh = pair.mesh
+    if mesh is not None:
+        dev = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           dev, dev_placements(mesh, dev))
+    r_limits, r_sp = _knobs(1, EOS_BUCKET, mesh, greedy_rows=True)
+    one = lambda dt: _sds((1,), dt, mesh)  # noqa: E731
+    insert = Call("engine insert", _device_insert,
+                  (pair, dev, one(jnp.int32), _sds((1, prompt_width), jnp.int32, mesh),
+                   one(jnp.int32), _Row(r_sp, r_limits)),
+                  dict(insert_fn=spec.insert, cfg=loop_cfg, vocab=pair.tconfig.vocab_size,
+                       shared=True))
+    step = Call(f"engine step, {'greedy' if greedy else 'sampled'}", _device_step,
+                (pair, dev, _sds((slots,), jnp.bool_, mesh)),
+                dict(round_fn=spec.round, cfg=loop_cfg, greedy=greedy, rounds=rounds,
+                     width=rounds * spec.max_emit(cfg)))
+    return [insert, step]
+
+
+def placement_call(config: ModelConfig, mesh, dtype="bfloat16") -> Call:
+    """`load_sharded`'s placement: the checkpoint's weights, unplaced, put where
+    `sharding.param_shardings` (the shardings `load_sharded` hands `load_model`) says."""
+    shardings = param_shardings(config, mesh)
+    return Call("load_sharded placement", jax.jit(lambda p: p, out_shardings=shardings),
+                (abstract_params(config, dtype),))
+
+
+# ------------------------------------------------------------------- reading lowered modules
+# custom_call targets of host callbacks (jax.pure_callback / io_callback / debug.callback) on
+# every platform, and the ops that move data between host and device
+_HOST_TARGET = re.compile(r"callback|host|py_func", re.IGNORECASE)
+_HOST_OPS = re.compile(r"stablehlo\.(send|recv|infeed|outfeed)\b")
+_CUSTOM_CALL = re.compile(r"custom_call\s*@([\w.$-]+)|call_target_name\s*=\s*\"([^\"]+)\"")
+
+
+def host_callbacks(text: str) -> list[str]:
+    """The host callbacks and host transfers in a lowered module's text (empty: none)."""
+    found = [a or b for a, b in _CUSTOM_CALL.findall(text) if _HOST_TARGET.search(a or b)]
+    return found + [f"stablehlo.{op}" for op in _HOST_OPS.findall(text)]
+
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)f32>")
+
+
+def weight_shapes(config: ModelConfig) -> set[tuple]:
+    """Every shape a weight of `config` has, stacked, per layer and as the 2-D matrix a
+    matmul reads (either orientation), with dimensions of 1 dropped."""
+    shapes = set()
+    for shape in jax.tree.leaves(nest(config, lambda leaf: leaf.shape(config)),
+                                 is_leaf=lambda x: isinstance(x, tuple)):
+        if len(shape) < 2:
+            continue  # norms and biases: vectors, as small as an activation
+        for s in (shape, shape[1:] if len(shape) > 2 else shape):
+            shapes.add(tuple(d for d in s if d != 1))
+        flat = (shape[-2], shape[-1]) if len(shape) == 2 else None
+        if flat is None:
+            inner = shape[1:]
+            for k in range(1, len(inner)):
+                a, b = math.prod(inner[:k]), math.prod(inner[k:])
+                shapes.update({(a, b), (b, a)})
+        else:
+            shapes.add(flat[::-1])
+    return shapes
+
+
+def f32_weight_copies(text: str, *configs: ModelConfig) -> list[str]:
+    """The f32 tensor types in a lowered module's text whose shape is a weight's of one of
+    `configs` (`weight_shapes`): an f32 copy of the weights in a bf16 program (empty: none)."""
+    shapes = set().union(*(weight_shapes(c) for c in configs))
+    out = []
+    for dims in set(_TENSOR.findall(text)):
+        shape = tuple(int(d) for d in dims.rstrip("x").split("x"))
+        if tuple(d for d in shape if d != 1) in shapes:
+            out.append(f"tensor<{dims}f32>")
+    return sorted(out)

@@ -1,0 +1,96 @@
+"""The prepared device script (ouroboros_jax/bench/device/run.sh) runs end to end at tiny shapes
+on this CPU, with every network connection refused, and leaves the JSON and plot the device run
+will leave: on the device nothing but the shapes changes.
+
+Time: the per-round stage compiles each method's loop at the paper's recipe and at auto's
+choice (Ouroboros' recipe alone about 20 s of CPU here), so the suite runs it for vanilla and
+speculative (about 45 s of CPU); every method goes through the same `round_times` loop, and
+each method's loop is tested on its own elsewhere. The whole script at --tiny, every method,
+ran here too (README "On an accelerator")."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ouroboros_jax.bench.cost_model import LatencyTable
+from ouroboros_jax.bench.device.probe import TINY_SIZES
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("vanilla", "speculative")
+SCRIPT = ROOT / "ouroboros_jax" / "bench" / "device" / "run.sh"
+
+# imported by every Python started with this directory on its path: any connection fails
+NO_NETWORK = """
+import socket
+
+def _refused(*args, **kwargs):
+    raise OSError("network access refused by the device-script test")
+
+socket.socket.connect = _refused
+socket.socket.connect_ex = _refused
+socket.create_connection = _refused
+"""
+
+
+@pytest.fixture(scope="module")
+def device_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("device")
+    guard = d / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NO_NETWORK)
+    out = d / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([str(guard), str(ROOT)]),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--tiny", "--budget-s", "100000", "--methods",
+                           ",".join(METHODS)], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "device.json") as f:
+        return json.load(f), out, proc.stderr
+
+
+def test_every_stage_ran_offline(device_run):
+    res, out, log = device_run
+    failed = {k: v for k, v in res["stages"].items() if v["status"] != "ok"}
+    assert not failed, failed
+    assert "network access refused" not in log
+    assert res["settings"]["tiny"] is True and res["device"]["platform"] == "cpu"
+    assert (out / "device.png").stat().st_size > 0
+
+
+def test_forward_times_for_every_size_and_model(device_run):
+    res, _, _ = device_run
+    for who in ("target", "draft"):
+        t = res["t_of_T"][who]
+        assert sorted(int(k) for k in t) == list(TINY_SIZES)
+        assert all(v > 0 for v in t.values())
+    # the cost model reads the device's table as it reads another machine's
+    table = LatencyTable.from_json(res)
+    assert table.t_target(1) == res["t_of_T"]["target"]["1"]
+    assert table.t_draft(4) == res["t_of_T"]["draft"]["4"]
+
+
+def test_every_method_at_the_recipe_and_at_auto(device_run):
+    res, _, _ = device_run
+    got = {(r["method"], r["config"]) for r in res["rounds"]}
+    want = {(m, c) for m in METHODS for c in ("paper", "auto")} - {("vanilla", "auto")}
+    assert got == want
+    n = res["settings"]["new_tokens"]
+    for r in res["rounds"]:
+        assert r["new_tokens"] == n  # EOS ignored: every call generates the full length
+        assert 1 <= r["target_calls"] <= n
+        assert r["round_seconds"] == pytest.approx(r["seconds"] / r["target_calls"])
+        if r["config"] == "auto":
+            assert r["auto"]  # what auto chose, and why
+    # vanilla: one target forward per token
+    van = next(r for r in res["rounds"] if r["method"] == "vanilla")
+    assert van["target_calls"] == n and van["eta"] == 1.0
+    b = res["vanilla_bound"]
+    assert b["weight_bytes"] > 0 and b["tokens_per_second_measured"] > 0
+    # on a CPU no HBM figure applies: no bound is claimed
+    assert b["tokens_per_second_bound"] is None
