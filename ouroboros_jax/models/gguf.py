@@ -51,6 +51,12 @@ GGUF_NAMES: dict[str, str] = {
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
     "w_down": "blk.{i}.ffn_down.weight",
+    # Gemma 2 / 3 (gguf's MODEL_TENSOR names ATTN_POST_NORM, FFN_POST_NORM, ATTN_Q/K_NORM;
+    # Gemma's pre-MLP norm is FFN_PRE_NORM, "ffn_norm", like mlp_norm above)
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
 }
 assert set(GGUF_NAMES) == {leaf.name for leaf in LEAVES}
 
