@@ -31,7 +31,7 @@ import numpy as np
 from .config import ModelConfig, normalize_eos
 from .params import LEAVES, Leaf, leaves_of, nest
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3")
 GGUF_MAGIC = b"GGUF"
 
 # our leaf -> its GGUF tensor name ({i}: layer index)
@@ -69,6 +69,12 @@ _ARCH_KEYS = frozenset({
     "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "vocab_size",
 })
+# `<arch>.` keys only some architectures have (read by `_gemma_fields`)
+_ARCH_ONLY_KEYS = {
+    "gemma2": frozenset({"attention.sliding_window", "attn_logit_softcapping",
+                         "final_logit_softcapping"}),
+    "gemma3": frozenset({"attention.sliding_window"}),
+}
 _INT_TYPES = ("I8", "I16", "I32", "I64")
 
 
@@ -172,7 +178,8 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     """The `ModelConfig` the file's metadata describes; ValueError naming the file and key."""
     arch = architecture(reader, path)
     pre = arch + "."
-    unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in _ARCH_KEYS)
+    known = _ARCH_KEYS | _ARCH_ONLY_KEYS.get(arch, frozenset())
+    unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in known)
     if unknown:
         raise ValueError(f"{path}: unsupported GGUF key(s) {unknown}; refusing to load a model "
                          "whose numerics might differ from what is implemented")
@@ -209,6 +216,8 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         raise ValueError(f"{path}: cannot tell the vocabulary size (no {pre}vocab_size, no "
                          "tokenizer tokens, no token_embd.weight)")
     eos = _token_id(reader, "tokenizer.ggml.eos_token_id", path)
+    L = _int_key(reader, pre + "block_count", path)
+    gemma = _gemma_fields(reader, arch, path, L, E, H, D) if arch in GGUF_GEMMA else {}
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=E,
@@ -224,11 +233,48 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2",
         max_position_embeddings=_int_key(reader, pre + "context_length", path, 2048),
-        model_type=arch,
+        model_type=GGUF_MODEL_TYPES.get(arch, arch),
         bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),
         eos_token_id=normalize_eos(eos, f"{path}: tokenizer.ggml.eos_token_id"),
         pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
+        **gemma,
     )
+
+
+# GGUF architecture -> our model_type, where they differ
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+GGUF_GEMMA = ("gemma2", "gemma3")
+
+
+def _gemma_fields(reader, arch: str, path: str, L: int, E: int, H: int, D: int) -> dict:
+    """The Gemma feature fields of a gemma2 / gemma3 GGUF, as llama.cpp reads the file
+    (llama-model.cpp): sliding window 4096 by default for gemma2 (required for gemma3); every
+    2nd layer global (gemma2), every 6th (gemma3); local RoPE base 10000, unscaled (gemma3);
+    soft caps 50 / 30 by default (gemma2; gemma3 has none); and no key for the score scale:
+    1/sqrt(E/H) for the 27B models (46 layers for gemma2, 62 for gemma3), 1/sqrt(D) else."""
+    pre = arch + "."
+    gemma2 = arch == "gemma2"
+    window = _int_key(reader, pre + "attention.sliding_window", path,
+                      4096 if gemma2 else "required")
+    pattern = 2 if gemma2 else 6
+    big = L == (46 if gemma2 else 62)
+    out = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, embed_scale=True,
+               sandwich_norms=True, qk_norm=not gemma2,
+               query_pre_attn_scalar=float(E // H if big else D), sliding_window=window,
+               sliding_layers=tuple(bool((i + 1) % pattern) for i in range(L)))
+    if gemma2:
+        out["attn_softcap"] = _float_key(reader, pre + "attn_logit_softcapping", path, 50.0)
+        out["final_softcap"] = _float_key(reader, pre + "final_logit_softcapping", path, 30.0)
+    else:
+        out["rope_local_theta"] = 10000.0
+    return out
+
+
+def gemma_norm_shift(arch: str, name: str) -> float:
+    """What llama.cpp's converter added to a tensor of a Gemma GGUF: 1 to every RMSNorm weight
+    ("...norm.weight"), since Gemma's norms scale by (1 + w); transformers' GGUF loader
+    subtracts it again (Gemma2TensorProcessor), and so do we."""
+    return 1.0 if arch in GGUF_GEMMA and name.endswith("norm.weight") else 0.0
 
 
 def end_of_generation_ids(reader, path: str) -> list[int]:
@@ -320,6 +366,9 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype) -> dict:
         w = dequantize_tensor(t, path)
         if arch == "llama" and leaf.name in ("wq", "wk"):
             w = unpermute_qk(w, config.num_heads if leaf.name == "wq" else config.num_kv_heads)
+        shift = gemma_norm_shift(arch, t.name)
+        if shift:
+            w = w - np.float32(shift)
         got[t.name] = leaf.from_hf(w, config).astype(np_dtype)
     missing = [n for n, v in got.items() if v is None]
     if missing:
