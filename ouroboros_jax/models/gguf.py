@@ -18,7 +18,9 @@ array [V, E]: Hugging Face's torch layout (`params.Leaf.hf_shape`). One differen
 converter permutes the rows of q/k projections of the "llama" architecture so that its rotary
 kernel can rotate adjacent pairs (`permute` in llama.cpp's convert_hf_to_gguf.py, undone by
 transformers' `LlamaTensorProcessor`); `unpermute_qk` undoes it, back to the rotate-half layout
-our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style).
+our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style), and so are
+Gemma 2 / Gemma 3, whose converter adds 1 to every RMSNorm weight instead (`gemma_norm_shift`,
+taken off again here as transformers does).
 """
 
 from __future__ import annotations
