@@ -103,6 +103,8 @@ def test_configs_read_as_transformers_builds_them(family):
         assert draft.config.sliding_layers == (True, True)
         assert (c.attn_softcap, c.final_softcap, c.qk_norm) == (None, None, True)
         assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 1e4, ("linear", 4.0))
+    for config in (c, draft.config):  # config.json as written reads back the same
+        assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
 
 
 def test_logits_equal_transformers_across_the_window(family):
@@ -411,6 +413,13 @@ def test_the_published_gemma_configs_read_as_published():
     assert c.sliding_layers == ((True,) * 5 + (False,)) * 4 + (True,) * 2
     assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 1e4, None)
     assert (c.attn_softcap, c.final_softcap, c.eos_token_id) == (None, None, (1, 106))
+    # absent soft caps are transformers' defaults (Gemma 2: 50 and 30), null ones none
+    d = {k: v for k, v in _hub("google--gemma-2-2b-it").items() if "softcapping" not in k}
+    c = ModelConfig.from_hf_dict(d)
+    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0)
+    c = ModelConfig.from_hf_dict({**d, "attn_logit_softcapping": None,
+                                  "final_logit_softcapping": None})
+    assert (c.attn_softcap, c.final_softcap) == (None, None)
 
 
 @pytest.mark.parametrize("name, change, field", [

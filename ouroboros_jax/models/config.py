@@ -69,7 +69,8 @@ _IGNORED_HF_FIELDS = _READ_HF_FIELDS | NUMERICS_NEUTRAL_FIELDS
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2), and of
+    Gemma 2 / Gemma 3 text through the feature fields below `pad_token_id`.
 
     Dimension letters: E = hidden_size, F = intermediate_size, L = num_layers,
     H = num_heads, K = num_kv_heads, D = head_dim, V = vocab_size.
@@ -425,8 +426,8 @@ def _gemma_fields(d: dict, source: str, model_type: str, need) -> dict:
         raise ValueError(f"{source}: sliding_window_size {d['sliding_window_size']!r} differs "
                          f"from sliding_window {d['sliding_window']!r}")
 
-    def positive(name, required=False):
-        v = d.get(name)
+    def positive(name, required=False, default=None):
+        v = d.get(name, default)  # absent: transformers' default; null: none
         if v is None:
             if required:
                 raise ValueError(f"{source}: required field {name!r} is missing")
@@ -435,7 +436,7 @@ def _gemma_fields(d: dict, source: str, model_type: str, need) -> dict:
             raise ValueError(f"{source}: field {name!r} must be a positive number, got {v!r}")
         return float(v)
 
-    attn_cap = positive("attn_logit_softcapping")
+    attn_cap = positive("attn_logit_softcapping", default=None if gemma3 else 50.0)
     if gemma3 and attn_cap is not None:  # transformers' Gemma 3 attention never applies it
         raise ValueError(f"{source}: attn_logit_softcapping={attn_cap} is unsupported for "
                          "gemma3_text")
@@ -457,7 +458,7 @@ def _gemma_fields(d: dict, source: str, model_type: str, need) -> dict:
         sliding = tuple(t == "sliding_attention" for t in types)
     out = dict(hidden_act=act, norm_unit_offset=True, embed_scale=True, sandwich_norms=True,
                qk_norm=gemma3, query_pre_attn_scalar=positive("query_pre_attn_scalar", True),
-               attn_softcap=attn_cap, final_softcap=positive("final_logit_softcapping"),
+               attn_softcap=attn_cap, final_softcap=positive("final_logit_softcapping", default=None if gemma3 else 30.0),
                sliding_layers=sliding)
     if gemma3:
         out["rope_local_theta"] = positive("rope_local_base_freq") or 10_000.0

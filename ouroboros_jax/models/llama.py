@@ -1,5 +1,7 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2) as one
-pure function over a params pytree.
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2; Gemma 2 / 3
+through config flags: GeGLU, (1 + w) norms around attention and the MLP, q/k norms, scaled
+embeddings, soft caps, per-layer sliding windows and RoPE bases) as one pure function over a
+params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
@@ -17,7 +19,8 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
-wo, (qwen2: bq, bk, bv), mlp_norm, w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
+wo, (qwen2: bq, bk, bv), (gemma3: q_norm, k_norm), mlp_norm, (gemma: post_attn_norm,
+post_mlp_norm), w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF
 name and layout and initializer are described once, in `params.LEAVES`. `forward` also takes
 the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
 unrolled; `layout.py`): the same numbers.
