@@ -8,7 +8,7 @@ the model continues as the assistant.
 `end_of_turn_id` finds the token an instruct model ends its turn with: the first special token
 its template writes after an assistant message's content (`<|im_end|>` for ChatML models such
 as SmolLM2, Qwen2 and Qwen3, `<|eot_id|>` for Llama 3.x, `<|end|>` for Phi-3 / Phi-4-mini,
-`</s>` for Llama 2 / Mistral). `load_model`
+`<end_of_turn>` for Gemma, `</s>` for Llama 2 / Mistral). `load_model`
 adds it to the default stop tokens, so a chat reply stops where the model ends its turn.
 """
 

@@ -36,10 +36,23 @@ _F32 = jnp.float32
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _scores(qg, k, scale):
-    """qg [B,T,K,J,D], k [B,Z,K,D] -> fp32 scores [B,K,J,T,Z]."""
-    return jnp.einsum("btkjd,bzkd->bkjtz", qg, k.astype(qg.dtype),
-                      preferred_element_type=_F32) * scale
+def _scores(qg, k, scale, softcap=None):
+    """qg [B,T,K,J,D], k [B,Z,K,D] -> fp32 scores [B,K,J,T,Z], soft-capped to
+    softcap * tanh(s / softcap) when softcap is set (Gemma 2)."""
+    s = jnp.einsum("btkjd,bzkd->bkjtz", qg, k.astype(qg.dtype),
+                   preferred_element_type=_F32) * scale
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
+def first_window_block(positions, window, block: int):
+    """int32[]: the first cache block any new token can see through a sliding window (0
+    without one): blocks wholly below every token's window hold nothing visible, and an
+    online-softmax step over a block with nothing visible changes nothing, so skipping them
+    is exact. window: None, an int or a traced int32[]."""
+    if window is None:
+        return jnp.int32(0)
+    lowest = jnp.min(positions).astype(jnp.int32) - jnp.asarray(window, jnp.int32) + 1
+    return jnp.maximum(lowest, 0) // block
 
 
 def _new_token_visibility(positions, mask, window):
@@ -58,17 +71,19 @@ def _cache_visibility(positions, cache_len, slot, window):
 
 
 def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, layer,
-                    window, live_blocks=None):
+                    window, live_blocks=None, scale=None, softcap=None):
     """Reference kernel: one softmax over every cache slot and the new tokens.
 
     q [B,T,H,D]; k_new, v_new [B,T,K,D]; positions int[B,T]; mask bool[B,T,T]; cache_k, cache_v
-    [L,B,S,K,D] or None; cache_len int[B]; layer int[]; window int or None -> [B,T,H,D].
+    [L,B,S,K,D] or None; cache_len int[B]; layer int[]; window int, traced int32[] or None;
+    scale: the score scale (None: D**-0.5); softcap: None or the scores' soft cap
+    -> [B,T,H,D].
     """
     B, T, H, D = q.shape
     K = k_new.shape[2]
     qg = q.reshape(B, T, K, H // K, D)
-    scale = 1.0 / math.sqrt(D)
-    s_new = _scores(qg, k_new, scale)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s_new = _scores(qg, k_new, scale, softcap)
     s_new = jnp.where(_new_token_visibility(positions, mask, window)[:, None, None], s_new, _NEG)
     if cache_k is None:
         p = jax.nn.softmax(s_new, axis=-1)
@@ -78,7 +93,7 @@ def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_le
     cv = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
     S = ck.shape[1]
     vis = _cache_visibility(positions, cache_len, jnp.arange(S), window)
-    s_cache = jnp.where(vis[:, None, None], _scores(qg, ck, scale), _NEG)
+    s_cache = jnp.where(vis[:, None, None], _scores(qg, ck, scale, softcap), _NEG)
     p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
     p_cache, p_new = p[..., :S].astype(v_new.dtype), p[..., S:].astype(v_new.dtype)
     out = (jnp.einsum("bkjts,bskd->btkjd", p_cache, cv.astype(v_new.dtype))
@@ -107,15 +122,16 @@ def live_block_count(cache_len, num_slots: int, block: int = BLOCK):
 
 
 def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_len, layer,
-                        window, live_blocks=None, block: int = BLOCK):
+                        window, live_blocks=None, block: int = BLOCK, scale=None, softcap=None):
     """Online softmax over the live cache blocks, then the new tokens (same I/O as dense).
 
     live_blocks: int32[] trip count (computed once per forward by the caller; recomputed from
-    cache_len when None). Blocks past it are never read.
+    cache_len when None). Blocks past it are never read, nor, with a sliding window, blocks
+    wholly below every new token's window (`first_window_block`).
     """
     if cache_k is None:
         return dense_attention(q, k_new, v_new, positions, mask, None, None, cache_len, layer,
-                               window)
+                               window, scale=scale, softcap=softcap)
     B, T, H, D = q.shape
     K = k_new.shape[2]
     J = H // K
@@ -123,7 +139,7 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
     Z = min(block, S)
     assert S % Z == 0, f"cache slots ({S}) must be a multiple of the block ({Z})"
     qg = q.reshape(B, T, K, J, D)
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     if live_blocks is None:
         live_blocks = live_block_count(cache_len, S, block)
     live_blocks = jnp.minimum(live_blocks, S // Z)
@@ -134,13 +150,14 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
         kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, Z, K, D))[0]
         vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, Z, K, D))[0]
         vis = _cache_visibility(positions, cache_len, start + jnp.arange(Z), window)
-        return online_update(carry, _scores(qg, kb, scale), vis[:, None, None], vb)
+        return online_update(carry, _scores(qg, kb, scale, softcap), vis[:, None, None], vb)
 
     init = (jnp.full((B, K, J, T), _NEG, _F32), jnp.zeros((B, K, J, T), _F32),
             jnp.zeros((B, K, J, T, D), _F32))
-    carry = jax.lax.fori_loop(0, live_blocks, body, init)
+    first = jnp.minimum(first_window_block(positions, window, Z), live_blocks)
+    carry = jax.lax.fori_loop(first, live_blocks, body, init)
     vis_new = _new_token_visibility(positions, mask, window)[:, None, None]
-    _, l, acc = online_update(carry, _scores(qg, k_new, scale), vis_new, v_new)
+    _, l, acc = online_update(carry, _scores(qg, k_new, scale, softcap), vis_new, v_new)
     out = acc / l[..., None]  # l > 0: every new token sees itself
     return jnp.einsum("bkjtd->btkjd", out).reshape(B, T, H, D).astype(q.dtype)
 

@@ -12,7 +12,8 @@ import math
 import numbers
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 # Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
 _READ_HF_FIELDS = frozenset({
@@ -39,6 +40,7 @@ HF_METADATA_FIELDS = frozenset({
     "task_specific_params", "prefix", "bad_words_ids", "begin_suppress_tokens",
     "is_decoder", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
     "tie_encoder_decoder", "pruned_heads", "chunk_size_feed_forward", "tf_legacy_loss",
+    "cache_implementation",
 })
 # Training-only fields: dropout is off at inference, initialisers and tensor-parallel
 # pretraining slices (pretraining_tp) compute the same function.
@@ -60,6 +62,14 @@ HF_NEUTRAL_VALUES: dict[str, tuple] = {
     "full_attn_mod": (1,),
     "interpolate_factor": (1,),
 }
+# Gemma 2 / Gemma 3 fields, read by `_gemma_fields` (and refused for every other model type);
+# `_sliding_window_pattern` is transformers' private copy, overwritten from
+# `sliding_window_pattern` when it loads a config.
+HF_GEMMA_FIELDS = frozenset({
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "layer_types", "sliding_window_pattern", "_sliding_window_pattern",
+    "rope_local_base_freq", "use_bidirectional_attention", "sliding_window_size",
+})
 NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_QWEN2_WINDOW_FIELDS
                            | frozenset(HF_NEUTRAL_VALUES))
 _IGNORED_HF_FIELDS = _READ_HF_FIELDS | NUMERICS_NEUTRAL_FIELDS
@@ -67,7 +77,8 @@ _IGNORED_HF_FIELDS = _READ_HF_FIELDS | NUMERICS_NEUTRAL_FIELDS
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2), and of
+    Gemma 2 / Gemma 3 text through the feature fields below `pad_token_id`.
 
     Dimension letters: E = hidden_size, F = intermediate_size, L = num_layers,
     H = num_heads, K = num_kv_heads, D = head_dim, V = vocab_size.
@@ -96,10 +107,22 @@ class ModelConfig:
     # one id or a tuple of ids (Llama 3 / Qwen2.5 instruct configs list several)
     eos_token_id: Optional[int | tuple] = None
     pad_token_id: Optional[int] = None
-    # Qwen3: per-head RMSNorm of q and k (weights [D]) before RoPE
-    qk_norm: bool = False
     # Phi-3 / Phi-4-mini: RoPE rotates only the first int(D * factor) dims of each head
     partial_rotary_factor: float = 1.0
+    # Gemma 2 / 3 features (`_gemma_fields`), each off for the Llama family:
+    # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh GELU)
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
+    embed_scale: bool = False  # embeddings times sqrt(E) (cast to the params' dtype)
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by its -1/2 (None: D)
+    attn_softcap: Optional[float] = None  # scores -> c * tanh(scores / c)
+    final_softcap: Optional[float] = None  # logits -> c * tanh(logits / c)
+    # per layer: True where the layer attends within `sliding_window` (Gemma's local layers);
+    # None: every layer does when `sliding_window` is set (Mistral)
+    sliding_layers: Optional[tuple] = None
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled (Gemma 3)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -126,6 +149,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rms_norm_eps must be a number in (0, 1), got {eps!r}")
         object.__setattr__(self, "eos_token_id",
                            normalize_eos(self.eos_token_id, "ModelConfig.eos_token_id"))
+        _check_gemma_features(self)
 
     @property
     def rotary_dim(self) -> int:
@@ -148,8 +172,7 @@ class ModelConfig:
         per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
-        if self.qk_norm:
-            per_layer += 2 * D
+        per_layer += 2 * E * self.sandwich_norms + 2 * D * self.qk_norm
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
     # ---------------------------------------------------------------- Hugging Face interop
@@ -180,7 +203,11 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        unknown = sorted(k for k in d if k not in _IGNORED_HF_FIELDS)
+        gemma = model_type in GEMMA_MODEL_TYPES
+        if model_type == "gemma3_text":
+            d = _flat_gemma3_rope(d, source)
+        unknown = sorted(k for k in d if k not in _IGNORED_HF_FIELDS
+                         and not (gemma and k in HF_GEMMA_FIELDS))
         if unknown:
             raise ValueError(f"{source}: unsupported config field(s) {unknown}; refusing to load "
                              "a model whose numerics might differ from what is implemented")
@@ -192,7 +219,7 @@ class ModelConfig:
                     or d[name] not in allowed):
                 raise ValueError(f"{source}: {name}={d[name]!r} is unsupported (only "
                                  f"{allowed[0]!r} is implemented)")
-        if d.get("hidden_act", "silu") != "silu":
+        if not gemma and d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
         if d.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is unsupported")
@@ -238,6 +265,9 @@ class ModelConfig:
         elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
             raise ValueError(f"{source}: use_sliding_window=true is unsupported for "
                              f"{model_type}")
+        gemma_kw = _gemma_fields(d, source, model_type, need) if gemma else {}
+        if gemma:
+            sliding = d["sliding_window"]
 
         heads = need("num_attention_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -248,7 +278,7 @@ class ModelConfig:
         eps = opt_float("rms_norm_eps", 1e-6)
         if not 0 < eps < 1:
             raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
-        tie = d.get("tie_word_embeddings", False)
+        tie = d.get("tie_word_embeddings", gemma)  # transformers' default: Gemma ties
         if not isinstance(tie, bool):
             raise ValueError(f"{source}: field 'tie_word_embeddings' must be true or false, got "
                              f"{tie!r}")
@@ -271,15 +301,16 @@ class ModelConfig:
             bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
             eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
             pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
-            qk_norm=model_type == "qwen3",
             partial_rotary_factor=float(partial),
+            **{"qk_norm": model_type == "qwen3", **gemma_kw},
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers loads for this model."""
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "phi3": "Phi3ForCausalLM"}[self.model_type]
+                "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}[self.model_type]
         d: dict[str, Any] = {
             "architectures": [arch], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -317,6 +348,8 @@ class ModelConfig:
                 d["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
                                      "high_freq_factor": hi,
                                      "original_max_position_embeddings": orig}
+        if self.model_type in GEMMA_MODEL_TYPES:
+            _gemma_to_hf(self, d)
         return d
 
 
@@ -469,3 +502,132 @@ def _parse_longrope(s: dict, d: dict, source: str, rotary_dim: int,
         raise ValueError(f"{source}: rope_scaling field 'attention_factor' must be a positive "
                          f"number, got {attn!r}")
     return ("longrope", short, long, orig, float(attn))
+
+
+# ---------------------------------------------------------------------------- Gemma 2 / 3
+GEMMA_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _check_gemma_features(c: ModelConfig) -> None:
+    """Validates the Gemma feature fields of a ModelConfig (ValueError naming the field);
+    normalizes sliding_layers to a tuple of bools."""
+    if c.hidden_act not in GEMMA_ACTIVATIONS:
+        raise ValueError(f"ModelConfig.hidden_act must be one of {GEMMA_ACTIVATIONS}, got "
+                         f"{c.hidden_act!r}")
+    for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
+        v = getattr(c, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                              or not v > 0):
+            raise ValueError(f"ModelConfig.{name} must be a positive number or None, got {v!r}")
+    if c.sliding_layers is not None:
+        layers = tuple(c.sliding_layers)
+        if len(layers) != c.num_layers or not all(isinstance(b, bool) for b in layers):
+            raise ValueError(f"ModelConfig.sliding_layers must hold one bool per layer "
+                             f"({c.num_layers}), got {c.sliding_layers!r}")
+        if c.sliding_window is None:
+            raise ValueError("ModelConfig.sliding_layers needs a sliding_window")
+        object.__setattr__(c, "sliding_layers", layers)
+
+
+def _flat_gemma3_rope(d: dict, source: str) -> dict:
+    """A gemma3_text config with its RoPE settings in the older flat fields: transformers >= 5
+    writes `rope_parameters: {full_attention: {...}, sliding_attention: {...}}`; older
+    configs `rope_theta` (global layers, default 1e6), `rope_scaling` (global layers only) and
+    `rope_local_base_freq` (sliding layers, default 1e4). Local RoPE must be unscaled."""
+    d = dict(d)
+    rp = d.pop("rope_parameters", None)
+    if rp:
+        if not isinstance(rp, dict) or set(rp) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"{source}: field 'rope_parameters' of a gemma3_text config must "
+                             f"hold 'full_attention' and 'sliding_attention', got {rp!r}")
+        full = dict(rp.get("full_attention") or {})
+        local = dict(rp.get("sliding_attention") or {})
+        if "rope_theta" in full:
+            d["rope_theta"] = full.pop("rope_theta")
+        if full.get("rope_type", full.get("type", "default")) != "default":
+            d["rope_scaling"] = full
+        if local.get("rope_type", local.get("type", "default")) != "default" or \
+                set(local) - {"rope_type", "rope_theta"}:
+            raise ValueError(f"{source}: rope_parameters.sliding_attention {local!r} is "
+                             "unsupported (only unscaled RoPE on sliding layers)")
+        if "rope_theta" in local:
+            d["rope_local_base_freq"] = local["rope_theta"]
+    d.setdefault("rope_theta", 1_000_000.0)
+    return d
+
+
+def _gemma_fields(d: dict, source: str, model_type: str, need) -> dict:
+    """The Gemma feature fields of a gemma2 / gemma3_text config.json, strictly: a value that
+    would change the numerics and is not implemented is refused naming the field."""
+    gemma3 = model_type == "gemma3_text"
+    act = d.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers' default
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{source}: hidden_activation {act!r} unsupported (only "
+                         "'gelu_pytorch_tanh')")
+    if d.get("hidden_act") not in (None, act):  # transformers reads hidden_activation only
+        raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} differs from "
+                         f"hidden_activation {act!r}")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention=true is unsupported")
+    not_here = (("sliding_window_pattern", "rope_local_base_freq", "_sliding_window_pattern")
+                if not gemma3 else ())
+    for name in not_here:
+        if name in d:
+            raise ValueError(f"{source}: field {name!r} is not part of a {model_type} config")
+    if d.get("sliding_window") is None:
+        raise ValueError(f"{source}: required field 'sliding_window' is missing ({model_type} "
+                         "has local sliding-window layers)")
+    if d.get("sliding_window_size") not in (None, d["sliding_window"]):
+        raise ValueError(f"{source}: sliding_window_size {d['sliding_window_size']!r} differs "
+                         f"from sliding_window {d['sliding_window']!r}")
+
+    def positive(name, required=False, default=None):
+        v = d.get(name, default)  # absent: transformers' default; null: none
+        if v is None:
+            if required:
+                raise ValueError(f"{source}: required field {name!r} is missing")
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{source}: field {name!r} must be a positive number, got {v!r}")
+        return float(v)
+
+    attn_cap = positive("attn_logit_softcapping", default=None if gemma3 else 50.0)
+    if gemma3 and attn_cap is not None:  # transformers' Gemma 3 attention never applies it
+        raise ValueError(f"{source}: attn_logit_softcapping={attn_cap} is unsupported for "
+                         "gemma3_text")
+    L = need("num_hidden_layers")
+    types = d.get("layer_types")
+    if types is None:
+        pattern = 2
+        if gemma3:
+            pattern = d.get("sliding_window_pattern", 6)
+            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise ValueError(f"{source}: field 'sliding_window_pattern' must be an integer "
+                                 f">= 1, got {pattern!r}")
+        sliding = tuple(bool((i + 1) % pattern) for i in range(L))
+    else:
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(types, list) or len(types) != L or any(t not in kinds for t in types):
+            raise ValueError(f"{source}: field 'layer_types' must list {L} entries, each one "
+                             f"of {kinds}, got {types!r}")
+        sliding = tuple(t == "sliding_attention" for t in types)
+    out = dict(hidden_act=act, norm_unit_offset=True, embed_scale=True, sandwich_norms=True,
+               qk_norm=gemma3, query_pre_attn_scalar=positive("query_pre_attn_scalar", True),
+               attn_softcap=attn_cap, final_softcap=positive("final_logit_softcapping", default=None if gemma3 else 30.0),
+               sliding_layers=sliding)
+    if gemma3:
+        out["rope_local_theta"] = positive("rope_local_base_freq") or 10_000.0
+    return out
+
+
+def _gemma_to_hf(c: ModelConfig, d: dict) -> None:
+    """Adds a Gemma config's own fields to its config.json dict `d` (in place)."""
+    d.update(hidden_act=c.hidden_act, hidden_activation=c.hidden_act,
+             query_pre_attn_scalar=c.query_pre_attn_scalar,
+             attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap,
+             sliding_window=c.sliding_window, attention_bias=False)
+    if c.sliding_layers is not None:
+        d["layer_types"] = ["sliding_attention" if s else "full_attention"
+                            for s in c.sliding_layers]
+    if c.model_type == "gemma3_text":
+        d["rope_local_base_freq"] = c.rope_local_theta

@@ -18,7 +18,9 @@ array [V, E]: Hugging Face's torch layout (`params.Leaf.hf_shape`). One differen
 converter permutes the rows of q/k projections of the "llama" architecture so that its rotary
 kernel can rotate adjacent pairs (`permute` in llama.cpp's convert_hf_to_gguf.py, undone by
 transformers' `LlamaTensorProcessor`); `unpermute_qk` undoes it, back to the rotate-half layout
-our attention uses. Qwen2 is stored unpermuted (llama.cpp rotates it NeoX-style).
+our attention uses. Qwen2 and Qwen3 are stored unpermuted (llama.cpp rotates them NeoX-style),
+and so are Gemma 2 / Gemma 3, whose converter adds 1 to every RMSNorm weight instead
+(`gemma_norm_shift`, taken off again here as transformers does).
 
 Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
 divisor per rotary frequency, no rope-scaling metadata): it is read into the config
@@ -38,7 +40,7 @@ import numpy as np
 from .config import ModelConfig, normalize_eos
 from .params import LEAVES, Leaf, leaves_of, nest
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GGUF_MAGIC = b"GGUF"
 # llama3 rope scaling as llama.cpp's converter stores it (Llama 3.1/3.2/3.3): one divisor per
 # rotary frequency, read into the config (`rope_factors`), not into the params
@@ -71,6 +73,12 @@ GGUF_NAMES: dict[str, str] = {
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
     "w_down": "blk.{i}.ffn_down.weight",
+    # Gemma 2 / 3 (gguf's MODEL_TENSOR names ATTN_POST_NORM, FFN_POST_NORM, ATTN_Q/K_NORM;
+    # Gemma's pre-MLP norm is FFN_PRE_NORM, "ffn_norm", like mlp_norm above)
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
 }
 assert set(GGUF_NAMES) == {leaf.name for leaf in LEAVES}
 
@@ -84,6 +92,12 @@ _ARCH_KEYS = frozenset({
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "vocab_size",
     "attention.sliding_window", "rope.scaling.attn_factor",  # phi3 (refused elsewhere)
 })
+# `<arch>.` keys only some architectures have (read by `_gemma_fields`)
+_ARCH_ONLY_KEYS = {
+    "gemma2": frozenset({"attention.sliding_window", "attn_logit_softcapping",
+                         "final_logit_softcapping"}),
+    "gemma3": frozenset({"attention.sliding_window"}),
+}
 _INT_TYPES = ("I8", "I16", "I32", "I64")
 
 
@@ -191,7 +205,8 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     """The `ModelConfig` the file's metadata describes; ValueError naming the file and key."""
     arch = architecture(reader, path)
     pre = arch + "."
-    unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in _ARCH_KEYS)
+    known = _ARCH_KEYS | _ARCH_ONLY_KEYS.get(arch, frozenset())
+    unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in known)
     if unknown:
         raise ValueError(f"{path}: unsupported GGUF key(s) {unknown}; refusing to load a model "
                          "whose numerics might differ from what is implemented")
@@ -214,7 +229,8 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     elif rot is not None and rot != D:
         raise ValueError(f"{path}: rope.dimension_count {rot} differs from the head dim {D} "
                          "(partial rotary embeddings are not implemented)")
-    if arch != "phi3" and _value(reader, pre + "attention.sliding_window") is not None:
+    if arch not in ("phi3",) + GGUF_GEMMA \
+            and _value(reader, pre + "attention.sliding_window") is not None:
         raise ValueError(f"{path}: GGUF key {pre}attention.sliding_window is not supported "
                          f"for {arch}")
     scaling = None
@@ -246,6 +262,8 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         raise ValueError(f"{path}: cannot tell the vocabulary size (no {pre}vocab_size, no "
                          "tokenizer tokens, no token_embd.weight)")
     eos = _token_id(reader, "tokenizer.ggml.eos_token_id", path)
+    L = _int_key(reader, pre + "block_count", path)
+    gemma = _gemma_fields(reader, arch, path, L, E, H, D) if arch in GGUF_GEMMA else {}
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=E,
@@ -260,16 +278,17 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
         rms_norm_eps=_float_key(reader, pre + "attention.layer_norm_rms_epsilon", path),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
         partial_rotary_factor=partial,
-        # llama.cpp writes 0 for "no window" (Phi-4-mini's converter reads none)
-        sliding_window=(_int_key(reader, pre + "attention.sliding_window", path, None)
-                        if _value(reader, pre + "attention.sliding_window") else None),
         max_position_embeddings=max_pos,
-        model_type=arch,
+        model_type=GGUF_MODEL_TYPES.get(arch, arch),
         bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),
         eos_token_id=normalize_eos(eos, f"{path}: tokenizer.ggml.eos_token_id"),
         pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
+        **{"qk_norm": arch == "qwen3",
+           # phi3: llama.cpp writes 0 for "no window" (Phi-4-mini's converter reads none)
+           "sliding_window": (_int_key(reader, pre + "attention.sliding_window", path, None)
+                              if _value(reader, pre + "attention.sliding_window") else None),
+           **gemma},
     )
 
 
@@ -309,6 +328,42 @@ def longrope_from_gguf(reader, path: str, pre: str, half: int, max_pos: int) -> 
     default = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
     attn = _float_key(reader, pre + "rope.scaling.attn_factor", path, default)
     return ("longrope", factors[0], factors[1], orig, attn)
+
+
+# GGUF architecture -> our model_type, where they differ
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+GGUF_GEMMA = ("gemma2", "gemma3")
+
+
+def _gemma_fields(reader, arch: str, path: str, L: int, E: int, H: int, D: int) -> dict:
+    """The Gemma feature fields of a gemma2 / gemma3 GGUF, as llama.cpp reads the file
+    (llama-model.cpp): sliding window 4096 by default for gemma2 (required for gemma3); every
+    2nd layer global (gemma2), every 6th (gemma3); local RoPE base 10000, unscaled (gemma3);
+    soft caps 50 / 30 by default (gemma2; gemma3 has none); and no key for the score scale:
+    1/sqrt(E/H) for the 27B models (46 layers for gemma2, 62 for gemma3), 1/sqrt(D) else."""
+    pre = arch + "."
+    gemma2 = arch == "gemma2"
+    window = _int_key(reader, pre + "attention.sliding_window", path,
+                      4096 if gemma2 else "required")
+    pattern = 2 if gemma2 else 6
+    big = L == (46 if gemma2 else 62)
+    out = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, embed_scale=True,
+               sandwich_norms=True, qk_norm=not gemma2,
+               query_pre_attn_scalar=float(E // H if big else D), sliding_window=window,
+               sliding_layers=tuple(bool((i + 1) % pattern) for i in range(L)))
+    if gemma2:
+        out["attn_softcap"] = _float_key(reader, pre + "attn_logit_softcapping", path, 50.0)
+        out["final_softcap"] = _float_key(reader, pre + "final_logit_softcapping", path, 30.0)
+    else:
+        out["rope_local_theta"] = 10000.0
+    return out
+
+
+def gemma_norm_shift(arch: str, name: str) -> float:
+    """What llama.cpp's converter added to a tensor of a Gemma GGUF: 1 to every RMSNorm weight
+    ("...norm.weight"), since Gemma's norms scale by (1 + w); transformers' GGUF loader
+    subtracts it again (Gemma2TensorProcessor), and so do we."""
+    return 1.0 if arch in GGUF_GEMMA and name.endswith("norm.weight") else 0.0
 
 
 def end_of_generation_ids(reader, path: str) -> list[int]:
@@ -409,10 +464,10 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
         if t.name == ROPE_FREQS or (arch == "phi3" and t.name in ROPE_FACTORS):
             continue  # read into the config
         parts = _split_fused_gguf(t, config, path)
-        for name, w in parts:  # Phi-3's fused q/k/v and gate/up
+        for name, w in parts:  # Phi-3's fused q/k/v and gate/up: HF-layout arrays
             if got[name] is not None:
                 raise ValueError(f"{path}: tensor {t.name} appears more than once")
-            got[name] = names[name][0].from_hf(w, config).astype(np_dtype)
+            got[name] = w
         if parts:
             continue
         if t.name not in names:
@@ -438,13 +493,22 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
     return by_leaf
 
 
-def _row_transform(arch: str, leaf: Leaf, config: ModelConfig):
-    """(rows per unit, fn) undoing a per-unit row reordering of the stored tensor, or (1, None):
-    llama's q/k rows are permuted within each head (`unpermute_qk`)."""
+def _row_transform(arch: str, leaf: Leaf, config: ModelConfig, name: str = ""):
+    """(rows per unit, fn) undoing what llama.cpp's converter did to the stored tensor `name`,
+    or (1, None): llama's q/k rows are permuted within each head (`unpermute_qk`); a Gemma
+    norm weight has 1 added (`gemma_norm_shift`)."""
     if arch == "llama" and leaf.name in ("wq", "wk"):
         D = config.head_dim
         return D, lambda w: unpermute_qk(w, w.shape[0] // D)
+    shift = np.float32(gemma_norm_shift(arch, name))
+    if shift:
+        return 1, lambda w: w - shift
     return 1, None
+
+
+def _nbytes(t) -> int:
+    """Bytes a job reads: a reader tensor's data, or an array split off a fused tensor."""
+    return int(t.nbytes) if isinstance(t, np.ndarray) else int(t.n_bytes)
 
 
 def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bool = True) -> dict:
@@ -464,30 +528,39 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
     arch = architecture(reader, path)
     by_leaf = _tensors_by_leaf(reader, config, path, arch)
     np_dtype = jnp.dtype(dtype)
-    bar = _progress_bar(sum(t.n_bytes for ts in by_leaf.values() for t in ts.values()), path,
+    bar = _progress_bar(sum(_nbytes(t) for ts in by_leaf.values() for t in ts.values()), path,
                         progress)
     bar_lock = threading.Lock()
     release = getattr(reader, "release", None)
 
     def leaf_array(pool, leaf: Leaf):
         out = aligned_empty(leaf.shape(config), np_dtype)
-        align, rows_fn = _row_transform(arch, leaf, config)
 
         def fill(job):  # one piece of one tensor: disjoint from every other job's destination
-            t, view, transposed, rows = job
-            fill_tensor(t, view, transposed, align, rows_fn, rows)
+            t, view, transposed, rows, align, rows_fn = job
+            if isinstance(t, np.ndarray):  # a part of a fused tensor, already dequantized
+                view[...] = t.T if transposed else t
+                done = t.nbytes
+            else:
+                fill_tensor(t, view, transposed, align, rows_fn, rows)
+                done = t.n_bytes * (rows[1] - rows[0]) // row_count(t)
             if bar is not None:
                 with bar_lock:  # tqdm's counter is not thread-safe
-                    bar.update(t.n_bytes * (rows[1] - rows[0]) // row_count(t))
+                    bar.update(done)
 
         jobs = []
         for i, t in by_leaf[leaf.name].items():
             view, transposed = leaf.hf_rows_view(out if i is None else out[i])
-            jobs += [(t, view, transposed, rows) for rows in pieces(t, align)]
+            if isinstance(t, np.ndarray):
+                jobs.append((t, view, transposed, (0, 1), 1, None))
+                continue
+            align, rows_fn = _row_transform(arch, leaf, config, t.name)
+            jobs += [(t, view, transposed, rows, align, rows_fn) for rows in pieces(t, align)]
         list(pool.map(fill, jobs))  # (list: re-raises a worker's exception here)
         if release is not None:
             for t in by_leaf[leaf.name].values():
-                release(t)
+                if not isinstance(t, np.ndarray):
+                    release(t)
         return to_device(out)
 
     # numpy's kernels release the GIL: the pieces dequantize in parallel

@@ -35,6 +35,10 @@ from .config import ModelConfig
 Params = dict
 
 
+# per-layer norms some families add (params.LEAVES), copied into the packed layer unchanged
+UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+
+
 def is_packed(params: Params) -> bool:
     """Whether params are in the packed layout (per-layer tuple) rather than stacked."""
     return isinstance(params.get("layers"), (tuple, list))
@@ -60,8 +64,9 @@ def pack(params: Params, config: ModelConfig) -> Params:
                  "w_down": lay["w_down"][i]}
         if config.qkv_bias:
             layer["bqkv"] = jnp.concatenate([lay[b][i].reshape(-1) for b in ("bq", "bk", "bv")])
-        if config.qk_norm:
-            layer.update(q_norm=lay["q_norm"][i], k_norm=lay["k_norm"][i])
+        for name in UNFUSED_NORMS:  # Gemma's extra norms and the q/k norms, as they are
+            if name in lay:
+                layer[name] = lay[name][i]
         layers.append(layer)
     head_t = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     return {"embed": params["embed"], "final_norm": params["final_norm"],

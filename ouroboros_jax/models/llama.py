@@ -1,5 +1,7 @@
-"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3)
-as one pure function over a params pytree.
+"""The Llama-family decoder (Llama 2/3, CodeLlama, Yi, DeepSeek-Coder, Mistral, Qwen2/3, Phi-3;
+Gemma 2 / 3 through config flags: GeGLU, (1 + w) norms around attention and the MLP, q/k norms,
+scaled embeddings, soft caps, per-layer sliding windows and RoPE bases) as one pure function over
+a params pytree.
 
 Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
@@ -17,15 +19,17 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
-wo, (qwen2: bq, bk, bv), (qwen3: q_norm, k_norm), mlp_norm, w_gate, w_up, w_down}}; each leaf's
-shape, sharding axes, HF name and layout and initializer are described once, in `params.LEAVES`
-(Phi-3's fused qkv_proj / gate_up_proj are split into those leaves, `params.FUSED_HF`).
-`forward` also takes the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and
-gate/up matmuls, unrolled; `layout.py`): the same numbers.
+wo, (qwen2: bq, bk, bv), (qwen3, gemma3: q_norm, k_norm), mlp_norm, (gemma: post_attn_norm,
+post_mlp_norm), w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF name and layout and
+initializer are described once, in `params.LEAVES` (Phi-3's fused qkv_proj / gate_up_proj are
+split into those leaves, `params.FUSED_HF`). `forward` also takes the packed layout decoding runs
+on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls, unrolled; `layout.py`): the same
+numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -68,11 +72,60 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32,
 
 
 # ------------------------------------------------------------------------------------ pieces
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """[..., E] -> [..., E]; statistics in fp32, as transformers computes them."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """[..., E] -> [..., E]; statistics in fp32, as transformers computes them. unit_offset
+    (Gemma): scales by (1 + weight), in fp32 before the cast back, as Gemma's RMSNorm does."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def _norm(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The config's RMSNorm of x [..., N] with weight [N]."""
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm_unit_offset)
+
+
+def _act(config: ModelConfig, gate: jax.Array) -> jax.Array:
+    """The MLP's gate activation: SiLU (SwiGLU) or tanh-approximate GELU (Gemma's GeGLU)."""
+    if config.hidden_act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
+
+
+# The window of a global layer in a model whose layers differ: wider than any position, so
+# `position - slot < window` always holds.
+NO_WINDOW = 2**30
+
+
+def layer_windows(config: ModelConfig) -> Optional[np.ndarray]:
+    """int32[L] attention window per layer (NO_WINDOW on global layers) when the layers
+    differ (Gemma's local/global layers, `config.sliding_layers`); None when every layer uses
+    `config.sliding_window` (None or one width, Mistral)."""
+    if config.sliding_layers is None:
+        return None
+    return np.array([config.sliding_window if s else NO_WINDOW for s in config.sliding_layers],
+                    np.int32)
+
+
+def layer_inv_freq(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies, [D/2] when every layer shares them, else [L, D/2]: Gemma 3's
+    sliding layers rotate with their own unscaled base (`config.rope_local_theta`)."""
+    inv = rope_inv_freq(config)
+    if config.rope_local_theta is None:
+        return inv
+    local = rope_inv_freq(dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                              rope_scaling=None))
+    return np.stack([local if s else inv for s in config.sliding_layers])
+
+
+def _of_layer(table, layer, rank: int):
+    """Row `layer` (an int or traced int32[]) of a per-layer table, whose rows have `rank`
+    dims; the table itself when it is shared by every layer (None or of that rank)."""
+    if table is None or np.ndim(table) == rank:
+        return table
+    return jnp.asarray(table)[layer]
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -145,41 +198,68 @@ def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
             qkv[..., (H + K) * D:].reshape(B, T, K, D))
 
 
-def _qk_norm(config: ModelConfig, q: jax.Array, k: jax.Array, lp: dict):
-    """Qwen3's per-head RMSNorm of q [B,T,H,D] and k [B,T,K,D] over D (weights q_norm,
-    k_norm [D]), before RoPE."""
-    return (rms_norm(q, lp["q_norm"], config.rms_norm_eps),
-            rms_norm(k, lp["k_norm"], config.rms_norm_eps))
-
-
 def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
     """The SwiGLU MLP, h [B,T,E] -> [B,T,E], in either layout (gate and up fused when packed)."""
     if "w_gate_up" not in lp:
         gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
         up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
-        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
+        return jnp.einsum("btf,fe->bte", _act(config, gate) * up, lp["w_down"])
     F = config.intermediate_size
     gate_up = h @ lp["w_gate_up"]
-    return (jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
+    return (_act(config, gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
 
 
 def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
            live_blocks):
     """One decoder layer, its params in either layout. x [B,T,E] -> (x [B,T,E],
     k [B,T,K,D], v [B,T,K,D])."""
-    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    h = _norm(config, x, lp["attn_norm"])
     q, k, v = _qkv(config, h, lp)
-    if config.qk_norm:
-        q, k = _qk_norm(config, q, k, lp)
+    if config.qk_norm:  # per head, before RoPE (Qwen3; Gemma 3's with 1 + w)
+        q, k = _norm(config, q, lp["q_norm"]), _norm(config, k, lp["k_norm"])
+    inv_freq = _of_layer(inv_freq, layer, 1)
     q = apply_rope(q, positions, inv_freq, config.rope_attention_scale)
     k = apply_rope(k, positions, inv_freq, config.rope_attention_scale)
     ck, cv, clen = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
-    a = kernel(q, k, v, positions, mask, ck, cv, clen, layer, config.sliding_window,
-               live_blocks=live_blocks)
+    window = _of_layer(layer_windows(config), layer, 0)
+    a = kernel(q, k, v, positions, mask, ck, cv, clen, layer,
+               config.sliding_window if window is None else window, live_blocks=live_blocks,
+               **_attention_kwargs(config))
     B, T, H, D = a.shape
-    x = x + a.reshape(B, T, H * D) @ lp["wo"].reshape(H * D, -1)  # packed wo is [H*D, E]
-    h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-    return x + _mlp(config, h, lp), k, v
+    a = a.reshape(B, T, H * D) @ lp["wo"].reshape(H * D, -1)  # packed wo is [H*D, E]
+    if config.sandwich_norms:
+        a = _norm(config, a, lp["post_attn_norm"])
+    x = x + a
+    h = _norm(config, x, lp["mlp_norm"])
+    m = _mlp(config, h, lp)
+    if config.sandwich_norms:
+        m = _norm(config, m, lp["post_mlp_norm"])
+    return x + m, k, v
+
+
+def _attention_kwargs(config: ModelConfig) -> dict:
+    """The kernel's optional score scale and soft cap, where the config sets them."""
+    kw = {}
+    if config.query_pre_attn_scalar is not None:
+        kw["scale"] = config.query_pre_attn_scalar ** -0.5
+    if config.attn_softcap is not None:
+        kw["softcap"] = config.attn_softcap
+    return kw
+
+
+def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """tokens int[B,T] -> [B,T,E] in the params' dtype; Gemma multiplies by sqrt(E), the
+    normalizer rounded to fp32 and then to the params' dtype as transformers does."""
+    dtype = params["embed"].dtype
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+    if config.embed_scale:
+        x = x * jnp.asarray(np.float32(math.sqrt(config.hidden_size))).astype(dtype)
+    return x
+
+
+def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
+    """cap * tanh(x / cap) (identity for cap None)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -193,9 +273,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     hidden states go through the LM head (prefill needs only the last one).
     Returns (logits float32[B,T,V] or [B,Q,V], NewKV with k, v [L,B,T,K,D]).
     """
-    inv_freq = rope_inv_freq(config)
-    dtype = params["embed"].dtype
-    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)
+    inv_freq = layer_inv_freq(config)
+    x = embed_tokens(params, config, tokens)
 
     kernel = kernel_for_backend()
     # the trip count over cache blocks, once for all layers
@@ -223,9 +302,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     if select is not None:
         x = jnp.take_along_axis(x, select[..., None], axis=1)
-    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    x = _norm(config, x, params["final_norm"])
     logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
-    return logits, NewKV(k=ks, v=vs)
+    return softcap(logits, config.final_softcap), NewKV(k=ks, v=vs)
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:

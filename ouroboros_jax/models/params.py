@@ -141,6 +141,14 @@ def _untied(config: ModelConfig) -> bool:
     return not config.tie_word_embeddings
 
 
+def _sandwich(config: ModelConfig) -> bool:
+    return config.sandwich_norms
+
+
+def _no_sandwich(config: ModelConfig) -> bool:
+    return not config.sandwich_norms
+
+
 _LAYER = "model.layers.{i}."
 
 # The one table. Order: as transformers lists a model's tensors (and as `missing` names them).
@@ -169,14 +177,25 @@ LEAVES: tuple[Leaf, ...] = (
     Leaf("k_norm", ("layers", "head_dim"), _LAYER + "self_attn.k_norm.weight", init="ones",
          present=_has_qk_norm),
     Leaf("mlp_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
-         init="ones"),
+         init="ones", present=_no_sandwich),
+    # Gemma: the norm before the MLP is "pre_feedforward_layernorm", while
+    # "post_attention_layernorm" normalizes the attention's output; its norms scale by (1 + w),
+    # so their neutral value is 0
+    Leaf("mlp_norm", ("layers", "embed"), _LAYER + "pre_feedforward_layernorm.weight",
+         init="zeros", present=_sandwich),
+    Leaf("post_attn_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
+         init="zeros", present=_sandwich),
+    Leaf("post_mlp_norm", ("layers", "embed"), _LAYER + "post_feedforward_layernorm.weight",
+         init="zeros", present=_sandwich),
     Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear"),
     Leaf("w_up", ("layers", "embed", "ffn"), _LAYER + "mlp.up_proj.weight", "linear"),
     Leaf("w_down", ("layers", "ffn", "embed"), _LAYER + "mlp.down_proj.weight", "linear"),
 )
 
+# A name appears twice only where families store the same leaf under different HF names
+# (mlp_norm); the two are never present together and have the same axes.
 LEAF_BY_NAME: dict[str, Leaf] = {leaf.name: leaf for leaf in LEAVES}
-assert len(LEAF_BY_NAME) == len(LEAVES)
+assert all(LEAF_BY_NAME[leaf.name].axes == leaf.axes for leaf in LEAVES)
 
 
 # Checkpoints that store several leaves as one Linear, their outputs stacked along the rows:
