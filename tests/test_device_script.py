@@ -6,7 +6,7 @@ Time: the per-round stage compiles each method's loop at the paper's recipe and 
 choice (Ouroboros' recipe alone about 20 s of CPU here), so the suite runs it for vanilla and
 speculative (about 45 s of CPU); every method goes through the same `round_times` loop, and
 each method's loop is tested on its own elsewhere. The whole script at --tiny, every method,
-ran here too (README "On an accelerator")."""
+ran here too (docs/accelerators.md)."""
 
 import json
 import os

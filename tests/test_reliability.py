@@ -45,7 +45,7 @@ def _teacher_forced_margins(model, ids):
 
 
 def test_bf16_methods_depart_from_vanilla_only_at_rounding_level_ties(tiny_pair, random_prompts):
-    """README, "Exactness and bf16": in bf16 a method may leave vanilla's tokens only where
+    """docs/exactness.md: in bf16 a method may leave vanilla's tokens only where
     vanilla's two best logits are within 2% of the largest logit (a bf16 rounding-level tie),
     and there both outputs hold one of those two best tokens, never an arbitrary one."""
     target = oj.load_model(tiny_pair[0].path, dtype="bfloat16")
