@@ -166,3 +166,50 @@ def render(engine_metrics: dict, server: Optional[ServerMetrics] = None,
         lines += _family("model_info", "gauge", "The model served (value 1).",
                          [({"model_name": model_name}, 1)])
     return "\n".join(lines) + "\n"
+
+
+class EngineCounters:
+    """The engine's cumulative counters (vLLM's spec-decode names), kept by the step loop;
+    `snapshot` is what `Engine.metrics()` reports. hist: bins of a request's acceptance
+    histogram (the most tokens one round gives a row, + 1)."""
+
+    def __init__(self, hist: int):
+        self.c = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+                      num_accepted_tokens_per_pos=[0] * (hist - 2 if hist > 2 else 0),
+                      pool_hits=0, pool_lookups=0, requests_finished=0,
+                      requests_cancelled=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self.hits_seen = 0
+        self.levels_used: dict = {}
+
+    def step(self, busy: int, cfg_name: str, hits: int, lookups: int) -> None:
+        """One device step with `busy` slots under the config named cfg_name; hits: the
+        pool's cumulative hit counter; lookups: the rounds that looked the pool up."""
+        self.c["steps"] += 1
+        key = (busy, cfg_name)
+        self.levels_used[key] = self.levels_used.get(key, 0) + 1
+        self.c["pool_hits"] += hits - self.hits_seen
+        self.hits_seen = hits
+        self.c["pool_lookups"] += lookups
+
+    def rounds(self, kept: list, proposed: list) -> None:
+        """A request's rounds of one step: tokens kept and draft tokens offered per round."""
+        c, pos = self.c, self.c["num_accepted_tokens_per_pos"]
+        for k, p in zip(kept, proposed):
+            if p > 0:
+                c["num_drafts"] += 1
+                c["num_draft_tokens"] += p
+            acc = max(k - 1, 0)
+            c["num_accepted_tokens"] += acc
+            for j in range(min(acc, len(pos))):
+                pos[j] += 1
+
+    def ended(self, reason: str) -> None:
+        self.c["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
+
+    def snapshot(self) -> dict:
+        m = dict(self.c)
+        m["num_accepted_tokens_per_pos"] = list(self.c["num_accepted_tokens_per_pos"])
+        m["pool_hit_rate"] = m["pool_hits"] / m["pool_lookups"] if m["pool_lookups"] else 0.0
+        m["steps_per_level"] = {f"{b} busy: {c}": v for (b, c), v in
+                                sorted(self.levels_used.items())}
+        return m
