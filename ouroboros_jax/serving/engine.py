@@ -51,7 +51,7 @@ from ..pool import PhrasePool, ranged_pool
 from ..request import (RequestParams, ValidRequest, bucket, cache_slots, check_call,
                        check_draft, check_model, default_eos_ids, eos_array, is_int,
                        place_models, prompt_ids, resolve_method, validate_request)
-from .executor import (OFF, DeviceState, Executor, StepOutput, blank_knobs, device_insert,
+from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
                        device_step, pack_insert, pinned)
 from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401  (re-exported)
 from .lockstep import Lockstep, Op
@@ -243,7 +243,7 @@ class Engine:
         with self._lock:
             return not self._sched.idle
 
-    def _launch(self) -> Optional[tuple[Plan, StepOutput]]:
+    def _launch(self) -> Optional[tuple[Plan, jax.Array]]:
         """Cancelled requests out, waiting ones in, and the next step dispatched (not waited
         for) -> (its plan, its outputs on the device), or None with no slot busy."""
         with self._lock:
@@ -260,26 +260,26 @@ class Engine:
         return plan, self._lockstep.lead(Op("step", level=plan.level, greedy=plan.greedy,
                                              stop_rows=plan.stop_rows))
 
-    def _process(self, plan: Plan, out: StepOutput) -> None:
+    def _process(self, plan: Plan, packed: jax.Array) -> None:
         """A step's outputs on the host (waiting for the device): tokens streamed to their
         requests, spec counters kept, finished requests ended and their slots freed."""
-        out = fetch(out)  # replicated over the mesh: every process reads its own devices
+        # replicated over the mesh: every process reads its own devices
+        out = self._executor.read(fetch(packed))
         now = time.perf_counter()
         cfg = self.levels[plan.level][1]
-        counts, done = out.counts.tolist(), out.done.tolist()
-        kept, live, prop = out.kept.T, out.live.T, out.proposed.T  # [B, k]
+        busy = plan.busy
+        live, kept, prop = out.live[:, busy], out.kept[:, busy], out.proposed[:, busy]
         with self._lock:
-            lookups = int(live[plan.busy].sum()) if cfg is not OFF and self.spec.keeps_pool \
-                else 0
-            self._counters.step(len(plan.busy), "off" if cfg is OFF else repr(cfg),
-                                int(out.hits), lookups)
-            for i, h in zip(plan.busy, plan.handles):
+            self._counters.step(len(busy), "off" if cfg is OFF else repr(cfg), out.hits,
+                                int(live.sum()) if cfg is not OFF and self.spec.keeps_pool
+                                else 0)
+            self._counters.rounds(kept, live, prop)
+            counts, done = out.counts.tolist(), out.done.tolist()
+            for j, (i, h) in enumerate(zip(busy, plan.handles)):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)
                     continue
                 new = out.tokens[i, :counts[i]].tolist()
-                rk, pr = kept[i][live[i]].tolist(), prop[i][live[i]].tolist()
-                h.record(rk, sum(pr))
-                self._counters.rounds(rk, pr)
+                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()))
                 self._counters.c["generation_tokens"] += len(new)
                 reason = ("stop" if new and new[-1] in h.request.stop_ids else "length") \
                     if done[i] else None

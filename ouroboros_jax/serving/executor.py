@@ -4,7 +4,8 @@ the jitted calls that change it (a prompt into a slot, a step of k rounds on eve
 Compiled programs: one device step per (load-level config, sampling mode) and one insert per
 prompt-width bucket, all at fixed shapes (slots, cache size); requests arriving and leaving
 never recompile. An insert's host data (slot, prompt, knobs, stop ids) travels as one int32
-array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step).
+array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step), and its outputs
+come back as one int32 array (`StepOutput`), one download.
 A step returns device arrays at once (JAX dispatch is asynchronous): the caller reads them
 when it needs them, so the host may work while the device runs.
 
@@ -147,7 +148,7 @@ def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
 def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
                 width: int):
     """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
-    StepOutput)."""
+    the step's outputs as one int32 array, `StepOutput.pack`: one download)."""
     st = dev.state
     st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
     since = st.seq.lengths
@@ -155,23 +156,37 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
                                       rounds, st)
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
-    out = StepOutput(toks, counts, kept, live, prop, st.seq.done, hits)
+    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits)
     return pinned(pair, dev.replace(state=st)), replicated(pair, out)
 
 
-@struct.dataclass
+@dataclasses.dataclass
 class StepOutput:
-    """What one step gave each slot: tokens int32[B,E] (counts int32[B] of them), per round
-    kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and the pool's hit
-    counter int32[] (cumulative)."""
+    """What one step gave each slot, on the host: tokens int32[B,E] (counts int32[B] of
+    them), per round kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and
+    the pool's hit counter (cumulative)."""
 
-    tokens: Any
-    counts: Any
-    kept: Any
-    live: Any
-    proposed: Any
-    done: Any
-    hits: Any
+    tokens: np.ndarray
+    counts: np.ndarray
+    kept: np.ndarray
+    live: np.ndarray
+    proposed: np.ndarray
+    done: np.ndarray
+    hits: int
+
+    @staticmethod
+    def pack(toks, counts, kept, live, prop, done, hits) -> jax.Array:
+        """(traced) -> int32[B*E + B + 3*k*B + B + 1], in the order of the fields."""
+        i32 = lambda x: jnp.ravel(x).astype(jnp.int32)  # noqa: E731
+        return jnp.concatenate([i32(toks), i32(counts), i32(kept), i32(live), i32(prop),
+                                i32(done), i32(hits)])
+
+    @classmethod
+    def unpack(cls, flat: np.ndarray, B: int, E: int, k: int) -> "StepOutput":
+        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B])
+        t, c, kept, live, prop, done, hits = np.split(np.asarray(flat), cuts)
+        return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
+                   prop.reshape(k, B), done != 0, int(hits[0]))
 
 
 @dataclasses.dataclass
@@ -198,9 +213,9 @@ class Executor:
                                  insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
                                  shared=self.shared)
 
-    def step(self, level: int, greedy: bool, stop_rows: np.ndarray) -> StepOutput:
-        """k rounds on every slot under load level `level`; the outputs as device arrays
-        (not waited for)."""
+    def step(self, level: int, greedy: bool, stop_rows: np.ndarray) -> jax.Array:
+        """k rounds on every slot under load level `level` -> the outputs packed on the device
+        (`StepOutput.pack`; not waited for: `read` them)."""
         cfg = self.levels[level][1]
         round_fn, cfg = (self.spec.plain_round, self.base) if cfg is OFF else (self.spec.round,
                                                                                 cfg)
@@ -208,6 +223,11 @@ class Executor:
                                     round_fn=round_fn, cfg=cfg, greedy=greedy,
                                     rounds=self.rounds, width=self.width)
         return out
+
+    def read(self, flat: np.ndarray) -> StepOutput:
+        """A step's packed outputs, fetched to the host -> StepOutput."""
+        B = self.dev.limits.max_new_tokens.shape[0]
+        return StepOutput.unpack(flat, B, self.width, self.rounds)
 
     @property
     def _pool(self):

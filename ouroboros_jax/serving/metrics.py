@@ -17,6 +17,8 @@ import math
 import threading
 from typing import Iterable, Optional
 
+import numpy as np
+
 PREFIX = "ouroboros:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -191,17 +193,16 @@ class EngineCounters:
         self.hits_seen = hits
         self.c["pool_lookups"] += lookups
 
-    def rounds(self, kept: list, proposed: list) -> None:
-        """A request's rounds of one step: tokens kept and draft tokens offered per round."""
+    def rounds(self, kept: np.ndarray, live: np.ndarray, proposed: np.ndarray) -> None:
+        """One step's rounds of the busy slots, [k, busy]: tokens kept, whether the slot
+        took part, draft tokens offered."""
         c, pos = self.c, self.c["num_accepted_tokens_per_pos"]
-        for k, p in zip(kept, proposed):
-            if p > 0:
-                c["num_drafts"] += 1
-                c["num_draft_tokens"] += p
-            acc = max(k - 1, 0)
-            c["num_accepted_tokens"] += acc
-            for j in range(min(acc, len(pos))):
-                pos[j] += 1
+        c["num_drafts"] += int((live & (proposed > 0)).sum())
+        c["num_draft_tokens"] += int(proposed[live].sum())
+        acc = np.maximum(kept[live] - 1, 0)
+        c["num_accepted_tokens"] += int(acc.sum())
+        for j in range(len(pos)):
+            pos[j] += int((acc > j).sum())
 
     def ended(self, reason: str) -> None:
         self.c["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
