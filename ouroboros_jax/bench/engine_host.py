@@ -9,9 +9,10 @@ load_tree`); both serve the demo model (each loads its own copy) (fp32, its real
 decoding, EOS ignored) and every repetition runs both, the order alternating. Measures, per
 number of busy slots (every request submitted at once, each `--tokens` long):
 
-- `host_ms`: host time per device step: the wall time of `Engine.step()` minus the time it
-  waits for the device (its `fetch` of the step's outputs, timed after `block_until_ready`):
-  scheduling, dispatch, reading the outputs, detokenizing, streaming;
+- `host_ms`: host time per device step: the CPU time of the thread running `Engine.step()`
+  minus that of its wait for the device (its `fetch` of the step's outputs, timed around
+  `block_until_ready`): scheduling, dispatch, reading the outputs, detokenizing, streaming
+  (CPU time, not wall time: on a shared machine a descheduled thread's wall time is noise);
 - `tok_s`: tokens/s of the engine's own background loop (`start`, submit, wait, `stop`), where
   the new engine overlaps its host work with the next device step.
 
@@ -34,9 +35,9 @@ def _timed_fetch(engine_mod, waits: list) -> None:
     real = engine_mod.fetch
 
     def fetch(tree):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         jax.block_until_ready(tree)
-        waits.append(time.perf_counter() - t0)
+        waits.append(time.thread_time() - t0)
         return real(tree)
 
     engine_mod.fetch = fetch
@@ -50,16 +51,18 @@ def _engine(pkg, target, slots: int, cache: int, prompt_width: int):
 
 
 def host_per_step(pkg, eng, waits: list, prompts: list, tokens: int) -> float:
-    """Seconds of host work per step with len(prompts) requests running together."""
+    """CPU seconds of host work per step (the stepping thread's `thread_time`, so time the
+    thread spends descheduled on a loaded machine does not count) with len(prompts) requests
+    running together."""
     params = pkg.serving.RequestParams(max_tokens=tokens, stop_token_ids=())
     hs = [eng.submit(p, params) for p in prompts]
     eng.step()  # the inserts
     waits.clear()
     wall, steps = 0.0, 0
     while not all(h.done for h in hs):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         eng.step()
-        wall += time.perf_counter() - t0
+        wall += time.thread_time() - t0
         steps += 1
     return (wall - sum(waits)) / steps
 
@@ -103,6 +106,8 @@ def run(base: str, busy: list, tokens: int, reps: int) -> dict:
             for k in (("base", "new") if r % 2 == 0 else ("new", "base")):
                 h = host_per_step(pkgs[k], engines[k], waits[k], prompts, tokens)
                 t = tokens_per_second(pkgs[k], threaded[k], prompts, tokens)
+                print(f"rep {r} busy {b} {k}: host {1e3 * h:.2f} ms/step, {t:.1f} tok/s"
+                      + ("" if r else " (compiling: not kept)"), flush=True)
                 if r:
                     samples[k][f"host_ms_{b}"].append(1e3 * h)
                     samples[k][f"tok_s_{b}"].append(t)
