@@ -5,9 +5,9 @@ the pre-change commit), side by side in one process.
     python -m ouroboros_jax.bench.engine_host --base /tmp/base --busy 1 8 16 --tokens 256
 
 The other checkout's package is imported under another name (`oj_base`, `engine_speed.
-load_tree`); both serve the demo model (each loads its own copy) (fp32, its real BPE tokenizer, vanilla
-decoding, EOS ignored) and every repetition runs both, the order alternating. Measures, per
-number of busy slots (every request submitted at once, each `--tokens` long):
+load_tree`); both serve the demo model (each loads its own copy; fp32, its real BPE
+tokenizer, vanilla decoding, EOS ignored) and every repetition runs both, the order
+alternating. Measures, per number of busy slots (every request submitted at once, each `--tokens` long):
 
 - `host_ms`: host time per device step: the CPU time of the thread running `Engine.step()`
   minus that of its wait for the device (its `fetch` of the step's outputs, timed around

@@ -366,7 +366,8 @@ class Engine:
                 if inflight is not None:
                     self._process(*inflight)
                 inflight = launched
-            except Exception as e:  # noqa: BLE001 -- a fault fails the requests in flight, not the thread
+            except Exception as e:  # noqa: BLE001
+                # a fault fails the requests in flight, not the thread
                 inflight = None
                 self._fail_all(e)
 

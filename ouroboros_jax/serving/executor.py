@@ -4,8 +4,8 @@ the jitted calls that change it (a prompt into a slot, a step of k rounds on eve
 Compiled programs: one device step per (load-level config, sampling mode) and one insert per
 prompt-width bucket, all at fixed shapes (slots, cache size); requests arriving and leaving
 never recompile. An insert's host data (slot, prompt, knobs, stop ids) travels as one int32
-array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step), and its outputs
-come back as one int32 array (`StepOutput`), one download.
+array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step),
+and its outputs come back as one int32 array (`StepOutput`), one download.
 A step returns device arrays at once (JAX dispatch is asynchronous): the caller reads them
 when it needs them, so the host may work while the device runs.
 
