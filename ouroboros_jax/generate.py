@@ -23,7 +23,8 @@ from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
                       check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
-                      row_knobs, validate_scalars)
+                      method_config, place_models, resolve_method, row_knobs,
+                      validate_scalars)
 
 
 @dataclasses.dataclass
@@ -79,18 +80,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
                    eos_token_id=eos_token_id, config=repr(config), mesh=mesh_id(mesh),
                    pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
                    max_cache_len=max_cache_len)
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
-    spec = METHODS[method]
+    spec = resolve_method(method)
     validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
     check_draft(target, draft, method, spec.needs_draft)
-    auto = isinstance(config, str) and config == "auto"
-    if isinstance(config, str) and not auto:
-        raise ValueError(f"config must be a {spec.config_type.__name__}, 'auto' or None, got {config!r}")
-    cfg = spec.default_config() if config is None or auto else config
-    if config is not None and not auto and not isinstance(cfg, spec.config_type):
-        raise ValueError(f"config for method={method!r} must be a {spec.config_type.__name__}, "
-                         f"got {type(cfg).__name__}")
+    auto, cfg = method_config(spec, method, config)
     token_lists = as_token_lists(target, prompts)
     check_cache_len(target, token_lists, max_new_tokens, max_cache_len)
     V = target.config.vocab_size
@@ -103,16 +96,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
+    # placed before auto: its probe must time (and key) the models as this call runs them
+    target, draft = place_models(target, draft, mesh, multi)
     if mesh is not None:
-        # placed before auto: its probe must time (and key) the models as this call runs them
-        from .sharding import check_heads, shard_batch, shard_model
+        from .sharding import shard_batch
 
-        if multi:  # one host's memory must not have to hold the whole model
-            check_heads(target, mesh, "target")
-            if draft is not None:
-                check_heads(draft, mesh, "draft")
-        target = shard_model(target, mesh)
-        draft = shard_model(draft, mesh) if draft is not None else None
         # from the host copy: every process holds the whole batch and places its own rows
         prompt_j, plens_j = shard_batch(prompt, mesh), shard_batch(plens, mesh)
     else:

@@ -11,8 +11,8 @@ A `Call` is one jitted function with its abstract arguments:
 
     loop_call      generate's decoding loop of a method (`common.make_runner` over its seam
                    functions, the loop `MethodSpec.run` runs), greedy or sampled;
-    engine_calls   the serving engine's insert and step (`engine._device_insert`,
-                   `engine._device_step`) over its pinned device state;
+    engine_calls   the serving engine's insert and step (`executor.device_insert`,
+                   `executor.device_step`) over its pinned device state;
     placement_call `load_sharded`'s placement: the checkpoint's (unplaced) weights onto the
                    mesh's `sharding.param_shardings`, the shardings every loop's params carry.
 
@@ -156,9 +156,10 @@ def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
     """The serving engine's two device calls on abstract arguments, as `Engine` makes them:
     insert (one request's prompt into one slot) and step (k = rounds rounds on every slot),
     its state over B = slots slots of S = cache_slots cache slots, pinned on a mesh as the
-    engine pins it (`engine.dev_placements`)."""
+    engine pins it (`executor.dev_placements`)."""
     from .request import EOS_BUCKET
-    from .serving.engine import _Device, _Row, _device_insert, _device_step, dev_placements
+    from .serving.executor import (_HEAD, DeviceState, dev_placements, device_insert,
+                                   device_step)
 
     spec = METHODS[method]
     cfg = spec.default_config() if cfg is None else cfg
@@ -167,19 +168,17 @@ def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
     state = jax.eval_shape(lambda p, pl: spec.init(p, loop_cfg, slots, cache_slots, pl),
                            pair.replace(mesh=None), pool)
     limits, sp = _knobs(slots, EOS_BUCKET, None, greedy_rows=True)
-    dev = _Device(state, sp, limits)
+    dev = DeviceState(state, sp, limits)
     mesh = pair.mesh
     if mesh is not None:
         dev = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            dev, dev_placements(mesh, dev))
-    r_limits, r_sp = _knobs(1, EOS_BUCKET, mesh, greedy_rows=True)
-    one = lambda dt: _sds((1,), dt, mesh)  # noqa: E731
-    insert = Call("engine insert", _device_insert,
-                  (pair, dev, one(jnp.int32), _sds((1, prompt_width), jnp.int32, mesh),
-                   one(jnp.int32), _Row(r_sp, r_limits)),
+    # one insert's host data in one int32 array (`executor.pack_insert`)
+    insert = Call("engine insert", device_insert,
+                  (pair, dev, _sds((_HEAD + prompt_width,), jnp.int32, mesh)),
                   dict(insert_fn=spec.insert, cfg=loop_cfg, vocab=pair.tconfig.vocab_size,
                        shared=True))
-    step = Call(f"engine step, {'greedy' if greedy else 'sampled'}", _device_step,
+    step = Call(f"engine step, {'greedy' if greedy else 'sampled'}", device_step,
                 (pair, dev, _sds((slots,), jnp.bool_, mesh)),
                 dict(round_fn=spec.round, cfg=loop_cfg, greedy=greedy, rounds=rounds,
                      width=rounds * spec.max_emit(cfg)))

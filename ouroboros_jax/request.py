@@ -16,6 +16,8 @@ bucket reuse the compiled loop:
 from __future__ import annotations
 
 import os
+import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -34,6 +36,15 @@ from .sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 EOS_BUCKET = 8
+
+
+class FieldError(ValueError):
+    """A ValueError naming the request field at fault in `field` (the server answers it with a
+    400 whose `param` is that field; the message names it too)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
@@ -128,47 +139,197 @@ def as_token_lists(target: Model, prompts) -> list[list[int]]:
 def prompt_ids(target: Model, p, name: str = "prompt") -> list[int]:
     """One prompt (a string, token ids, or a chat conversation rendered with the tokenizer's
     template and generation prompt) -> its token ids inside the vocabulary; ValueError naming
-    `name` otherwise."""
+    `name` otherwise (a FieldError whose field is `name` without its index)."""
+    field = name.split("[")[0]
     if is_conversation(p):
-        ids = apply_chat(target.tokenizer, p, name)
+        try:
+            ids = apply_chat(target.tokenizer, p, name)
+        except ValueError as e:
+            raise FieldError(field, str(e)) from None
     elif isinstance(p, str):
         if target.tokenizer is None:
-            raise ValueError(f"{name} is text but the target has no tokenizer; pass "
+            raise FieldError(field, f"{name} is text but the target has no tokenizer; pass "
                              "token-id lists instead")
         try:  # a lone surrogate ("\ud800") has no UTF-8 form: tokenizers raise TypeError
             p.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{name} is not valid Unicode text: {e}") from None
+            raise FieldError(field, f"{name} is not valid Unicode text: {e}") from None
         ids = list(target.tokenizer(p)["input_ids"])
     else:
         if isinstance(p, bytes) or not isinstance(p, (Sequence, np.ndarray)):
-            raise ValueError(f"{name} is neither a string nor a list of token ids, "
+            raise FieldError(field, f"{name} is neither a string nor a list of token ids, "
                              f"got {type(p).__name__}")
         bad = next((t for t in p if not is_int(t)), None)
         if bad is not None:
-            raise ValueError(f"{name} holds {bad!r} ({type(bad).__name__}); token ids "
+            raise FieldError(field, f"{name} holds {bad!r} ({type(bad).__name__}); token ids "
                              "must be integers")
         ids = [int(t) for t in p]
     if len(ids) == 0:
-        raise ValueError(f"{name} is empty (no tokens); every prompt needs at least one")
+        raise FieldError(field, f"{name} is empty (no tokens); every prompt needs at least one")
     bad = [t for t in ids if not 0 <= t < target.config.vocab_size]
     if bad:
-        raise ValueError(f"{name} holds token id {bad[0]} outside the vocabulary "
+        raise FieldError(field, f"{name} holds token id {bad[0]} outside the vocabulary "
                          f"[0, {target.config.vocab_size})")
     return ids
 
 
-def validate_scalars(max_new_tokens, temperature, top_p, top_k, seed):
-    if not is_int(max_new_tokens) or not 0 < max_new_tokens < 2**31:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+def check_sampling(max_tokens, temperature, top_p, top_k, seed,
+                   max_name: str = "max_tokens") -> None:
+    """A request's sampling values, checked once for `generate`, the engine and the server;
+    FieldError naming the field (`max_name`: what the caller calls the token budget)."""
+    if not is_int(max_tokens) or not 0 < max_tokens < 2**31:
+        raise FieldError(max_name, f"{max_name} must be a positive integer, got {max_tokens!r}")
     if not is_real(temperature) or not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (a number; 0 = greedy), got {temperature!r}")
+        raise FieldError("temperature", f"temperature must be >= 0 (a number; 0 = greedy), got "
+                         f"{temperature!r}")
     if not is_real(top_p) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] (a number), got {top_p!r}")
+        raise FieldError("top_p", f"top_p must be in (0, 1] (a number), got {top_p!r}")
     if not is_int(top_k) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+        raise FieldError("top_k", f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if not is_int(seed) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        raise FieldError("seed", f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def validate_scalars(max_new_tokens, temperature, top_p, top_k, seed):
+    """`generate`'s sampling arguments (`check_sampling`, its budget named max_new_tokens)."""
+    check_sampling(max_new_tokens, temperature, top_p, top_k, seed, max_name="max_new_tokens")
+
+
+def check_stops(stop_token_ids, stop, vocab_size: Optional[int] = None) -> None:
+    """A request's stop ids (a tuple of at most EOS_BUCKET ids in the vocabulary, or None for
+    the model's own) and stop strings (a tuple of non-empty strings); FieldError naming it."""
+    ids = stop_token_ids
+    if ids is not None:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)) \
+                or not all(is_int(i) and i >= 0 for i in ids):
+            raise FieldError("stop_token_ids", f"stop_token_ids must be a tuple of token ids "
+                             f">= 0 (or None), got {ids!r}")
+        if len(ids) > EOS_BUCKET:
+            raise FieldError("stop_token_ids", f"stop_token_ids holds {len(ids)} ids; at most "
+                             f"{EOS_BUCKET}")
+        bad = [i for i in ids if vocab_size is not None and i >= vocab_size]
+        if bad:
+            raise FieldError("stop_token_ids", f"stop_token_ids: id {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab_size})")
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list)) \
+            or not all(isinstance(s, str) and s for s in stop):
+        raise FieldError("stop", f"stop must be a tuple of non-empty strings, got {stop!r}")
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, limit: int,
+               max_name: str = "max_tokens") -> None:
+    """One request's prompt and budget against the cache limit: FieldError naming the prompt
+    when it alone leaves no room, else the budget when the two together pass the limit."""
+    if prompt_tokens >= limit:
+        raise FieldError("prompt", f"prompt: {prompt_tokens} tokens, which leaves no room in "
+                         f"the cache of {limit} tokens (prompt + {max_name})")
+    if prompt_tokens + max_tokens > limit:
+        raise FieldError(max_name, f"{max_name}={max_tokens} with a prompt of {prompt_tokens} "
+                         f"tokens exceeds the cache limit of {limit} tokens; at most "
+                         f"{limit - prompt_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One serving request's knobs, checked on construction (`check_sampling`, `check_stops`):
+    FieldError naming the field.
+
+    Attributes:
+        max_tokens: the most tokens generated.
+        temperature: 0 = greedy.
+        top_p, top_k: nucleus and top-k filtering (1.0 and 0 = off).
+        seed: the request's random stream (sampled tokens depend on it alone).
+        stop_token_ids: ids that end the request (None: the model's default EOS ids, as
+            generate picks them; () for none); at most 8.
+        stop: stop strings, matched on the decoded text; the output is cut before the match.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: Optional[tuple] = None
+    stop: tuple = ()
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
+        check_stops(self.stop_token_ids, self.stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRequest:
+    """A serving request validated and tokenized once (`validate_request`): what the engine
+    queues and the server sizes its answer by.
+
+    Attributes:
+        ids: the prompt's token ids (a chat conversation rendered once).
+        params: its knobs.
+        eos: int32[EOS_BUCKET] the ids that end it (-1 pads).
+    """
+
+    ids: list
+    params: RequestParams
+    eos: np.ndarray
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset:
+        return frozenset(int(i) for i in self.eos if i >= 0)
+
+
+def validate_request(ids: list, params: RequestParams, *, limit: int, vocab_size: int,
+                     default_eos: np.ndarray) -> ValidRequest:
+    """Tokenized prompt ids (`prompt_ids`) and knobs -> a ValidRequest: the prompt and
+    max_tokens fit the cache limit, the stop ids the vocabulary; FieldError naming the field."""
+    if not isinstance(params, RequestParams):
+        raise FieldError("params", f"params must be a RequestParams, got "
+                         f"{type(params).__name__}")
+    check_fits(len(ids), params.max_tokens, limit)
+    check_stops(params.stop_token_ids, params.stop, vocab_size)
+    eos = default_eos if params.stop_token_ids is None else eos_array(list(params.stop_token_ids))
+    return ValidRequest(list(ids), params, eos)
+
+
+def resolve_method(method):
+    """A method name -> its MethodSpec (`decoding.METHODS`); ValueError naming method."""
+    from .decoding import METHODS
+
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+    return METHODS[method]
+
+
+def method_config(spec, method: str, config) -> tuple[bool, object]:
+    """A call's config argument -> (whether "auto" chooses it later, the config: the given
+    one, or the paper's recipe for None and "auto"); ValueError naming config."""
+    auto = isinstance(config, str) and config == "auto"
+    if isinstance(config, str) and not auto:
+        raise ValueError(f"config must be a {spec.config_type.__name__}, 'auto' or None, got "
+                         f"{config!r}")
+    if config is None or auto:
+        return auto, spec.default_config()
+    if not isinstance(config, spec.config_type):
+        raise ValueError(f"config for method={method!r} must be a "
+                         f"{spec.config_type.__name__}, got {type(config).__name__}")
+    return auto, config
+
+
+def place_models(target: Model, draft: Optional[Model], mesh, multi: bool):
+    """The models placed on mesh (`shard_model`; models `load_sharded` onto it stay as they
+    are; no mesh: as they lie). Over processes the 'model' axis must divide the query heads
+    (`check_heads`), else every host would hold whole attention weights."""
+    if mesh is None:
+        return target, draft
+    from .sharding import check_heads, shard_model
+
+    if multi:
+        check_heads(target, mesh, "target")
+        if draft is not None:
+            check_heads(draft, mesh, "draft")
+    return shard_model(target, mesh), None if draft is None else shard_model(draft, mesh)
 
 
 def check_draft(target: Model, draft: Optional[Model], method: str, needs_draft: bool):

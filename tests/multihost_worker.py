@@ -102,18 +102,19 @@ def _complete(url: str, prompt: list, max_tokens: int) -> list:
         return json.load(r)["choices"][0]["token_ids"]
 
 
-def _record_ops(engine_mod) -> list:
-    """Wraps the engine's broadcast so that the kind of every record it sends (process 0) or
-    receives (the others) is listed, in order (outside the code under test)."""
+def _record_ops(lockstep) -> list:
+    """Wraps the engine's broadcast (its lockstep protocol's) so that the kind of every record
+    it sends (process 0) or receives (the others) is listed, in order (outside the code under
+    test)."""
     kinds = []
-    real = engine_mod.broadcast
+    real = lockstep.broadcast
 
     def recording(value):
         op = real(value)
         kinds.append(op.kind)
         return op
 
-    engine_mod.broadcast = recording
+    lockstep.broadcast = recording
     return kinds
 
 
@@ -125,10 +126,10 @@ def serve(target, draft, mesh, pid: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from ouroboros_jax.serving import Engine
-    from ouroboros_jax.serving import engine as engine_mod
+    from ouroboros_jax.serving import lockstep
 
-    out = {"ops": _record_ops(engine_mod)}
-    engine_mod.IDLE_HEARTBEAT_S = 0.2  # idle records before the requests arrive
+    out = {"ops": _record_ops(lockstep)}
+    lockstep.IDLE_HEARTBEAT_S = 0.2  # idle records before the requests arrive
     try:  # engines that differ between processes are refused by name, on both
         Engine(target, draft, method="ouroboros", config=serve_config(), mesh=mesh,
                **dict(SERVE_KW, slots=2 + pid))

@@ -130,12 +130,32 @@ def test_method_modules_never_import_auto():
 
 
 def test_generate_names_no_method():
-    """generate dispatches through the registry alone: it compares against no method name."""
+    """generate and the serving layer dispatch through the registry alone: they compare
+    against no method name."""
     from ouroboros_jax.decoding import METHODS
 
-    tree = ast.parse((PKG / "generate.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Compare, ast.Subscript)):
-            for c in ast.walk(node):
-                assert not (isinstance(c, ast.Constant) and c.value in METHODS), (
-                    f"generate.py line {node.lineno} names method {c.value!r}")
+    for path in [PKG / "generate.py"] + sorted((PKG / "serving").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Compare, ast.Subscript)):
+                for c in ast.walk(node):
+                    assert not (isinstance(c, ast.Constant) and c.value in METHODS), (
+                        f"{path.name} line {node.lineno} names method {c.value!r}")
+
+
+def test_serving_modules_stay_small_and_read_no_private_attributes():
+    """serving/ split by job: no module over 450 lines, no function there (nor in generate.py,
+    request.py) over 100, and no `x._name` read of another object's private attribute."""
+    serving = sorted((PKG / "serving").glob("*.py"))
+    for path in serving + [PKG / "generate.py", PKG / "request.py"]:
+        src = path.read_text()
+        tree = ast.parse(src)
+        if path in serving:
+            assert len(src.splitlines()) <= 450, path.name
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 100, f"{path.name}: {node.name}"
+            if path in serving and isinstance(node, ast.Attribute) \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                assert isinstance(node.value, ast.Name) and node.value.id == "self", (
+                    f"{path.name} line {node.lineno} reads {ast.unparse(node)}")

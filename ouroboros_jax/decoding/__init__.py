@@ -10,20 +10,15 @@ max_new_tokens one round may touch.
 
 from __future__ import annotations
 
-from .common import make_pair
 from .spec import MethodSpec, NoConfig
 from .vanilla import (run_vanilla, vanilla_finish, vanilla_init, vanilla_insert,
                       vanilla_step)
 
 
-def _run_vanilla(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
-    seq, stats, _ = run_vanilla(make_pair(target), prompt, plens, limits, sp, None, cfg=None,
-                                slots=slots, greedy=greedy)
-    return seq, stats, pool
-
+PLAIN = "vanilla"  # the method without speculation: what a load level or auto turns it off to
 
 METHODS: dict[str, MethodSpec] = {
-    "vanilla": MethodSpec(run=_run_vanilla, needs_draft=False, config_type=NoConfig,
+    "vanilla": MethodSpec(runner=run_vanilla, needs_draft=False, config_type=NoConfig,
                           default_config=lambda: None, margin=lambda cfg: 0,
                           init=vanilla_init, insert=vanilla_insert, round=vanilla_step,
                           finish=vanilla_finish, max_emit=lambda cfg: 1,

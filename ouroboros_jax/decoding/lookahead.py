@@ -24,13 +24,13 @@ from flax import struct
 
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, pool_bytes, prepare_pool
+from ..pool import PhrasePool, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, count_round, counter,
                      counters_dict,
                      emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
-                     make_pair, make_runner, plain_step, pool_summary, pool_with_context,
+                     make_runner, plain_step, pool_summary, pool_with_context,
                      prefill_rows, set_rows)
 from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .cost import RoundModel, phrase_gain
@@ -187,14 +187,6 @@ def _prepare(cfg: LookaheadConfig, pool, vocab: int):
                                           cfg.pool_rows, cfg.history)
 
 
-def _run(target, draft, prompt, plens, limits, sp, cfg: LookaheadConfig, *, greedy, slots,
-         pool):
-    loop_cfg, pool = _prepare(cfg, pool, target.config.vocab_size)
-    seq, stats, pool = run_lookahead(make_pair(target), prompt, plens, limits, sp, pool,
-                                     cfg=loop_cfg, slots=slots, greedy=greedy)
-    return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
-
-
 def _margin(cfg: LookaheadConfig) -> int:
     # Commits never pass max_new_tokens (emit cuts first); one step touches at most N slots.
     return cfg.ngram
@@ -210,10 +202,11 @@ def _round_model(cfg: LookaheadConfig, a) -> RoundModel:
     return RoundModel(tokens=1 + phrase_gain(cfg.guesses, cfg.ngram))
 
 
-SPEC = MethodSpec(run=_run, needs_draft=False, config_type=LookaheadConfig,
+SPEC = MethodSpec(runner=run_lookahead, needs_draft=False, config_type=LookaheadConfig,
                   default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=lookahead_init, insert=lookahead_insert, round=lookahead_step,
                   plain_round=lookahead_plain, finish=lookahead_finish, prepare=_prepare,
+                  keeps_pool=True,
                   max_emit=lambda cfg: cfg.ngram,
                   family=lambda cfg: (cfg.window, cfg.ngram, cfg.guesses, cfg.pool_rows),
                   quick_config=lambda: LookaheadConfig(window=4, ngram=4, guesses=4),

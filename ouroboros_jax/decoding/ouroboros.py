@@ -52,13 +52,13 @@ from flax import struct
 from ..models import forward
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache
-from ..pool import PhrasePool, insert_many, lookup, pool_bytes, prepare_pool
+from ..pool import PhrasePool, insert_many, lookup, prepare_pool
 from ..sampling import SamplingParams, choose_tokens, token_probability
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction, check_int,
                      count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
-                     init_stats, insert_sequences, loop_config, make_pair, make_runner, plain_step,
+                     init_stats, insert_sequences, loop_config, make_runner, plain_step,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step,
                      tree_forward)
@@ -445,14 +445,6 @@ def _prepare(cfg: OuroborosConfig, pool, vocab: int):
                                           cfg.pool_rows, cfg.history)
 
 
-def _run(target, draft, prompt, plens, limits, sp, cfg: OuroborosConfig, *, greedy, slots,
-         pool):
-    loop_cfg, pool = _prepare(cfg, pool, target.config.vocab_size)
-    seq, stats, pool = run_ouroboros(make_pair(target, draft), prompt, plens, limits, sp, pool,
-                                     cfg=loop_cfg, slots=slots, greedy=greedy)
-    return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
-
-
 def _margin(cfg: OuroborosConfig) -> int:
     # The draft's cache runs ahead of the sequence by up to gamma + N - 1 slots in a round.
     return cfg.gamma + cfg.ngram + 1
@@ -487,10 +479,11 @@ def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
         overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + pool)
 
 
-SPEC = MethodSpec(run=_run, needs_draft=True, config_type=OuroborosConfig,
+SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosConfig,
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=ouroboros_init, insert=ouroboros_insert, round=ouroboros_round,
                   plain_round=ouroboros_plain, finish=ouroboros_finish, prepare=_prepare,
+                  keeps_pool=True,
                   max_emit=lambda cfg: 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0),
                   family=_family,
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,

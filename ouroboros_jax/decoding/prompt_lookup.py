@@ -38,7 +38,7 @@ from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
                      counters_dict, emit, empty_cache, empty_sequences, init_stats,
-                     insert_sequences, make_pair, make_runner, plain_step, prefill_rows)
+                     insert_sequences, make_runner, plain_step, prefill_rows)
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
@@ -227,13 +227,6 @@ run_prompt_lookup = make_runner(prompt_lookup_init, prompt_lookup_insert, prompt
                                 prompt_lookup_finish)
 
 
-def _run(target, draft, prompt, plens, limits, sp, cfg: PromptLookupConfig, *, greedy, slots,
-         pool):
-    seq, stats, _ = run_prompt_lookup(make_pair(target), prompt, plens, limits, sp, None,
-                                      cfg=cfg, slots=slots, greedy=greedy)
-    return seq, stats, pool
-
-
 # ------------------------------------------------------------------------------ config="auto"
 # How often a copied candidate pays, fitted to the tokens per round greedy prompt lookup takes
 # on SmolLM2-135M-Instruct's copy-heavy requests (3 code rewrites, 3 Spec-Bench summarization,
@@ -261,7 +254,7 @@ def _round_model(cfg: PromptLookupConfig, a) -> RoundModel:
                       overhead=ROUND_OVERHEAD)
 
 
-SPEC = MethodSpec(run=_run, needs_draft=False, config_type=PromptLookupConfig,
+SPEC = MethodSpec(runner=run_prompt_lookup, needs_draft=False, config_type=PromptLookupConfig,
                   default_config=PromptLookupConfig, margin=lambda cfg: cfg.length + 1,
                   init=prompt_lookup_init, insert=prompt_lookup_insert,
                   round=prompt_lookup_round, plain_round=prompt_lookup_plain,

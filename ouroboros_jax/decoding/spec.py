@@ -41,8 +41,8 @@ a row, so k rounds give at most k * max_emit(cfg).
 Drivers: `common.make_runner(init, insert, round, finish)` is generate's loop (init, insert
 every row, one while_loop of rounds, finish), jitted once per method module (`run_vanilla`,
 ...); `common.run_rounds(round, k, state)` is the engine's device step. A new method writes
-the five functions, its `make_runner`, `_run` (the `MethodSpec.run` adapter, the same
-signature for every method) and registers a MethodSpec in `decoding/__init__.py`.
+the five functions and its `make_runner` (the MethodSpec's `runner`; `MethodSpec.run` is the
+same for every method) and registers a MethodSpec in `decoding/__init__.py`.
 
 Sampling: `sampling.SamplingParams` holds one value or one per row; keys fold (seed, stream,
 position) (`sampling.token_keys`), so a row's draws depend on nothing but its own seed,
@@ -55,15 +55,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+from ..pool import pool_bytes
 from . import cost
+from .common import make_pair
 
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
     """Attributes:
-        run: (target, draft, prompt[B,P], prompt_lengths[B], limits, sampling, config, *,
-            greedy, slots, pool) -> (Sequences, `common.Stats`, pool): the whole generation, one
-            jitted while_loop (`common.make_runner` over the seam functions below).
+        runner: generate's loop over the seam functions below, jitted once per method
+            (`common.make_runner`): (pair, prompt[B,P], prompt_lengths[B], limits, sampling,
+            pool, *, cfg, slots, greedy) -> (Sequences, `common.Stats`, pool or None). `run`
+            calls it.
         needs_draft: whether the method needs a draft model.
         config_type: the method's config dataclass.
         default_config: () -> the paper's recipe (`config=None`).
@@ -71,6 +74,9 @@ class MethodSpec:
         init, insert, round, finish: the seam (module docstring).
         plain_round: the seam's round without speculation (None: the method has no other).
         prepare: (config, pool, vocab) -> (loop config, pool) on the host (None: (config, None)).
+        keeps_pool: whether the method's state holds a phrase pool (`state.pool`, a
+            `pool.PhrasePool`, and `state.key_offset`, int32[B] or None), which `run` returns
+            and the engine keeps across requests.
         max_emit: config -> the most tokens one round gives a row.
         family: config -> hashable; configs of one family share a state layout, so the engine
             may switch between them from one step to the next (None: each config its own).
@@ -90,7 +96,7 @@ class MethodSpec:
     the config class's `KNOBS` (decoding/knobs.py).
     """
 
-    run: Callable
+    runner: Callable
     needs_draft: bool
     config_type: Any
     default_config: Callable[[], Any]
@@ -101,12 +107,28 @@ class MethodSpec:
     finish: Optional[Callable] = None
     plain_round: Optional[Callable] = None
     prepare: Optional[Callable] = None
+    keeps_pool: bool = False
     max_emit: Callable[[Any], int] = lambda cfg: 1
     family: Optional[Callable[[Any], Any]] = None
     learn: Optional[Callable[..., None]] = None
     forward_sizes: Optional[Callable[[Any], tuple]] = None
     quick_config: Optional[Callable[[], Any]] = None
     round_model: Optional[Callable[..., Any]] = None
+
+    def run(self, target, draft, prompt, prompt_lengths, limits, sampling, cfg, *, greedy: bool,
+            slots: int, pool):
+        """The whole generation, one jitted while_loop (`runner`): the pool prepared for the
+        config (`prepare`) when the method keeps one, else passed through. -> (Sequences,
+        `common.Stats`, pool)."""
+        pair = make_pair(target, draft if self.needs_draft else None)
+        if not self.keeps_pool:
+            seq, stats, _ = self.runner(pair, prompt, prompt_lengths, limits, sampling, None,
+                                        cfg=cfg, slots=slots, greedy=greedy)
+            return seq, stats, pool
+        cfg, pool = self.prepare(cfg, pool, target.config.vocab_size)
+        seq, stats, pool = self.runner(pair, prompt, prompt_lengths, limits, sampling, pool,
+                                       cfg=cfg, slots=slots, greedy=greedy)
+        return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
 
     @property
     def knobs(self):

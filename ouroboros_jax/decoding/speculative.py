@@ -51,7 +51,7 @@ from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys
 from ..tree import chain_parents, tree_depths, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
-                     init_stats, insert_sequences, make_pair, make_runner, plain_step,
+                     init_stats, insert_sequences, make_runner, plain_step,
                      prefill_rows)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
@@ -361,18 +361,13 @@ def _learn(cfg: SpeculativeConfig, stats: dict, greedy: bool):
     return agreement_from_eta(float(stats["eta"]), cfg.gamma), rounds
 
 
-def _run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
-    return _run_speculative(make_pair(target, draft), prompt, plens, limits, sp, None, cfg=cfg,
-                            slots=slots, greedy=greedy)
-
-
 def _round_model(cfg: SpeculativeConfig, a: float) -> RoundModel:
     # gamma one-token draft forwards, each with its sampling and cache commit
     return RoundModel(tokens=expected_tokens(a, cfg.gamma), draft_forwards=cfg.gamma,
                       overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * cfg.gamma)
 
 
-SPEC = MethodSpec(run=_run, needs_draft=True, config_type=SpeculativeConfig,
+SPEC = MethodSpec(runner=_run_speculative, needs_draft=True, config_type=SpeculativeConfig,
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
                   init=speculative_init, insert=speculative_insert, round=speculative_step,
                   plain_round=speculative_plain, finish=speculative_finish,

@@ -8,6 +8,7 @@ from ouroboros_jax.pool.phrase_pool import (
     EVICTION_POLICIES,
     PhrasePool,
     check_pool,
+    clear_keys,
     clear_pool,
     init_pool,
     insert,
@@ -17,6 +18,7 @@ from ouroboros_jax.pool.phrase_pool import (
     pool_bytes,
     pool_occupancy,
     prepare_pool,
+    ranged_pool,
 )
 from ouroboros_jax.pool.persist import load_pool, save_pool
 
@@ -25,6 +27,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "PhrasePool",
     "check_pool",
+    "clear_keys",
     "clear_pool",
     "init_pool",
     "insert",
@@ -35,5 +38,6 @@ __all__ = [
     "pool_bytes",
     "pool_occupancy",
     "prepare_pool",
+    "ranged_pool",
     "save_pool",
 ]

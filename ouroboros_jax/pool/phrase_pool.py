@@ -155,6 +155,22 @@ def clear_pool(pool: PhrasePool) -> PhrasePool:
     return init_pool(pool.vocab_size, pool.guesses, pool.phrase_len, pool.rows, pool.policy)
 
 
+def clear_keys(pool: PhrasePool, lo, hi) -> PhrasePool:
+    """The pool with every slot whose key lies in [lo, hi) emptied: one key range's phrases
+    forgotten (the serving engine's per-request ranges, when a new request takes a slot)."""
+    gone = (pool.keys >= lo) & (pool.keys < hi)
+    return pool.replace(keys=jnp.where(gone, -1, pool.keys),
+                        stamps=jnp.where(gone, 0, pool.stamps))
+
+
+def ranged_pool(pool: PhrasePool, ranges: int) -> PhrasePool:
+    """An empty pool shaped as `pool` (guesses, phrase length, policy) with rows for `ranges`
+    key ranges of the vocabulary each (key k + i * vocab_size is key k of range i; at most
+    65536 rows)."""
+    return init_pool(pool.vocab_size, pool.guesses, pool.phrase_len,
+                     min(pool.vocab_size * ranges, 65536), pool.policy)
+
+
 def pool_bytes(pool: PhrasePool) -> int:
     """Device bytes held by the pool's arrays (works on abstract eval_shape pools too)."""
     return int(

@@ -1,5 +1,9 @@
-"""Serving: a continuous-batching engine over the decoding methods' seam (`engine`)."""
+"""Serving: a continuous-batching engine over the decoding methods' seam (`engine`) and an
+OpenAI-compatible server over it (`server`)."""
 
-from .engine import Delta, Engine, QueueFull, RequestHandle, RequestParams, RequestResult
+from ..request import FieldError, RequestParams, ValidRequest
+from .engine import Engine
+from .handle import Delta, QueueFull, RequestHandle, RequestResult
 
-__all__ = ["Delta", "Engine", "QueueFull", "RequestHandle", "RequestParams", "RequestResult"]
+__all__ = ["Delta", "Engine", "FieldError", "QueueFull", "RequestHandle", "RequestParams",
+           "RequestResult", "ValidRequest"]

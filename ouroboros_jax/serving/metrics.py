@@ -17,6 +17,8 @@ import math
 import threading
 from typing import Iterable, Optional
 
+import numpy as np
+
 PREFIX = "ouroboros:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -166,3 +168,49 @@ def render(engine_metrics: dict, server: Optional[ServerMetrics] = None,
         lines += _family("model_info", "gauge", "The model served (value 1).",
                          [({"model_name": model_name}, 1)])
     return "\n".join(lines) + "\n"
+
+
+class EngineCounters:
+    """The engine's cumulative counters (vLLM's spec-decode names), kept by the step loop;
+    `snapshot` is what `Engine.metrics()` reports. hist: bins of a request's acceptance
+    histogram (the most tokens one round gives a row, + 1)."""
+
+    def __init__(self, hist: int):
+        self.c = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+                      num_accepted_tokens_per_pos=[0] * (hist - 2 if hist > 2 else 0),
+                      pool_hits=0, pool_lookups=0, requests_finished=0,
+                      requests_cancelled=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self.hits_seen = 0
+        self.levels_used: dict = {}
+
+    def step(self, busy: int, cfg_name: str, hits: int, lookups: int) -> None:
+        """One device step with `busy` slots under the config named cfg_name; hits: the
+        pool's cumulative hit counter; lookups: the rounds that looked the pool up."""
+        self.c["steps"] += 1
+        key = (busy, cfg_name)
+        self.levels_used[key] = self.levels_used.get(key, 0) + 1
+        self.c["pool_hits"] += hits - self.hits_seen
+        self.hits_seen = hits
+        self.c["pool_lookups"] += lookups
+
+    def rounds(self, kept: np.ndarray, live: np.ndarray, proposed: np.ndarray) -> None:
+        """One step's rounds of the busy slots, [k, busy]: tokens kept, whether the slot
+        took part, draft tokens offered."""
+        c, pos = self.c, self.c["num_accepted_tokens_per_pos"]
+        c["num_drafts"] += int((live & (proposed > 0)).sum())
+        c["num_draft_tokens"] += int(proposed[live].sum())
+        acc = np.maximum(kept[live] - 1, 0)
+        c["num_accepted_tokens"] += int(acc.sum())
+        for j in range(len(pos)):
+            pos[j] += int((acc > j).sum())
+
+    def ended(self, reason: str) -> None:
+        self.c["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
+
+    def snapshot(self) -> dict:
+        m = dict(self.c)
+        m["num_accepted_tokens_per_pos"] = list(self.c["num_accepted_tokens_per_pos"])
+        m["pool_hit_rate"] = m["pool_hits"] / m["pool_lookups"] if m["pool_lookups"] else 0.0
+        m["steps_per_level"] = {f"{b} busy: {c}": v for (b, c), v in
+                                sorted(self.levels_used.items())}
+        return m

@@ -1,0 +1,263 @@
+"""The engine's device side: its state over all slots, where that state lives on the mesh, and
+the jitted calls that change it (a prompt into a slot, a step of k rounds on every slot).
+
+Compiled programs: one device step per (load-level config, sampling mode) and one insert per
+prompt-width bucket, all at fixed shapes (slots, cache size); requests arriving and leaving
+never recompile. An insert's host data (slot, prompt, knobs, stop ids) travels as one int32
+array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step),
+and its outputs come back as one int32 array (`StepOutput`), one download.
+A step returns device arrays at once (JAX dispatch is asynchronous): the caller reads them
+when it needs them, so the host may work while the device runs.
+
+Letters (package glossary): B slots, S cache slots, P prompt width, E tokens one step can give
+a slot, k rounds per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ..decoding.common import Limits, read_emitted, run_rounds, set_rows
+from ..distributed import local
+from ..models.kv_cache import KVCache
+from ..pool import clear_keys
+from ..request import EOS_BUCKET, ValidRequest, bucket
+from ..sampling import SamplingParams
+from ..sharding import LOGICAL_AXES, spec_for
+
+OFF = "off"  # a load level without speculation
+# the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
+# temperature and top_p (float32 bits), then EOS_BUCKET stop ids; the prompt follows
+_HEAD = 8 + EOS_BUCKET
+
+
+@struct.dataclass
+class DeviceState:
+    """The engine's device state: the method's state over all slots, with each slot's knobs."""
+
+    state: Any
+    sp: SamplingParams
+    limits: Limits
+
+
+def blank_knobs(B: int) -> tuple[SamplingParams, Limits]:
+    """Every slot's knobs before any request: greedy, one token, no stop ids."""
+    return (SamplingParams(temperature=jnp.ones((B,), jnp.float32),
+                           top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,), jnp.float32),
+                           seed=jnp.zeros((B,), jnp.uint32), stream=jnp.zeros((B,), jnp.int32),
+                           greedy_rows=jnp.ones((B,), bool)),
+            Limits(max_new_tokens=jnp.ones((B,), jnp.int32),
+                   eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32)))
+
+
+def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
+    """One insert's host data -> int32[_HEAD + P] (P the prompt's bucket): one upload."""
+    p, ids = req.params, req.ids
+    out = np.zeros((_HEAD + bucket(len(ids)),), np.int32)
+    greedy = p.temperature == 0
+    out[:6] = (slot, len(ids), p.top_k, np.uint32(p.seed).view(np.int32), greedy, p.max_tokens)
+    out[6:8] = np.asarray([1.0 if greedy else p.temperature, p.top_p], np.float32).view(np.int32)
+    out[8:_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
+    out[_HEAD:_HEAD + len(ids)] = ids
+    return out
+
+
+def unpack_insert(packed: jax.Array, vocab: int):
+    """pack_insert's array (traced) -> (rows int32[1], prompt int32[1,P], prompt_lengths
+    int32[1], SamplingParams [1], Limits [1])."""
+    h = packed[:_HEAD]
+    floats = jax.lax.bitcast_convert_type(h[6:8], jnp.float32)
+    sp = SamplingParams(temperature=floats[:1], top_k=jnp.minimum(h[2:3], vocab),
+                        top_p=floats[1:2],
+                        seed=jax.lax.bitcast_convert_type(h[3:4], jnp.uint32),
+                        stream=jnp.zeros((1,), jnp.int32), greedy_rows=h[4:5] != 0)
+    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[8:_HEAD][None])
+    return h[0:1], packed[_HEAD:][None], h[1:2], sp, limits
+
+
+def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
+    """x constrained to the placement its logical axes (`sharding.RULES`) give on mesh."""
+    spec = spec_for(logical + (None,) * (x.ndim - len(logical)), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def replicated(pair, tree):
+    """tree's arrays replicated over the pair's mesh (as they are without one): a step's small
+    outputs and the gathered pool, which every process then reads from its own devices."""
+    if pair.mesh is None:
+        return tree
+    return jax.tree_util.tree_map(lambda x: _placed(pair.mesh, (), x), tree)
+
+
+def dev_placements(mesh, dev: DeviceState):
+    """The placement of every leaf of dev (or of its abstract shapes) on mesh, a pytree of
+    `NamedSharding` shaped like dev: KV caches as `sharding.cache_spec` lays them out, leaves
+    with a slot axis [B, ...] split over "data", the rest replicated. What `pinned` pins, and
+    what lowering a device call for a mesh gives its abstract state (`lowering.py`)."""
+    B = dev.limits.max_new_tokens.shape[0]
+
+    def at(logical: tuple, x):
+        spec = spec_for(logical + (None,) * (len(x.shape) - len(logical)), x.shape, mesh)
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return KVCache(k=at(LOGICAL_AXES["cache"], x.k), v=at(LOGICAL_AXES["cache"], x.v),
+                           lengths=at(("batch",), x.lengths))
+        return at(("batch",) if len(x.shape) and x.shape[0] == B else (), x)
+
+    return jax.tree_util.tree_map(one, dev, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def pinned(pair, dev: DeviceState) -> DeviceState:
+    """dev with every leaf at one fixed placement on the pair's mesh (`dev_placements`; as it
+    is without one). Each device call returns the placements it was given, so it compiles once
+    (left to XLA's propagation, some leaves land elsewhere after an insert or a step, and the
+    next call would compile again for them)."""
+    if pair.mesh is None:
+        return dev
+    return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, dev,
+                                  dev_placements(pair.mesh, dev))
+
+
+@jax.jit
+def _copy(tree):
+    """A copy of tree in buffers of its own, placed as tree is (a device call donates the
+    engine's state, so anything kept across calls must be a copy)."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+@jax.jit
+def _copy_replicated(pair, tree):
+    """A copy of tree, replicated over the pair's mesh (a plain copy without one)."""
+    return replicated(pair, jax.tree_util.tree_map(jnp.copy, tree))
+
+
+@partial(jax.jit, static_argnames=("insert_fn", "cfg", "vocab", "shared"), donate_argnums=(1,))
+def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
+                  shared: bool) -> DeviceState:
+    """A request (`pack_insert`) prefilled into its slot; the other slots untouched."""
+    rows, prompt, prompt_lengths, sp, limits = unpack_insert(packed, vocab)
+    state = dev.state
+    if not shared:  # before the insert, which may fill the slot's range (context phrases)
+        lo = rows[0] * vocab
+        state = state.replace(pool=clear_keys(state.pool, lo, lo + vocab * rows.shape[0]))
+    state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
+    return pinned(pair, DeviceState(state, set_rows(dev.sp, rows, sp),
+                                    set_rows(dev.limits, rows, limits)))
+
+
+@partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width"),
+         donate_argnums=(1,))
+def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
+                width: int):
+    """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
+    the step's outputs as one int32 array, `StepOutput.pack`: one download)."""
+    st = dev.state
+    st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
+    since = st.seq.lengths
+    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, dev.sp, dev.limits),
+                                      rounds, st)
+    toks, counts = read_emitted(st.seq, since, width)
+    hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
+    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits)
+    return pinned(pair, dev.replace(state=st)), replicated(pair, out)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one step gave each slot, on the host: tokens int32[B,E] (counts int32[B] of
+    them), per round kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and
+    the pool's hit counter (cumulative)."""
+
+    tokens: np.ndarray
+    counts: np.ndarray
+    kept: np.ndarray
+    live: np.ndarray
+    proposed: np.ndarray
+    done: np.ndarray
+    hits: int
+
+    @staticmethod
+    def pack(toks, counts, kept, live, prop, done, hits) -> jax.Array:
+        """(traced) -> int32[B*E + B + 3*k*B + B + 1], in the order of the fields."""
+        i32 = lambda x: jnp.ravel(x).astype(jnp.int32)  # noqa: E731
+        return jnp.concatenate([i32(toks), i32(counts), i32(kept), i32(live), i32(prop),
+                                i32(done), i32(hits)])
+
+    @classmethod
+    def unpack(cls, flat: np.ndarray, B: int, E: int, k: int) -> "StepOutput":
+        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B])
+        t, c, kept, live, prop, done, hits = np.split(np.asarray(flat), cuts)
+        return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
+                   prop.reshape(k, B), done != 0, int(hits[0]))
+
+
+@dataclasses.dataclass
+class Executor:
+    """The device state and the calls on it (one at a time: the caller serializes them).
+
+    spec: the method's MethodSpec; base: the config the state was built with (inserts and
+    speculation-off steps use it); levels: [(busy threshold, loop config or OFF)]; rounds (k)
+    and width (E) of a step; shared: one pool for every slot (else a key range each)."""
+
+    pair: Any
+    spec: Any
+    base: Any
+    levels: list
+    rounds: int
+    width: int
+    vocab: int
+    shared: bool
+    dev: DeviceState
+    saved_pool: Optional[Any] = None
+
+    def insert(self, packed: np.ndarray) -> None:
+        self.dev = device_insert(self.pair, self.dev, jnp.asarray(packed),
+                                 insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
+                                 shared=self.shared)
+
+    def step(self, level: int, greedy: bool, stop_rows: np.ndarray) -> jax.Array:
+        """k rounds on every slot under load level `level` -> the outputs packed on the device
+        (`StepOutput.pack`; not waited for: `read` them)."""
+        cfg = self.levels[level][1]
+        round_fn, cfg = (self.spec.plain_round, self.base) if cfg is OFF else (self.spec.round,
+                                                                                cfg)
+        self.dev, out = device_step(self.pair, self.dev, jnp.asarray(stop_rows),
+                                    round_fn=round_fn, cfg=cfg, greedy=greedy,
+                                    rounds=self.rounds, width=self.width)
+        return out
+
+    def read(self, flat: np.ndarray) -> StepOutput:
+        """A step's packed outputs, fetched to the host -> StepOutput."""
+        B = self.dev.limits.max_new_tokens.shape[0]
+        return StepOutput.unpack(flat, B, self.width, self.rounds)
+
+    @property
+    def _pool(self):
+        return getattr(self.dev.state, "pool", None)
+
+    def pool_copy(self):
+        """A copy of the pool (every step donates the engine's own); on a mesh replicated in
+        one call, read from this process's devices and placed on its default device."""
+        if self._pool is None:
+            return None
+        pool = _copy_replicated(self.pair, self._pool)
+        return local(pool) if self.pair.mesh is not None else pool
+
+    def save_pool(self) -> None:
+        """Keeps a copy of the pool as it is (every process its own part)."""
+        self.saved_pool = None if self._pool is None else _copy(self._pool)
+
+    def restore_pool(self) -> None:
+        """The pool back as save_pool kept it."""
+        if self.saved_pool is not None:
+            self.dev = self.dev.replace(state=self.dev.state.replace(pool=self.saved_pool))
+        self.saved_pool = None

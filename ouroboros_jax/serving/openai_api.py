@@ -1,0 +1,255 @@
+"""OpenAI's wire format, with no engine state: request bodies -> prompts and RequestParams
+fields, results -> response objects and server-sent-event chunks, errors -> OpenAI's error
+body. Pure functions, so each is testable on its own; `server.py` wires them to an engine.
+
+What a field may hold is checked once, in `request.py` (`RequestParams`, `check_stops`,
+`check_fits`); here only what OpenAI's format adds: its field names (`max_completion_tokens`),
+its defaults (temperature 1, a random seed), vLLM's `top_k=-1` and `ignore_eos`, its range for
+temperature ([0, 2]) and the fields this server refuses rather than ignore.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Optional
+
+from ..request import check_stops, is_real
+
+# Fields refused with 400: (name, test that the value asks for something unsupported, why)
+UNSUPPORTED = (
+    ("n", lambda v: v not in (None, 1), "only n=1 is supported; send one request per sample"),
+    ("best_of", lambda v: v not in (None, 1), "best_of is not supported"),
+    ("echo", lambda v: bool(v), "echo is not supported"),
+    ("logprobs", lambda v: v not in (None, False), "logprobs are not supported"),
+    ("top_logprobs", lambda v: v not in (None, 0), "top_logprobs are not supported"),
+    ("suffix", lambda v: v not in (None, ""), "suffix (insertion) is not supported"),
+    ("presence_penalty", lambda v: v not in (None, 0, 0.0),
+     "presence_penalty is not supported (it would change the target's distribution)"),
+    ("frequency_penalty", lambda v: v not in (None, 0, 0.0),
+     "frequency_penalty is not supported (it would change the target's distribution)"),
+    ("repetition_penalty", lambda v: v not in (None, 1, 1.0), "repetition_penalty is not supported"),
+    ("logit_bias", lambda v: bool(v), "logit_bias is not supported"),
+    ("tools", lambda v: bool(v), "tools are not supported"),
+    ("functions", lambda v: bool(v), "functions are not supported"),
+    ("response_format", lambda v: v not in (None, {}) and (not isinstance(v, dict)
+                                                          or v.get("type") != "text"),
+     "only response_format {'type': 'text'} is supported"),
+)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type_: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (status, message, param,
+                                                                       type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    """A 400 naming the field at fault."""
+    return APIError(400, message, param, code=code)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request's bytes -> its JSON object; 400 (code invalid_json) otherwise."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def parse_completion_prompt(p) -> Any:
+    """OpenAI's `prompt` (a string, a list of one string, token ids, or a list of one id
+    list) -> a string or a list of ids. Batched prompts are refused: one request, one prompt."""
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt is empty", "prompt")
+        return p
+    if isinstance(p, list) and p:
+        if all(_is_int(t) for t in p):
+            return [int(t) for t in p]
+        if len(p) == 1 and (isinstance(p[0], str) or isinstance(p[0], list)):
+            return parse_completion_prompt(p[0])
+        if all(isinstance(x, (str, list)) for x in p):
+            raise bad("prompt: batched prompts are not supported; send one prompt per "
+                      "request (they are batched on the server anyway)", "prompt")
+    raise bad("prompt must be a non-empty string, a list of token ids, or a list of one of "
+              f"those; got {type(p).__name__}", "prompt")
+
+
+def _content(i: int, c) -> str:
+    """A message's content: a string, or text parts joined; 400 for any other part."""
+    if c is None:
+        return ""
+    if isinstance(c, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str) for part in c):
+            raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+        c = "".join(part["text"] for part in c)
+    if not isinstance(c, str):
+        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return c
+
+
+def parse_messages(msgs) -> list[dict]:
+    """OpenAI's `messages` -> [{"role", "content": str}] (content parts of type "text" joined;
+    any other part type refused)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+    return out
+
+
+def _stop_ids(body: dict, default_eos: tuple) -> Optional[tuple]:
+    """stop_token_ids (vLLM: added to the model's EOS ids unless ignore_eos) -> the request's
+    stop ids (None: the model's own)."""
+    ids = body.get("stop_token_ids")
+    try:
+        check_stops(ids if ids is None else tuple(ids) if isinstance(ids, list) else ids, ())
+    except ValueError as e:
+        raise bad(str(e), "stop_token_ids") from None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    if ignore_eos:
+        return tuple(ids or ())
+    if ids:
+        return tuple(dict.fromkeys(tuple(default_eos) + tuple(ids)))
+    return None
+
+
+def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
+                    default_eos: tuple) -> dict:
+    """The sampling fields of a request body -> keyword arguments of RequestParams (which
+    checks each value, naming it); the fields refused, OpenAI's defaults and vLLM's extensions
+    applied here. default_eos: the model's EOS ids, which `stop_token_ids` adds to."""
+    for name, asks, why in UNSUPPORTED:
+        if asks(body.get(name)):
+            raise bad(why, name, code="unsupported_parameter")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    if is_real(temperature) and temperature > MAX_TEMPERATURE:
+        raise bad(f"temperature must be in [0, {MAX_TEMPERATURE}], got {temperature}",
+                  "temperature")
+    top_k = body.get("top_k")
+    seed = body.get("seed")
+    stop = body.get("stop")
+    out = dict(temperature=temperature,
+               top_p=1.0 if body.get("top_p") is None else body["top_p"],
+               top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1 = off
+               seed=secrets.randbits(31) if seed is None else seed,  # no seed: not reproducible
+               stop_token_ids=_stop_ids(body, default_eos),
+               stop=() if stop is None else tuple([stop] if isinstance(stop, str) else stop)
+               if isinstance(stop, (str, list)) else stop)
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    return out
+
+
+def param_name(field: str, body: dict, chat: bool) -> str:
+    """The body field a RequestParams field stands for in this request."""
+    if field == "max_tokens" and "max_completion_tokens" in body:
+        return "max_completion_tokens"
+    if field == "prompt" and chat:
+        return "messages"
+    return field
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """-> (stream, include_usage)."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+        raise bad("stream_options must be an object like {\"include_usage\": true}",
+                  "stream_options")
+    if not stream:
+        raise bad("stream_options is only allowed with stream=true", "stream_options")
+    return stream, bool(so.get("include_usage", False))
+
+
+# -- response shaping ---------------------------------------------------------------------------
+
+def spec_figures(spec: Optional[dict]) -> dict:
+    """An engine RequestResult.spec -> vLLM's `metrics.speculative_decoding` object."""
+    spec = dict(spec or {})
+    hist = [int(x) for x in spec.pop("acceptance_histogram", []) or []]
+    drafted = int(spec.pop("draft_tokens", 0) or 0)
+    accepted = int(spec.pop("accepted_tokens", 0) or 0)
+    out = {"mean_acceptance_length": spec.pop("mean_acceptance_length", None),
+           "acceptance_histogram": hist,
+           "num_spec_steps": sum(hist),
+           "num_draft_tokens": drafted,
+           "num_accepted_draft_tokens": accepted,
+           "draft_acceptance_rate": accepted / drafted if drafted else None}
+    out.update(spec)  # whatever else the engine reports for this request
+    return out
+
+
+def usage(r) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens}
+
+
+def metrics_obj(r) -> dict:
+    return {"speculative_decoding": spec_figures(r.spec),
+            "time_to_first_token_s": r.ttft_s, "latency_s": r.latency_s}
+
+
+def sse(obj) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+def chunk(meta: dict, chat: bool, text: str, ids: list, finish: Optional[str] = None,
+          extra: Optional[dict] = None, role: bool = False, include_usage: bool = False) -> str:
+    """One streamed chunk (an SSE event) of a completion (`meta`: id, object, created,
+    model)."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else (
+            {} if finish is not None and not text else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice["token_ids"] = ids
+    c = dict(meta, choices=[choice])
+    if include_usage:
+        c["usage"] = None
+    if extra:
+        c.update(extra)
+    return sse(c)
+
+
+def completion(meta: dict, chat: bool, r, text: str) -> dict:
+    """The whole (non-streamed) response for a finished request."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": r.finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
+    choice["token_ids"] = list(r.token_ids)
+    return dict(meta, object="chat.completion" if chat else "text_completion",
+                choices=[choice], usage=usage(r), metrics=metrics_obj(r))
