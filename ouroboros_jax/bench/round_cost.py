@@ -32,7 +32,6 @@ Default models: the demo pair. --target/--draft: model directories or GGUF files
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
