@@ -102,6 +102,70 @@ def flat_projection(rows: dict, target, draft) -> dict:
     return {r: (base / c if base else None) for r, c in cost.items()}
 
 
+def parse_ms(text: str, flag: str) -> dict:
+    """"1:122,4:182" -> {1: 0.122, 4: 0.182} (tokens: milliseconds); ValueError naming flag."""
+    try:
+        out = {int(k): float(v) / 1e3 for k, v in (x.split(":") for x in text.split(","))}
+    except ValueError:
+        raise ValueError(f"{flag}: expected tokens:milliseconds pairs like 1:122,4:182, got "
+                         f"{text!r}") from None
+    if not out or any(n < 1 or t <= 0 for n, t in out.items()):
+        raise ValueError(f"{flag}: sizes must be >= 1 and times > 0, got {text!r}")
+    return out
+
+
+def fit(tt: dict, td: dict, agreement: float, draft_ratio: float) -> list:
+    """The cost model's best config per Ouroboros variant (config="auto"'s grid: default
+    switches, then each `Variant`) and speculative's best gamma, priced on the latency tables
+    tt / td ({tokens: seconds}) and on flat latencies (every forward costs its model's weights:
+    target 1, draft draft_ratio) -> [(label, config, rate here / speculative's best here,
+    rate flat / speculative's best flat)]. A projection from decoding/cost.py, not a
+    measurement."""
+    from ..decoding import METHODS
+    from ..decoding.cost import rate
+    from ..decoding.knobs import GAMMA
+
+    flat_t, flat_d = {1: 1.0}, {1: draft_ratio}
+    spec = METHODS["speculative"]
+    import ouroboros_jax as oj
+
+    def best(spec_, cfgs, t, d):
+        return max((rate(spec_.forward_sizes(c), spec_.round_model(c, agreement), t, d), i)
+                   for i, c in enumerate(cfgs))
+
+    spec_cfgs = [oj.SpeculativeConfig(gamma=g) for g in GAMMA.auto]
+    s_here, i_here = best(spec, spec_cfgs, tt, td)
+    s_flat, _ = best(spec, spec_cfgs, flat_t, flat_d)
+    rows = [("speculative", spec_cfgs[i_here], 1.0, 1.0)]
+    ours = METHODS["ouroboros"]
+    space = oj.OuroborosConfig.KNOBS
+    groups = [("Ouroboros, every mechanism", space.grid(oj.OuroborosConfig))]
+    for v in space.variants:
+        off = [k for k, on in v.switches.items() if not on]
+        label = ("Ouroboros SD (every mechanism off)" if len(off) == len(space.switches) - 1
+                 else "Ouroboros, " + ", ".join(off) + " off")
+        full = {**space.values("auto"), **{f: (x,) for f, x in v.pinned.items()}}
+        groups.append((label, space.grid(oj.OuroborosConfig, full, fixed=v.switches)))
+    for label, cfgs in groups:
+        r_here, i = best(ours, cfgs, tt, td)
+        r_flat, j = best(ours, cfgs, flat_t, flat_d)
+        rows.append((label, cfgs[i], r_here / s_here, r_flat / s_flat, cfgs[j]))
+    return rows
+
+
+def print_fit(rows: list, agreement: float) -> None:
+    from ..decoding.knobs import recipe_of
+
+    print(f"\nFitted by the cost model (decoding/cost.py) at agreement {agreement:.3f}: the best "
+          "config of each variant, rate vs speculative's best; a projection, not a measurement")
+    print("| variant | best config here | vs speculative here | flat latencies (projection): "
+          "vs speculative | best config flat |")
+    print("|---|---|---:|---:|---|")
+    for r in rows:
+        flat_cfg = recipe_of(r[4]) if len(r) > 4 else recipe_of(r[1])
+        print(f"| {r[0]} | {recipe_of(r[1])} | {r[2]:.3f} | {r[3]:.3f} | {flat_cfg} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.round_cost",
                                  description=__doc__.splitlines()[0])
@@ -115,7 +179,26 @@ def main(argv=None) -> int:
     for k, v in (("gamma", 4), ("window", 4), ("ngram", 4), ("guesses", 4), ("suffixes", 2)):
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--json")
+    ap.add_argument("--fit-only", action="store_true", help="no runs: print the cost model's "
+                    "fitted configs from --target-ms/--draft-ms/--agreement/--draft-ratio")
+    ap.add_argument("--target-ms", default="1:122,4:182,8:218,16:279",
+                    help="--fit-only: target forward ms by tokens (default: the Qwen2.5-Coder "
+                    "1.5B Q4_K measured on a 2-core CPU, issue 28)")
+    ap.add_argument("--draft-ms", default="1:57,4:69,16:104",
+                    help="--fit-only: draft forward ms by tokens (default: the 0.5B, ditto)")
+    ap.add_argument("--agreement", type=float, default=0.9)
+    ap.add_argument("--draft-ratio", type=float, default=494 / 1544,
+                    help="--fit-only: draft / target parameters (flat latencies)")
     a = ap.parse_args(argv)
+    if a.fit_only:
+        try:
+            tt, td = parse_ms(a.target_ms, "--target-ms"), parse_ms(a.draft_ms, "--draft-ms")
+        except ValueError as e:
+            ap.error(str(e))
+        if not 0 < a.agreement < 1:
+            ap.error(f"--agreement must be in (0, 1), got {a.agreement}")
+        print_fit(fit(tt, td, a.agreement, a.draft_ratio), a.agreement)
+        return 0
     for name in ("prompts", "max_new_tokens", "reps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -265,9 +348,17 @@ def main(argv=None) -> int:
               f"{x['measured_over_forwards']:.3f} | {x['model_price_ms']:.1f} | "
               f"{x['measured_over_model']:.3f} | {vs:.3f} | "
               f"{'' if pj is None else f'{pj:.3f}'} | {x['compile_s']:.1f} |")
+    lat = {eval(k): x for k, x in samples[rows[0]][-1]["latency"].items()}  # noqa: S307
+    tt = {k[1]: x for k, x in lat.items() if k[0] == "t"}
+    td = {k[1]: x for k, x in lat.items() if k[0] == "s" and k[2] == 1}
+    ratio = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(draft.params)) / sum(
+        int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(target.params))
+    fitted = fit(tt, td, agree, ratio)
+    print_fit(fitted, agree)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python -m ouroboros_jax.bench.round_cost " + " ".join(
+            json.dump({"fit": [[r[0], repr(r[1]), r[2], r[3]] for r in fitted],
+                       "command": "python -m ouroboros_jax.bench.round_cost " + " ".join(
                 sys.argv[1:] if argv is None else argv), "agreement": agree, "rows": res_rows,
                 "samples": samples, "flat_projection_vs_speculative": proj,
                 "jax": jax.__version__}, f, indent=1, default=str)
