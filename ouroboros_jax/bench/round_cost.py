@@ -350,7 +350,7 @@ def main(argv=None) -> int:
               f"{'' if pj is None else f'{pj:.3f}'} | {x['compile_s']:.1f} |")
     lat = {eval(k): x for k, x in samples[rows[0]][-1]["latency"].items()}  # noqa: S307
     tt = {k[1]: x for k, x in lat.items() if k[0] == "t"}
-    td = {k[1]: x for k, x in lat.items() if k[0] == "s" and k[2] == 1}
+    td = {k[1]: x for k, x in lat.items() if k[0] == "s"}
     ratio = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(draft.params)) / sum(
         int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(target.params))
     fitted = fit(tt, td, agree, ratio)
