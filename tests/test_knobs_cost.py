@@ -98,3 +98,34 @@ def test_rates_priced_from_forward_sizes_by_hand():
         (1 + cost.phrase_gain(1, 3)) / 1.75)
     assert cost.phrase_gain(1, 3) == pytest.approx(0.1 * (1 + 0.8))
     assert cost.vanilla_rate(tt) == pytest.approx(1 / (1 + cost.VANILLA_OVERHEAD))
+
+
+def test_round_cost_prices_a_round_by_hand():
+    """bench.round_cost: a round's price is its target forward, its draft forwards per round
+    and the first draft forward's extra (timed after the target), each at its own size."""
+    from ouroboros_jax.bench import round_cost
+
+    cfg = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
+    sh = round_cost.forward_shapes(cfg)
+    assert sh == {"t": (11,), "s": (24, 17), "s1": (28, 17)}
+    sd = round_cost.row_config("SD", 4, 4, 4, 4, 2)
+    assert round_cost.forward_shapes(sd) == round_cost.forward_shapes(SpeculativeConfig(gamma=4))
+    lat = {("t", 11): 0.25, ("s", 24, 17): 0.125, ("ts1", 11, 28, 17): 0.25 + 0.14}
+    # 30 rounds, 75 draft forwards: 0.25 + 2.5 * 0.125 + (0.14 - 0.125)
+    assert round_cost.round_price(sh, 30, 75, lat) == pytest.approx(0.25 + 0.3125 + 0.015)
+    with pytest.raises(ValueError, match="--target-ms"):
+        round_cost.parse_ms("1=122", "--target-ms")
+    with pytest.raises(ValueError, match="--rows"):
+        round_cost.row_config("nope", 4, 4, 4, 4, 2)
+
+
+def test_round_cost_fit_prices_sd_as_speculative():
+    """The SD variant's best rate equals speculative's best (the same forwards, the same round
+    model), here and on flat latencies; every variant is priced on both tables."""
+    from ouroboros_jax.bench import round_cost
+
+    rows = round_cost.fit({1: 0.122, 4: 0.182, 16: 0.279}, {1: 0.057, 16: 0.104}, 0.9, 0.32)
+    assert [r[0] for r in rows][:2] == ["speculative", "Ouroboros, every mechanism"]
+    sd = [r for r in rows if r[0].startswith("Ouroboros SD")]
+    assert len(sd) == 1 and sd[0][2] == pytest.approx(1.0) and sd[0][3] == pytest.approx(1.0)
+    assert all(r[2] > 0 and r[3] > 0 for r in rows)

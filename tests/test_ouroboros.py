@@ -364,3 +364,97 @@ def test_caches_are_placed_on_the_mesh(tiny_target, noisy_draft):
                 k = getattr(state, attr).k
                 want = NamedSharding(mesh, cache_spec(cfg_m, 4, 64, mesh))
                 assert k.sharding.is_equivalent_to(want, k.ndim), (name, attr, k.sharding)
+
+
+# -- per-mechanism accounting: a round traces exactly the forwards its cost model prices
+
+def _traced_forwards(monkeypatch, pair, round_fn, state):
+    """[(model, tokens, logits rows)] of every forward one traced round contains, in order
+    (a forward inside a loop body counts once)."""
+    import jax
+
+    from ouroboros_jax.decoding import common, jacobi, ouroboros, speculative
+    from ouroboros_jax.models import llama
+
+    seen = []
+
+    def recording(params, config, tokens, positions, mask, cache=None, select=None):
+        n = tokens.shape[1]
+        seen.append(("target" if config == pair.tconfig else "draft", n,
+                     n if select is None else select.shape[1]))
+        return llama.forward(params, config, tokens, positions, mask, cache, select)
+
+    for mod in (common, jacobi, ouroboros, speculative):
+        monkeypatch.setattr(mod, "forward", recording)
+    jax.eval_shape(round_fn, state)
+    return seen
+
+
+def _round(method, pair, cfg, greedy=True):
+    """(round_fn(state) -> state, an empty state of 2 rows) of a method's seam."""
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.common import Limits
+    from ouroboros_jax.pool import prepare_pool
+    from ouroboros_jax.sampling import SamplingParams
+
+    spec = METHODS[method]
+    pool = None
+    if method == "ouroboros":
+        pool = prepare_pool(None, pair.tconfig.vocab_size, cfg.guesses, cfg.ngram - 1, None, True)
+    state = spec.init(pair, cfg, 2, 64, pool)
+    limits = Limits(max_new_tokens=jnp.int32(8), eos_token_id=jnp.array([-1], jnp.int32))
+    sp = SamplingParams(temperature=jnp.float32(0.7), top_k=jnp.int32(0), top_p=jnp.float32(1.0),
+                        seed=jnp.uint32(0))
+    return (lambda st: spec.round(pair, cfg, greedy, sp, limits, st)), state
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_mechanisms_off_traces_speculative_forwards(monkeypatch, tiny_pair, gamma):
+    """Every mechanism off, an Ouroboros round is speculative decoding's round: the same
+    forwards of the same sizes (draft: a 2-token catch-up forward reading one row of logits,
+    a 1-token forward in the loop; target: the gamma + 1 chain), nothing else."""
+    from ouroboros_jax.decoding.common import make_pair
+
+    pair = make_pair(tiny_pair[0], tiny_pair[1])
+    off = OuroborosConfig(gamma=gamma, window=2, ngram=3, guesses=2, suffixes=1,
+                          **{s: False for s in ALL_OFF})
+    spec = _traced_forwards(monkeypatch, pair, *_round("speculative", pair,
+                                                       oj.SpeculativeConfig(gamma=gamma)))
+    ours = _traced_forwards(monkeypatch, pair, *_round("ouroboros", pair, off))
+    assert spec == [("draft", 2, 1), ("draft", 1, 1), ("target", gamma + 1, gamma + 1)]
+    assert ours == spec
+
+
+@pytest.mark.parametrize("on", ALL_OFF + ("all",))
+def test_each_mechanism_traces_the_forwards_its_cost_model_prices(monkeypatch, tiny_pair, on):
+    """One mechanism on (or all): the round traces the first draft forward, the loop's draft
+    forward and the target forward at exactly the sizes `forward_sizes` gives the cost model
+    (and the lookahead step's logits rows), and no other forward."""
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.common import make_pair
+
+    pair = make_pair(tiny_pair[0], tiny_pair[1])
+    cfg = CFG if on == "all" else dataclasses.replace(
+        CFG, **{s: s == on for s in ALL_OFF})
+    n_t, n_s, n_first = METHODS["ouroboros"].forward_sizes(cfg)
+    q = 1 + cfg.window + cfg.guesses * (cfg.ngram - 1) if cfg.phrase_drafting else 1
+    want = [("draft", n_first, q), ("draft", n_s, q), ("target", n_t, n_t)]
+    assert _traced_forwards(monkeypatch, pair, *_round("ouroboros", pair, cfg)) == want
+    assert _traced_forwards(monkeypatch, pair, *_round("ouroboros", pair, cfg, False)) == want
+
+
+def test_mechanisms_off_runs_speculative_forward_counts(tiny_target, noisy_draft,
+                                                        random_prompts):
+    """At run time too: the same rounds, the same draft forwards, the same tokens."""
+    off = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1,
+                          **{s: False for s in ALL_OFF})
+    prompts = random_prompts[:3]
+    kw = dict(max_new_tokens=24, eos_token_id=-1)
+    spec = oj.generate(tiny_target, prompts, draft=noisy_draft, method="speculative",
+                       config=oj.SpeculativeConfig(gamma=3), **kw)
+    ours = ouro(tiny_target, noisy_draft, prompts, off, **kw)
+    assert ours.tokens == spec.tokens
+    assert ours.stats["target_calls"] == spec.stats["target_calls"]
+    assert ours.stats["draft_forwards"] == spec.stats["draft_calls"] == 3 * spec.stats[
+        "target_calls"]
+    assert ours.stats["acceptance_histogram"][:5] == spec.stats["acceptance_histogram"][:5]

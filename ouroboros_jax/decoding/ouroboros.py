@@ -10,7 +10,9 @@ One round (one target forward), rows b of the batch:
     prefix of its first forward of the round: a fixed U = N slot, `prefix_count[b]` valid, the
     rest masked invalid. The draft then runs lookahead steps (`jacobi.jacobi_step`, its window
     and the pool persist across rounds) until every live row holds γ new tokens d_1..d_γ
-    (overshoot truncated). With phrase_drafting off it drafts one token per forward instead.
+    (overshoot truncated). With phrase_drafting off it drafts one token per forward with
+    speculative decoding's own draft loop (`speculative.draft_propose`), so a round with every
+    mechanism off runs exactly speculative decoding's forwards and nothing else.
  2. Lengthen (mechanism 2). Up to X pool phrases keyed by d_γ become X branches after the chain
     `last, d_1 .. d_γ` (`tree.chain_with_branches(1+γ, X, N-1)`); missing ones are masked.
  3. One target forward over the tree; `accept_walk` (exact for greedy; for sampling every
@@ -53,20 +55,20 @@ from ..models import forward
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, insert_many, lookup, prepare_pool
-from ..sampling import SamplingParams, choose_tokens, token_probability
+from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction, check_int,
                      count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_runner, plain_step,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
-from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step,
-                     tree_forward)
+from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
 from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace,
                     Switch, Variant)
 from .spec import MethodSpec
+from .speculative import draft_propose
 from .verify import Accepted, accept_walk, commit_path
 
 
@@ -182,33 +184,31 @@ def _greedy(logits, positions):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-_ONE = np.array([-1], np.int32)  # a single node off the cache (plain SD drafting)
-_ZERO = np.array([0], np.int32)
-
-
-def _draft_forward(dparams, dconfig, cfg: OuroborosConfig, dcache, window, pool, last, active,
-                   prefix=None, prefix_count=None, key_offset=None):
-    """One draft forward -> (Accepted in tree indices, NewKV, window, pool, confidence f32[B,A]
-    of acc.tokens or None when cfg.confidence is 0)."""
-    B = last.shape[0]
-    adaptive = cfg.confidence > 0
-    if cfg.phrase_drafting:
-        layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
-        res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
-                          prefix=prefix, prefix_count=prefix_count, with_confidence=adaptive,
-                          key_offset=key_offset)
-        return res.acc, res.new, res.window, res.pool, res.confidence
-    logits, new, _ = tree_forward(dparams, dconfig, dcache, last[:, None], _ONE, _ZERO,
-                                  jnp.ones((B, 1), bool), _ZERO, prefix, prefix_count)
-    tok = _greedy(logits, None)
-    acc = Accepted(path=jnp.zeros((B, 1), jnp.int32), tokens=tok,
-                   count=jnp.ones((B,), jnp.int32))
-    return acc, new, window, pool, token_probability(logits, tok) if adaptive else None
+def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
+    """Token-by-token drafting (phrase drafting off): speculative decoding's own draft loop
+    (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: one forward
+    catching up on the tokens the draft has not processed (at most N after a branch was
+    accepted, 1 without lengthening) and reading the pending token's logits, then γ - 1
+    one-token forwards. The window and the pool are not touched.
+    -> (d int32[B,γ], drafted int32[B], dcache, window, pool, stats) as `_draft_phase`."""
+    U = cfg.ngram if cfg.lengthening else 1  # see _draft_phase's catch-up bound
+    d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
+                                                    None, state.seq, state.dcache,
+                                                    cfg.confidence, catch_up=U + 1)
+    rows = jnp.sum(jnp.where(live, drafted, 0), dtype=jnp.int32)  # row forwards = row tokens
+    stats = state.stats
+    stats = stats.replace(draft_calls=stats.draft_calls + rows,
+                          draft_tokens=stats.draft_tokens + rows,
+                          own=stats.own.replace(draft_forwards=stats.own.draft_forwards
+                                                + forwards))
+    return d, drafted, dcache, state.window, state.pool, stats
 
 
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
     """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
     row earlier; slots past it hold garbage), dcache, window, pool, stats)."""
+    if not cfg.phrase_drafting:
+        return _draft_tokens(dparams, dconfig, cfg, state, live)
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
@@ -221,13 +221,16 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
     pidx = jnp.clip(dlen[:, None] + jnp.arange(U, dtype=jnp.int32)[None], 0, S - 1)
     prefix = jnp.take_along_axis(seq.tokens, pidx, axis=1)
     rows = jnp.arange(B)[:, None]
+    layout = jacobi_tree(cfg.window, cfg.ngram, cfg.guesses)
+    adaptive = cfg.confidence > 0
 
     def step(carry, first: bool):
         dcache, window, pool, dbuf, nd, last, going, stats = carry
         active = live & (nd < gamma) & going
-        acc, new, window, pool, conf = _draft_forward(
-            dparams, dconfig, cfg, dcache, window, pool, last, active,
-            prefix if first else None, pc if first else None, state.key_offset)
+        res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
+                          prefix=prefix if first else None, prefix_count=pc if first else None,
+                          with_confidence=adaptive, key_offset=state.key_offset)
+        acc, window, pool, conf = res.acc, res.window, res.pool, res.confidence
         cnt = jnp.where(active, acc.count, 0)
         if conf is not None:  # adaptive: keep up to the first token below the threshold
             a = jnp.arange(conf.shape[1], dtype=jnp.int32)[None]
@@ -235,7 +238,7 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
             first_low = jnp.min(jnp.where(low, a, conf.shape[1]), axis=1)
             cnt = jnp.minimum(cnt, first_low + 1)
             going = going & ~jnp.any(low, axis=1)
-        dcache = commit_with_prefix(dcache, new, U if first else 0,
+        dcache = commit_with_prefix(dcache, res.new, U if first else 0,
                                     pc if first else jnp.zeros_like(cnt), acc.path, cnt)
         q = jnp.arange(acc.tokens.shape[1], dtype=jnp.int32)[None]
         slot = jnp.where(q < cnt[:, None], nd[:, None] + q, buf)

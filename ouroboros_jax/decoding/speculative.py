@@ -145,7 +145,8 @@ def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool,
 
 
 def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingParams,
-                  keys, seq: Sequences, cache: KVCache, confidence: float = 0.0):
+                  keys, seq: Sequences, cache: KVCache, confidence: float = 0.0,
+                  catch_up: int = 2):
     """Up to γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, drafted int32[B],
     forwards int32[], cache).
 
@@ -156,13 +157,15 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
 
     On return the cache holds every token the draft processed: positions < lengths - 1 +
     forwards, the draft's own chain (rolled back by the caller to what was accepted).
+    catch_up (static): tokens of the first forward, the pending one and up to catch_up - 1
+    the draft has not processed before it (2 here; Ouroboros' lengthening leaves up to N).
     """
     B, S = seq.tokens.shape
     n = seq.lengths
-    lag = n - 1 - cache.lengths  # 0 or 1 tokens the draft has not processed before the pending
-    pos2 = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+    lag = n - 1 - cache.lengths  # tokens the draft has not processed before the pending
+    pos2 = cache.lengths[:, None] + jnp.arange(catch_up, dtype=jnp.int32)[None]
     tok2 = jnp.take_along_axis(seq.tokens, jnp.minimum(pos2, S - 1), 1)
-    mask2 = jnp.broadcast_to(tree_mask(chain_parents(2)), (B, 2, 2))
+    mask2 = jnp.broadcast_to(tree_mask(chain_parents(catch_up)), (B, catch_up, catch_up))
     logits, new = forward(params, model_config, tok2, pos2, mask2, cache, select=lag[:, None])
     cache = commit_prefix(cache, new, lag + 1)
     d, logq = _draw(logits, None if greedy else keys[:, :1], sp, greedy)

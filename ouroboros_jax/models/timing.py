@@ -34,20 +34,23 @@ def _inputs(model, n: int, context: int, slots: int, batch: int):
 
 def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int = 8):
     """steps: [(model, n), ...] forwards run in this order -> a callable returning seconds per
-    pass over the sequence.
+    pass over the sequence. A step (model, n, q) computes logits for q of its n nodes only (a
+    forward with `select`, as the lookahead step's), (model, n) for all of them (as verify).
 
     A compiled loop of `inner` passes; each forward takes n tokens per row at `batch` rows after
     `context` cached tokens in a cache of `slots` slots (attention reads the blocks below
     `context` only), with no dispatch per forward. Compiled here, so the first timing excludes
     compilation."""
-    models = [m for m, _ in steps]
-    inputs = [_inputs(m, n, context, slots, batch) for m, n in steps]
+    models = [s[0] for s in steps]
+    inputs = [_inputs(s[0], s[1], context, slots, batch) for s in steps]
+    selects = [None if len(s) < 3 else jnp.broadcast_to(jnp.arange(s[2], dtype=jnp.int32)[None],
+                                                         (batch, s[2])) for s in steps]
 
     def one_pass(acc, params, inputs):
-        for m, p, (t, q, mask, c) in zip(models, params, inputs):
+        for m, p, (t, q, mask, c), sel in zip(models, params, inputs, selects):
             # the input depends on the carry, so no forward can be hoisted out of the loop
             t = t + (acc > 1e30).astype(jnp.int32)
-            logits = forward(p, m.config, t, q, mask, c)[0]  # every node's logits, as verify
+            logits = forward(p, m.config, t, q, mask, c, select=sel)[0]
             acc = acc + logits[0, -1, 0]
         return acc
 
