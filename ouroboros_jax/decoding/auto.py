@@ -475,7 +475,7 @@ def solve_scales(sums) -> tuple[float, float, bool]:
         s = ty / tt
         return s, s, False
     one = (ty + sy) / (tt + 2 * ts + ss)  # one scale for both
-    eps = 1e-3 * (tt + ss)
+    eps = 1e-6 * (tt + ss)
     a, b, c = tt + eps, ts - eps, ss + eps
     det = a * c - b * b
     separated = (tt * ss - ts * ts) > 1e-2 * tt * ss  # calls with different draft shares
@@ -488,10 +488,15 @@ def solve_scales(sums) -> tuple[float, float, bool]:
 
 
 def learned_scales(target, draft, batch: int) -> tuple[float, float, int, bool]:
-    """(s_T, s_S, calls learned from, separated) for this pair and batch bucket (`solve_scales`
-    over the stored sums)."""
-    sums = _read_cache().get("timing", {}).get(_timing_key(target, draft, batch))
-    if sums is None:
+    """(s_T, s_S, calls learned from, separated) for this pair and batch bucket: `solve_scales`
+    over the sums of the pair's calls and of the target's calls without the draft (vanilla,
+    lookahead, prompt lookup, or speculation turned off), which price the target alone."""
+    timing = _read_cache().get("timing", {})
+    sums = list(timing.get(_timing_key(target, None, batch), [0.0] * 5 + [0]))
+    if draft is not None:
+        pair = timing.get(_timing_key(target, draft, batch), [0.0] * 5 + [0])
+        sums = [a + b for a, b in zip(sums, pair)]
+    if sums[5] <= 0:
         return 1.0, 1.0, 0, False
     s_t, s_s, sep = solve_scales(sums)
     return s_t, s_s, int(sums[5]), sep
