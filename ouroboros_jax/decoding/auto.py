@@ -583,7 +583,14 @@ def latency_tables(target, draft, batch: int, slots: int, use_cache: bool = True
                            "other configs have told the two apart)")
     else:
         assumed.append("no earlier call: prices at the calibrated rates, unscaled")
-    return scaled(tt, s_t), scaled(td, s_s), {"measured": measured, "assumed": assumed}
+    return (scaled(tt, _steps(s_t)), scaled(td, _steps(s_s)),
+            {"measured": measured, "assumed": assumed})
+
+
+def _steps(scale: float, step: float = 1.02) -> float:
+    """scale rounded to a power of `step`: prices that moved by less than a step between calls
+    are the same prices, so the grid search is not repeated (`_choose_memo`)."""
+    return step ** round(math.log(scale) / math.log(step))
 
 
 _AGREED: set = set()  # (store, pair) whose prompt agreement this process measured
@@ -840,6 +847,8 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
         else:
             a = DEFAULT_AGREEMENT
             notes["assumed"].append(f"agreement {a} (not measured)")
+    # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
+    a = None if a is None else round(a, 3)
     choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape)
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 
