@@ -97,17 +97,13 @@ def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]
     return f"{method} ({', '.join(off)} off)", why
 
 
-def _token_ids(target, prompt) -> list[int]:
-    return list(target.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else prompt
-
-
 def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int) -> dict:
     """Every method over the prompts, batch 1: each compiled on the first prompt, then, prompt
     by prompt, every method in turn (interleaved, so that load from other processes falls on
     all methods alike rather than on whichever ran during it). Two passes over the prompts;
     each (method, prompt) keeps its faster pass."""
-    # every method with config="auto": sized for this machine by a latency probe and the pair's
-    # agreement (decoding/auto.py), no recipe written in
+    # every method with config="auto": sized for this machine by its calibration, the pair's
+    # agreement and the calls' own timings (decoding/auto.py), no recipe written in
     kws = {m: {} if m == "vanilla" else {"draft": draft, "config": "auto"} for m in methods}
     res = {}
     for m in methods:
@@ -116,15 +112,6 @@ def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int)
         generate(target, prompts[:1], method=m, max_new_tokens=max_new_tokens, **kws[m])
         res[m] = {"outs": [None] * len(prompts), "secs": [float("inf")] * len(prompts),
                   "compile_seconds": time.perf_counter() - tc}
-    # A first call sizes its method a priori and leaves auto's latency probe and agreement to
-    # later calls; finish them here so the timed passes below measure decoding only, then let
-    # each method compile the config the measured tables choose.
-    from .decoding.auto import finish_probes
-
-    _log("[demo] measuring this machine's forward latencies (config='auto') ...")
-    finish_probes([_token_ids(target, p) for p in prompts])
-    for m in methods[1:]:
-        generate(target, prompts[:1], method=m, max_new_tokens=max_new_tokens, **kws[m])
     for rep in range(2):
         for i, p in enumerate(prompts):
             _log(f"[demo] pass {rep + 1}/2, prompt {i + 1}/{len(prompts)}: {', '.join(methods)}")

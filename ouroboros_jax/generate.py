@@ -69,6 +69,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     size, so calls that differ only in max_new_tokens share one compiled loop (see the module
     docstring). Returns GenerationOutput(tokens, texts, stats, pool).
     """
+    t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     check_model(target, "target")
     if draft is not None:
         check_model(draft, "draft")
@@ -105,21 +106,26 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         prompt_j, plens_j = shard_batch(prompt, mesh), shard_batch(plens, mesh)
     else:
         prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
-    choice = None
+    choice, auto_slots = None, None
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
         from .decoding.auto import auto_config
 
         # a pool passed in keeps its shape: auto chooses among the configs it can serve
         shape = (None if pool is None or not hasattr(pool, "phrase_len")
                  else (int(pool.guesses), int(pool.phrase_len)))
-        choice = auto_config(method, target, draft, prompt_j, plens_j,
-                             cache_slots(P, max_new_tokens, 0, max_cache_len), pool_shape=shape)
+        auto_slots = cache_slots(P, max_new_tokens, 0, max_cache_len)
+        choice = auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
+                             pool_shape=shape)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
     limits, sp = row_knobs(B, max_new_tokens, eos, temperature, top_k, top_p, seed, V)
     greedy = temperature == 0.0
 
+    if choice is not None:
+        from .decoding.auto import compiles
+
+        compiled = compiles()
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
@@ -135,8 +141,6 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     if target.tokenizer is not None:
         texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in new]
     stats = summarize_stats(stats, seconds)
-    if choice is not None:
-        stats["auto"] = choice.as_stats(method)
     learned = (spec.learn(cfg, stats, greedy) if spec.learn is not None and draft is not None
                else None)
     # the agreement this call realised: what the next "auto" plans with (process 0 keeps the
@@ -145,6 +149,21 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         from .decoding.auto import record_realised
 
         record_realised(target, draft, *learned)
+    if choice is not None:
+        stats["auto"] = choice.as_stats(method)
+        # the loop's time against its counted forwards' price: what the next choice is priced
+        # with (not from a call whose loop compiled: that time is the compiler's)
+        if compiles() == compiled and is_leader() and not multi:
+            from .decoding.auto import record_call
+
+            record_call(choice.method, cfg, target, draft, stats, seconds, B, P, auto_slots,
+                        choice.agreement)
+    # everything the call did, auto's work and the host's included, so tokens_per_second is
+    # what the caller's clock sees; decode_seconds is the loop's share (prefill to result)
+    stats["decode_seconds"] = seconds
+    stats["seconds"] = time.perf_counter() - t_call
+    stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
+                                  else float("nan"))
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
 
 

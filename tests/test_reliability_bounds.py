@@ -48,6 +48,16 @@ def _usable(section, v) -> bool:
     """What a cache entry must be for a decision to use it (the issue's spec, written here
     independently of auto.py's own check)."""
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if section == "device":  # a device's calibration: two positive rates
+        return (isinstance(v, dict) and sorted(v) == ["bandwidth", "flops"]
+                and all(num(x) and x > 0 for x in v.values()))
+    if section == "timing":  # least-squares sums of calls, the last a count of calls
+        return (isinstance(v, list) and len(v) == 6 and all(num(x) for x in v)
+                and v[0] >= 0 and v[2] >= 0 and isinstance(v[5], int) and v[5] >= 0)
+    if section == "choice":  # a method's name and its config's fields (None: vanilla)
+        return (isinstance(v, dict) and sorted(v) == ["config", "method"]
+                and isinstance(v["method"], str)
+                and (v["config"] is None or isinstance(v["config"], dict)))
     if section == "latency":
         return (isinstance(v, dict) and bool(v) and all(k.isdigit() for k in v)
                 and all(num(t) and t > 0 for t in v.values()))
@@ -59,7 +69,8 @@ def _usable(section, v) -> bool:
 def _file_is_valid(path) -> dict:
     """The cache file on disk parses and every entry of it is usable."""
     data = json.loads(path.read_text())
-    assert isinstance(data, dict) and set(data) <= {"latency", "agreement", "realised"}, data
+    assert isinstance(data, dict) and set(data) <= {"latency", "agreement", "realised", "device",
+                                                    "timing", "choice"}, data
     for section, entries in data.items():
         assert isinstance(entries, dict), (section, entries)
         assert all(_usable(section, v) for v in entries.values()), (section, entries)
@@ -120,8 +131,8 @@ def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir
         out = oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative", **kw)
     assert out.tokens == oj.generate(target, [[5, 6, 7, 8]], **kw).tokens
     assert "nan" not in out.stats["auto"]["reason"]
-    auto.finish_probes()  # the first call only registers its probe (deferred to later calls)
-    assert _file_is_valid(_cache_file(cache_dir))["latency"]  # the probe was kept
+    kept = _file_is_valid(_cache_file(cache_dir))
+    assert kept["device"] and kept["agreement"] and kept["choice"]  # what the call measured
 
 
 def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir):

@@ -2,31 +2,41 @@
 
 A speculative method pays off only where scoring many tokens in one forward costs about what
 scoring one costs (an accelerator reading its weights at batch 1), and only as far as the draft
-agrees with the target. Both are measured rather than assumed:
+agrees with the target. Both are priced without charging the user's later calls anything:
 
-1. **latency probe** (`probe_latency`): seconds per forward of the target and of the draft by
-   input size n, at the call's batch bucket and cache size, on the actual device; measured once
-   and kept on disk (`cache_path()`), keyed by device kind, model shape and dtype, batch bucket
-   and cache bucket, so later calls and later processes pay nothing;
+1. **prices** (`latency_tables`): a forward of n tokens costs t(n) = scale * shape(n). The
+   shape is the model's weight bytes and FLOPs at the device's rates (`cost.shape_latency`:
+   reads and flops overlapping on an accelerator, adding up on a CPU), the rates a calibration
+   of two small matmuls (`calibrate`: bandwidth at 1 row, flop rate at many) measured once per
+   device kind and dtype and kept on disk (`cache_path()`). The scales are learned from the
+   user's own calls (`record_call`): after each call whose loop compiled nothing, its wall time
+   against the price of the forwards it counted, pooled by least squares per pair and batch
+   bucket. So the loop's real costs (the LM head and its argmax, the cache writes, the loop's
+   own work) enter the prices without a probe, from the second call on;
 2. **agreement**: once greedy speculative calls have run on the pair, the agreement they
    realised (`agreement_from_eta`: the a whose expected tokens per round equal the measured
    eta, pooled over calls by rounds, on disk); before that, the share of positions where the
-   draft's and the target's argmax agree over the call's prompts (`pair_agreement`: two
-   forwards, pooled on disk with earlier calls);
+   draft's and the target's argmax agree over the prompts (`pair_agreement`: two forwards, run
+   in the pair's first call only, pooled on disk);
 3. **choice** (`choose`): the cost model's predicted rate (decoding/cost.py: the paper's
    expected tokens per round at agreement a and gamma, (1 - a^(gamma+1)) / (1 - a), plus pool
    terms, over the round's predicted time from the latency tables) maximised over each method's
    knob grid (its config's `KNOBS`, decoding/knobs.py); vanilla's rate is 1 / t_T(1) (both
-   with the work outside the forwards added). When no
-   setting is predicted to beat vanilla by `MIN_GAIN`, speculation is turned off for the call
-   (the call runs vanilla, and stats say so).
+   with the work outside the forwards added). When no setting is predicted to beat vanilla by
+   `MIN_GAIN`, speculation is turned off for the call (the call runs vanilla, and stats say
+   so). A choice is kept, in the process and on disk for later processes, until another is
+   predicted `STICKY_GAIN` faster: a new config costs a compile.
 
-On an accelerator t_T(n) is nearly flat up to tens or hundreds of tokens, and the choice lands at
+So the first call on a new device pays two matmul compiles, the first call of a pair its two
+prompt forwards, and no later call pays a probe; `stats["auto"]` lists what was measured and
+what was assumed.
+
+On an accelerator t(n) is nearly flat up to tens or hundreds of tokens, and the choice lands at
 large trees (the paper's recipe: gamma ~12, W ~20, N ~7); on a 2-core CPU a forward's cost grows
 with every token, and it lands at small trees (what `ouroboros-jax tune` finds there).
 
-This module holds what touches a device or the disk (the probe, the agreement forwards, the
-store) and the choice; the arithmetic is the pure cost model's.
+This module holds what touches a device or the disk (the calibration, the agreement forwards,
+the store, the learning) and the choice; the arithmetic is the pure cost model's.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import time
 import uuid
 import warnings
 from functools import partial
@@ -55,10 +66,11 @@ except ImportError:  # Windows: no advisory locks
 
 from ..distributed import broadcast, model_spans_processes
 from ..models import causal_mask, forward
-from ..models.timing import forward_timer
+from ..models.timing import forward_timer, matmul_timer
 from ..pool.phrase_pool import shape_fits
 from . import METHODS
-from .cost import vanilla_rate
+from .cost import (VANILLA_OVERHEAD, DeviceRates, ModelShape, interpolate, loop_seconds, scaled,
+                   shape_latency, vanilla_rate)
 from .knobs import recipe_of
 
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
@@ -89,7 +101,7 @@ def cache_path() -> Path:
 # In-process copy of what this process read or wrote, by cache path: no file reads per call.
 _MEMO: dict = {}
 _WARNED: set = set()  # (path, what) pairs already warned about in this process
-SECTIONS = ("latency", "agreement", "realised")
+SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice")
 
 
 def _count(v) -> bool:
@@ -103,7 +115,21 @@ def _number(v) -> bool:
 def _valid_entry(section: str, value) -> bool:
     """Whether one cached value can be used: latency {"n": seconds} with n >= 1 and finite
     seconds > 0; agreement [agreeing, positions] counts with agreeing <= positions; realised
-    [sum of per-round agreements, rounds] with 0 <= sum <= rounds."""
+    [sum of per-round agreements, rounds] with 0 <= sum <= rounds; device {"bandwidth",
+    "flops"} finite and > 0; timing five finite sums (the two squares >= 0) and a count of
+    calls; choice {"method": name, "config": {field: int or bool} or None}."""
+    if section == "device":
+        return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
+                and all(_number(v) and v > 0 for v in value.values()))
+    if section == "timing":
+        return (isinstance(value, list) and len(value) == 6 and all(_number(v) for v in value[:5])
+                and value[0] >= 0 and value[2] >= 0 and _count(value[5]))
+    if section == "choice":
+        cfg = value.get("config", 0) if isinstance(value, dict) else 0
+        return (isinstance(value, dict) and set(value) == {"method", "config"}
+                and isinstance(value["method"], str)
+                and (cfg is None or (isinstance(cfg, dict) and all(
+                    isinstance(k, str) and isinstance(v, (int, bool)) for k, v in cfg.items()))))
     if section == "latency":
         return (isinstance(value, dict) and len(value) > 0
                 and all(isinstance(k, str) and k.isdigit() and int(k) >= 1 for k in value)
@@ -260,7 +286,40 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, (int(batch) - 1).bit_length())
 
 
+# ------------------------------------------------------------------------------------ compiles
+# Programs built in this process, counted from jax's monitoring events: compiled by the backend,
+# or read back from jax's persistent compilation cache. A call whose loop was built measured
+# the compiler (or the cache) as well as the loop, so it teaches auto nothing.
+_COMPILES = [0]
+
+
+def _on_duration(name: str, secs: float, **kw) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+def _on_event(name: str, **kw) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compiles() -> int:
+    """Programs compiled (or read from the persistent compilation cache) in this process since
+    auto was imported."""
+    return _COMPILES[0]
+
+
 # ------------------------------------------------------------------------------------ latency
+# A forward's price is t(n) = scale * shape(n): the shape from the model's bytes and FLOPs at
+# the device's calibrated rates (`shape_table`), the scale learned from the user's own calls
+# (`record_call`: a call's loop time against the price of the forwards it counted). Nothing is
+# timed per model: the calibration is two small matmuls, once per device kind and dtype, and
+# the scale costs no run at all. So a process's first call on a new device pays the
+# calibration (two compiles of one matmul), and no later call, in any process, pays a probe.
 def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
     slots/2 cached tokens (at most slots - n) in a cache of `slots` slots."""
@@ -297,9 +356,10 @@ def _measure(timers: dict, reps: int) -> dict:
 
 def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int = 5,
                   use_cache: bool = True) -> dict:
-    """{n: seconds per forward} for this model at this batch bucket and cache size, measured now
-    (one compile per size); from the disk cache when this device kind has measured this model
-    shape before."""
+    """{n: seconds per bare forward} for this model at this batch bucket and cache size,
+    measured now (one compile per size), or from the disk cache. Not part of a call's choice:
+    a tool for benches and for anyone who wants a model's own table. With one stored,
+    `config="auto"` takes its shape instead of the bytes-and-FLOPs one (`shape_table`)."""
     B = batch_bucket(batch)
     if use_cache:
         hit = _stored_latency(model, B, slots, sizes)
@@ -311,144 +371,229 @@ def probe_latency(model, batch: int, slots: int, sizes=TARGET_SIZES, reps: int =
     return table
 
 
-# A priori device figures for `prior_latency`: (bytes/s read from memory, flop/s of the
-# matmuls, seconds of fixed work per layer) by platform. The CPU's are this project's 2-core
-# x86 machines (21 GB/s measured by a numpy copy; SmolLM2's 16-token forward about twice its
-# 1-token one); the accelerators' are round figures of current parts, whose one effect is that
-# t(n) stays nearly flat up to tens of tokens there.
-PRIOR_DEVICE = {"cpu": (20e9, 150e9, 30e-6), "gpu": (2e12, 400e12, 10e-6),
-                "tpu": (1e12, 200e12, 10e-6)}
+# The calibration's matmul, by platform: (k, rows): a [rows, k] x [k, k] product timed at 1 row
+# (weights streamed: the bandwidth) and at `rows` (the flop rate). A CPU's 64 MB fp32 matrix
+# is past its last-level cache; an accelerator's is large enough that one read is not launch
+# overhead, and its many rows are compute-bound.
+CALIBRATION = {"cpu": (4096, 16)}
+ACCELERATOR_CALIBRATION = (8192, 1024)
+# On a CPU, what one more token per row adds to a forward, relative to the 1-token forward's
+# read, lies between these (measured: 5-9% for fp32 models of 5M to 1.5B parameters, here and in
+# llama.cpp); a calibration outside them was disturbed by load, and is clamped into them.
+CPU_TOKEN_SHARE = (0.02, 0.25)
+# Seconds of fixed work per layer per forward (not measured: small ops and dispatch), and
+# whether reads and flops overlap (the roofline) or add up, by platform.
+PER_LAYER = {"cpu": 30e-6}
+ACCELERATOR_PER_LAYER = 10e-6
+
+
+def calibrate(dtype, reps: int = 5) -> DeviceRates:
+    """This device's `cost.DeviceRates` for weights of `dtype`, measured now: two compiled
+    matmul loops (`models.timing.matmul_timer`), timed interleaved, the fastest of reps."""
+    platform = jax.default_backend()
+    k, rows = CALIBRATION.get(platform, ACCELERATOR_CALIBRATION)
+    t = _measure({1: matmul_timer(1, k, dtype), rows: matmul_timer(rows, k, dtype)}, reps)
+    bandwidth = k * k * np.dtype(dtype).itemsize / t[1]
+    cpu = platform == "cpu"
+    if cpu:  # the first row's flops ride along with the read: the rows past it cost the flops
+        lo, hi = CPU_TOKEN_SHARE
+        share = min(max((t[rows] - t[1]) / ((rows - 1) * t[1]), lo), hi)
+        flops = 2.0 * k * k / (share * t[1])
+    else:
+        flops = 2.0 * rows * k * k / t[rows]
+    return DeviceRates(bandwidth, flops, PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
+                       overlap=not cpu)
+
+
+def _device_key(dtype) -> str:
+    return f"{device_kind()}|{np.dtype(dtype).name}"
+
+
+def device_rates(dtype, use_cache: bool = True) -> tuple[DeviceRates, bool]:
+    """(this device's rates for dtype, whether they were calibrated by this call): from disk
+    when this device kind has been calibrated for dtype before, else measured now and kept."""
+    platform = jax.default_backend()
+    if use_cache:
+        hit = _read_cache().get("device", {}).get(_device_key(dtype))
+        if hit is not None:
+            return DeviceRates(hit["bandwidth"], hit["flops"],
+                               PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
+                               overlap=platform != "cpu"), False
+    rates = calibrate(dtype)
+    if use_cache:
+        _put("device", _device_key(dtype), {"bandwidth": rates.bandwidth, "flops": rates.flops})
+    return rates, True
+
+
+def model_shape(model) -> ModelShape:
+    """The model's `cost.ModelShape` from its config and params (abstract params do)."""
+    cfg = model.config
+    item = np.dtype(model.params["embed"].dtype).itemsize
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
+    # the LM head is a matmul over V x E; the embedding lookup of an untied model reads a row
+    matmul = total - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
+    return ModelShape(matmul * item, matmul, cfg.num_layers, kv)
+
+
+def shape_table(model, batch: int, slots: int, sizes, rates: DeviceRates) -> dict:
+    """{n: seconds} of the model's forward before any scale: its own stored table when one was
+    measured (`probe_latency`), else `cost.shape_latency` of its shape at the device's rates
+    after slots/2 cached tokens."""
+    hit = _stored_latency(model, batch, slots, sizes)
+    if hit is not None:
+        return hit
+    return shape_latency(model_shape(model), rates, batch_bucket(batch), slots // 2, sizes)
+
+
+# A-priori device figures (bytes/s, flop/s), for `prior_latency`: what a platform's forward
+# looks like before its calibration (tests of the choice's shape; the bench's projections).
+PRIOR_DEVICE = {"cpu": (20e9, 150e9), "gpu": (2e12, 400e12), "tpu": (1e12, 200e12)}
 
 
 def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
-    """{n: seconds} predicted from the model's shape alone, before any probe: the weights read
-    once per forward plus the cache's live half, at the platform's memory rate, plus the
-    matmuls' 2 * params flops per token at its flop rate, plus a fixed cost per layer."""
-    cfg = model.config
-    leaves = jax.tree.leaves(model.params)
-    item = np.dtype(model.params["embed"].dtype).itemsize
-    total = sum(int(np.prod(x.shape)) for x in leaves)
-    # the LM head is a matmul over V x E; the embedding lookup of an untied model reads a row
-    matmul = total - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    bw, flops, per_layer = PRIOR_DEVICE.get(jax.default_backend(), PRIOR_DEVICE["gpu"])
-    B = batch_bucket(batch)
-    cache = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * (slots // 2) * B * item
-    fixed = cfg.num_layers * per_layer + (matmul * item + cache) / bw
-    return {n: fixed + 2.0 * matmul * B * n / flops for n in sizes}
+    """{n: seconds} predicted from the model's shape and the platform's a-priori figures
+    (`PRIOR_DEVICE`), nothing measured."""
+    platform = jax.default_backend()
+    bw, flops = PRIOR_DEVICE.get(platform, PRIOR_DEVICE["gpu"])
+    rates = DeviceRates(bw, flops, PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
+                        overlap=platform != "cpu")
+    return shape_latency(model_shape(model), rates, batch_bucket(batch), slots // 2, sizes)
 
 
-class DeferredProbe:
-    """The latency probe of one (model, batch bucket, cache size), spread over later calls:
-    each `step()` compiles the timer of one more size (a compile is most of a probe's cost);
-    the step after the last compile times them all, interleaved, and stores the table on
-    disk. So no call pays the whole probe, and the first pays none of it."""
-
-    def __init__(self, model, batch: int, slots: int, sizes):
-        self.model, self.batch, self.slots, self.sizes = model, batch_bucket(batch), slots, sizes
-        # the store whose miss registered the probe: a later step may run while another is
-        # in use (a changed $OUROBOROS_JAX_CACHE), and the table belongs where it was missing
-        self.path = cache_path()
-        self.timers: dict = {}
-        self.table: Optional[dict] = None
-
-    def step(self, reps: int = 5) -> bool:
-        """One piece of the probe; True once the table is measured (and stored)."""
-        if self.table is not None:
-            return True
-        missing = [n for n in self.sizes if n not in self.timers]
-        if missing:
-            self.timers[missing[0]] = _forward_seconds(self.model, self.batch, missing[0],
-                                                       self.slots)
-            return False
-        self.table = _measure(self.timers, reps)
-        self.timers = {}  # drop the compiled timers
-        _put("latency", _latency_key(self.model, self.batch, self.slots),
-             {str(n): t for n, t in self.table.items()}, self.path)
-        return True
+# ------------------------------------------------------------------------------------ learning
+# What the user's calls teach: for each (device, pair, batch bucket), least-squares sums over
+# the calls that compiled nothing of y = s_T * x_T + s_S * x_S, with y a call's measured
+# seconds and x_T, x_S the unscaled price of the target's and the draft's forwards it counted
+# (prefill included): [x_T^2, x_T x_S, x_S^2, x_T y, x_S y, calls].
+def _timing_key(target, draft, batch: int) -> str:
+    d = model_signature(draft) if draft is not None else "-"
+    return f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}"
 
 
-class DeferredAgreement:
-    """The pair's prompt agreement (`pair_agreement`: two forwards, so two compiles), run on a
-    later call's prompts instead of the first call's."""
-
-    def __init__(self, target, draft):
-        self.target, self.draft, self.done = target, draft, False
-
-    def step(self, prompt, plens) -> bool:
-        if not self.done:
-            pair_agreement(self.target, self.draft, prompt, plens)
-            self.done = True
-        return True
-
-
-# Probe work not done yet, by key, in the order it was found missing; `_CALLS` numbers the
-# auto calls of this process, so a call never advances work it registered itself.
-_PENDING: dict = {}
-_CALLS = [0]
-
-
-def _advance_pending(prompt, plens) -> None:
-    """One step of the pending probe work registered by earlier calls: the agreement first
-    (it moves the choice most), then the latency probes in the order they were found missing."""
-    ready = [(k, w) for k, (since, w) in _PENDING.items() if since < _CALLS[0]]
-    ready.sort(key=lambda kw: not isinstance(kw[1], DeferredAgreement))
-    if ready:
-        key, work = ready[0]
-        done = work.step(prompt, plens) if isinstance(work, DeferredAgreement) else work.step()
-        if done:
-            del _PENDING[key]
+def solve_scales(sums) -> tuple[float, float, bool]:
+    """(s_T, s_S, separated) from the least-squares sums: the scales that price the calls'
+    counted forwards at their measured time. Calls of one config cannot tell the two models
+    apart (every x_S / x_T alike): a small penalty on s_T != s_S then splits the time evenly
+    (`separated` False: the ratio is the shape's, assumed). No calls: (1, 1, False)."""
+    tt, ts, ss, ty, sy, n = sums
+    if n <= 0 or tt <= 0:
+        return 1.0, 1.0, False
+    if ss <= 0:  # the draft never ran: its scale follows the target's
+        s = ty / tt
+        return s, s, False
+    one = (ty + sy) / (tt + 2 * ts + ss)  # one scale for both
+    eps = 1e-6 * (tt + ss)
+    a, b, c = tt + eps, ts - eps, ss + eps
+    det = a * c - b * b
+    separated = (tt * ss - ts * ts) > 1e-2 * tt * ss  # calls with different draft shares
+    if det <= 0:
+        return one, one, False
+    s_t, s_s = (c * ty - b * sy) / det, (a * sy - b * ty) / det
+    if s_t <= 0 or s_s <= 0:
+        return one, one, False
+    return s_t, s_s, separated
 
 
-def finish_probes(token_lists=None) -> None:
-    """Completes every pending probe now: the demo and the benches call it after their first
-    calls, so that their timed calls measure decoding, not probing. token_lists: prompts (lists
-    of token ids) a pending agreement measurement runs on; without them it stays pending."""
-    for key, (since, work) in list(_PENDING.items()):
-        if isinstance(work, DeferredAgreement):
-            if not token_lists:
-                continue
-            P = max(16, -(-max(len(t) for t in token_lists) // 16) * 16)
-            prompt = np.zeros((len(token_lists), P), np.int32)
-            for i, t in enumerate(token_lists):
-                prompt[i, :len(t)] = t
-            plens = np.array([len(t) for t in token_lists], np.int32)
-            work.step(jnp.asarray(prompt), jnp.asarray(plens))
-        else:
-            while not work.step():
-                pass
-        del _PENDING[key]
+def learned_scales(target, draft, batch: int) -> tuple[float, float, int, bool]:
+    """(s_T, s_S, calls learned from, separated) for this pair and batch bucket: `solve_scales`
+    over the sums of the pair's calls and of the target's calls without the draft (vanilla,
+    lookahead, prompt lookup, or speculation turned off), which price the target alone."""
+    timing = _read_cache().get("timing", {})
+    sums = list(timing.get(_timing_key(target, None, batch), [0.0] * 5 + [0]))
+    if draft is not None:
+        pair = timing.get(_timing_key(target, draft, batch), [0.0] * 5 + [0])
+        sums = [a + b for a, b in zip(sums, pair)]
+    if sums[5] <= 0:
+        return 1.0, 1.0, 0, False
+    s_t, s_s, sep = solve_scales(sums)
+    return s_t, s_s, int(sums[5]), sep
 
 
-def latency_table(model, batch: int, slots: int, sizes, use_cache: bool = True
-                  ) -> tuple[dict, bool]:
-    """(table {n: seconds}, measured?): the stored measurement when there is one; else, with
-    use_cache, `prior_latency` while a `DeferredProbe` measures it over the next calls;
-    without use_cache (tests, tune), measured now."""
-    if not use_cache:
-        return probe_latency(model, batch, slots, sizes, use_cache=False), True
-    hit = _stored_latency(model, batch, slots, sizes)
-    if hit is not None:
-        return hit, True
-    key = ("latency", str(cache_path()), _latency_key(model, batch, slots))
-    if key not in _PENDING:
-        _PENDING[key] = (_CALLS[0], DeferredProbe(model, batch, slots, sizes))
-    return prior_latency(model, batch, slots, sizes), False
+def call_parts(method: str, cfg, stats: dict, prompt_len: int, tt: dict, td: Optional[dict],
+               agreement: Optional[float]) -> tuple[float, float]:
+    """(x_T, x_S): the unscaled price of a finished call's counted forwards, by model: its
+    prefill (the padded prompt, through both models when the method ran the draft) and its
+    loop (`cost.loop_seconds` over stats' target and draft forwards, each target forward with
+    its round's work outside the forwards)."""
+    if method == "vanilla":
+        sizes, overhead, drafts = (1, 0, 0), VANILLA_OVERHEAD, 0.0
+    else:
+        spec = METHODS[method]
+        sizes = spec.forward_sizes(cfg)
+        overhead = spec.round_model(cfg, agreement).overhead
+        drafts = float(stats["draft_calls"])
+    x_t, x_s = loop_seconds(sizes, overhead, float(stats["target_calls"]), drafts, tt, td)
+    x_t += interpolate(tt, prompt_len)
+    if drafts:
+        x_s += interpolate(td, prompt_len)
+    return x_t, x_s
 
 
-def _defer_agreement(target, draft) -> None:
-    """Once per process and pair, while no speculative call has realised the pair's agreement
-    and its prompts' counts have not settled: measure it on a later call's prompts."""
-    pair = f"{model_signature(target)}|{model_signature(draft)}"
-    key = ("agreement", str(cache_path()), pair)
-    if key in _AGREED or realised_agreement(target, draft) is not None:
+def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, batch: int,
+                prompt_len: int, slots: int, agreement: Optional[float] = None) -> None:
+    """After a `config="auto"` call that compiled nothing: what it teaches about this device's
+    prices. method / cfg: what ran (auto's choice); stats: its counters (`summarize_stats`);
+    seconds: its loop's wall time (prefill to fetched result); prompt_len: the padded prompt
+    length; slots: the cache size auto chose with. Pooled on disk with every earlier call's."""
+    if seconds <= 0 or not math.isfinite(seconds):
         return
-    if _read_cache().get("agreement", {}).get(pair, [0, 0])[1] >= SETTLED_AGREEMENT_TOKENS:
+    used_draft = method != "vanilla" and draft is not None and METHODS[method].needs_draft
+    tt, td = _base_tables(target, draft if used_draft else None, batch, slots, True)
+    x_t, x_s = call_parts(method, cfg, stats, prompt_len, tt, td, agreement)
+    if x_t <= 0:
         return
-    _AGREED.add(key)
-    _PENDING[key] = (_CALLS[0], DeferredAgreement(target, draft))
+    y = float(seconds)
+    _add("timing", _timing_key(target, draft if used_draft else None, batch),
+         (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
+         (0.0, 0.0, 0.0, 0.0, 0.0, 0))
 
 
-_AGREED: set = set()
+def _base_tables(target, draft, batch: int, slots: int, use_cache: bool
+                 ) -> tuple[dict, Optional[dict]]:
+    """The unscaled (target, draft) tables: `shape_table` at the calibrated rates."""
+    rates, _ = device_rates(target.params["embed"].dtype, use_cache)
+    tt = shape_table(target, batch, slots, TARGET_SIZES, rates)
+    td = None
+    if draft is not None:
+        drates, _ = device_rates(draft.params["embed"].dtype, use_cache)
+        td = shape_table(draft, batch, slots, DRAFT_SIZES, drates)
+    return tt, td
+
+
+def latency_tables(target, draft, batch: int, slots: int, use_cache: bool = True
+                   ) -> tuple[dict, Optional[dict], dict]:
+    """(target table, draft table or None, notes): the prices a choice is made with, `shape_table`
+    times the learned scales (`learned_scales`; none without use_cache), and notes = {"measured":
+    [...], "assumed": [...]}: what stands behind them, for `stats["auto"]`."""
+    rates, now = device_rates(target.params["embed"].dtype, use_cache)
+    tt, td = _base_tables(target, draft, batch, slots, use_cache)
+    measured = [f"device: {rates.bandwidth / 1e9:.1f} GB/s, {rates.flops / 1e9:.0f} GFLOP/s "
+                f"(two matmuls, {'calibrated in this call' if now else 'stored'})"]
+    assumed = ["each forward's t(T) shaped by its weight bytes and FLOPs at those rates, "
+               f"plus {rates.per_layer * 1e6:.0f} us per layer"]
+    s_t, s_s, calls = 1.0, 1.0, 0
+    if use_cache:
+        s_t, s_s, calls, separated = learned_scales(target, draft, batch)
+    if calls:
+        measured.append(f"loop time of {calls} earlier call{'s' if calls > 1 else ''}: "
+                        f"target x{s_t:.2f}" + (f", draft x{s_s:.2f}" if draft is not None else ""))
+        if draft is not None and not separated:
+            assumed.append("the draft's share of a round as its shape gives it (no calls of "
+                           "other configs have told the two apart)")
+    else:
+        assumed.append("no earlier call: prices at the calibrated rates, unscaled")
+    return (scaled(tt, _steps(s_t)), scaled(td, _steps(s_s)),
+            {"measured": measured, "assumed": assumed})
+
+
+def _steps(scale: float, step: float = 1.02) -> float:
+    """scale rounded to a power of `step`: prices that moved by less than a step between calls
+    are the same prices, so the grid search is not repeated (`_choose_memo`)."""
+    return step ** round(math.log(scale) / math.log(step))
+
+
+_AGREED: set = set()  # (store, pair) whose prompt agreement this process measured
 
 
 def known_agreement(target, draft) -> Optional[float]:
@@ -465,7 +610,6 @@ def known_agreement(target, draft) -> Optional[float]:
         w = n / MIN_AGREEMENT_TOKENS
         return w * (agree / n) + (1 - w) * DEFAULT_AGREEMENT
     return agree / n
-
 
 # ------------------------------------------------------------------------------------ agreement
 @partial(jax.jit, static_argnums=(1, 3))
@@ -522,13 +666,19 @@ class Choice:
     agreement: Optional[float]
     reason: str
     tables: tuple = (None, None)  # (target, draft) latency tables the choice was made with
+    # {"measured": [...], "assumed": [...]}: what stands behind the prices and the agreement
+    notes: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0  # host time auto took in this call (calibration, agreement, search)
 
     def as_stats(self, asked: str) -> dict:
         return {"asked": asked, "method": self.method,
                 "config": recipe_of(self.config) if self.config is not None else None,
                 "predicted_speedup": round(self.predicted_speedup, 3),
                 "agreement": None if self.agreement is None else round(self.agreement, 3),
-                "reason": self.reason}
+                "reason": self.reason,
+                "measured": list(self.notes.get("measured", [])),
+                "assumed": list(self.notes.get("assumed", [])),
+                "seconds": round(self.seconds, 4)}
 
 
 def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
@@ -579,46 +729,84 @@ def _spec(method: str):
     return spec
 
 
-# Choices already made in this process, by (method, models, batch bucket, cache size): a new
-# config is a new compiled loop (seconds on a CPU), so a choice is kept until another is
-# predicted to be at least STICKY_GAIN faster (e.g. once calls have measured the pair's agreement).
+# Choices already made, by (method, models, batch bucket, cache size, pool shape): in this
+# process (`_CHOICES`) and on disk (the "choice" section), so a later process starts from the
+# same one. A new config is a new compiled loop (seconds on a CPU), so a choice is kept until
+# another is predicted to be at least STICKY_GAIN faster (e.g. once calls have measured the
+# pair's agreement, or its loop's prices).
 _CHOICES: dict = {}
 STICKY_GAIN = 1.10
 
 
+def _choice_key(method, target, draft, B, slots, pool_shape) -> str:
+    d = model_signature(draft) if draft is not None else "-"
+    return (f"{device_kind()}|{method}|{model_signature(target)}|{d}|B{batch_bucket(B)}"
+            f"|S{slots}|{pool_shape}")
+
+
+def _stored_choice(key: str) -> Optional[Choice]:
+    """The choice an earlier process stored under key, or None (none, or its config no longer
+    builds: the config class changed)."""
+    hit = _read_cache().get("choice", {}).get(key)
+    if hit is None:
+        return None
+    if hit["config"] is None:
+        return Choice("vanilla", None, 1.0, None, "speculation off (an earlier process's choice)")
+    spec = METHODS.get(hit["method"])
+    try:
+        cfg = spec.config_type(**hit["config"])
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return Choice(hit["method"], cfg, 1.0, None, "an earlier process's choice")
+
+
+def _store_choice(key: str, choice: Choice) -> None:
+    cfg = (None if choice.config is None else
+           {f.name: getattr(choice.config, f.name) for f in dataclasses.fields(choice.config)
+            if isinstance(getattr(choice.config, f.name), (int, bool))})
+    _put("choice", key, {"method": choice.method, "config": cfg})
+
+
 def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True,
                 pool_shape: Optional[tuple] = None) -> Choice:
-    """Probe (or recall) the latencies and the pair's agreement, then `choose` (keeping this
-    process's earlier choice for the same shapes unless the new one is clearly better).
-    pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which the
-    chosen config must fit (`fits_pool`)."""
+    """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
+    earlier choice for the same shapes (this process's, else the store's) unless the new one
+    is predicted STICKY_GAIN faster. pool_shape: (phrases per key, tokens per phrase) of a
+    pool the call passes, which the chosen config must fit (`fits_pool`)."""
+    t0 = time.perf_counter()
     B = int(prompt.shape[0])
-    key = (method, model_signature(target), model_signature(draft) if draft is not None else None,
-           batch_bucket(B), slots, str(cache_path()), pool_shape)
+    key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
     if model_spans_processes(target):
         return _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape)
     new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape)
+    stored_key = key.rsplit("|", 1)[0]
     old = _CHOICES.get(key)
-    if old is not None and old.config != new.config:
+    if old is None and use_cache:
+        old = _stored_choice(stored_key)
+    out = new
+    if old is not None and (old.method, old.config) != (new.method, new.config) and (
+            fits_pool(old.config, pool_shape)):
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
         if predicted_rate(new.method, new.config, tt, td, a) < STICKY_GAIN * keep:
-            base = old.reason.split(_A_PRIORI)[0].split(" (kept")[0]
-            note = _A_PRIORI if _A_PRIORI in new.reason else ""
-            return dataclasses.replace(old, agreement=a, tables=new.tables,
-                                       reason=base + " (kept: no other setting is clearly "
-                                       "better)" + note)
-    _CHOICES[key] = new
-    return new
+            base = old.reason.split(" (kept")[0]
+            out = dataclasses.replace(
+                new, method=old.method, config=old.config,
+                predicted_speedup=keep / vanilla_rate(tt),
+                reason=base + f" (kept: {new.reason.split(' (')[0]} for another setting is not "
+                f"{STICKY_GAIN:.2f}x better)")
+    if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
+        _store_choice(stored_key, out)
+    _CHOICES[key] = out
+    return dataclasses.replace(out, seconds=time.perf_counter() - t0)
 
 
 def _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape=None) -> Choice:
-    """auto_config over processes (one model on a mesh spanning them): every process runs the
-    same probes (collective programs: a process skipping one on a disk-cache hit would leave
-    the others waiting), so the disk cache, which differs per host, is not read; process 0's
-    choice is broadcast, as timings differ per process and every process must run the same
-    loop. Kept for the process's life per shape (the same call history on every process, so
-    every process hits or misses together)."""
+    """auto_config over processes (one model on a mesh spanning them): the disk store, which
+    differs per host, is not read (every process must make the same calls: the agreement's
+    forwards are collective programs); process 0's choice is broadcast, as timings differ per
+    process and every process must run the same loop. Kept for the process's life per shape
+    (the same call history on every process, so every process hits or misses together)."""
     old = _CHOICES.get(key)
     if old is None:
         old = broadcast(_auto_choice(method, target, draft, prompt, plens, slots, False,
@@ -629,34 +817,40 @@ def _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape=None
 
 def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape=None
                  ) -> Choice:
-    """With use_cache (generate's calls): measured tables and agreement from disk where they
-    exist, else a prior (`prior_latency`, DEFAULT_AGREEMENT) while the probe runs one piece per
-    later call (`DeferredProbe`): a process's first call costs what the method's own compile
-    costs, never a probe. Without use_cache everything is measured now."""
+    """The predicted-fastest config now. With use_cache (generate's calls): the device's
+    calibration and the learned scales from disk (`latency_tables`), the agreement realised by
+    earlier calls or counted on earlier prompts; only where this pair's agreement has never
+    been measured (its first call) do its two prompt forwards run, and only where this device
+    was never calibrated (its first call) do the two calibration matmuls. Without use_cache
+    everything is measured now and nothing learned is used."""
     B = int(prompt.shape[0])
-    _CALLS[0] += 1
-    if use_cache:
-        _advance_pending(prompt, plens)
-    tt, measured = latency_table(target, B, slots, TARGET_SIZES, use_cache)
-    td, a = None, None
-    if draft is not None and _spec(method).needs_draft:
-        td, d_measured = latency_table(draft, B, slots, DRAFT_SIZES, use_cache)
-        measured = measured and d_measured
-        if not use_cache:
-            a, _ = pair_agreement(target, draft, prompt, plens, use_cache=False)
+    spec = _spec(method)
+    with_draft = draft is not None and spec.needs_draft
+    tt, td, notes = latency_tables(target, draft if with_draft else None, B, slots, use_cache)
+    a = None
+    if with_draft:
+        a = known_agreement(target, draft) if use_cache else None
+        pair = (str(cache_path()), model_signature(target), model_signature(draft))
+        if use_cache and realised_agreement(target, draft) is not None:
+            s, n = _read_cache()["realised"][f"{pair[1]}|{pair[2]}"]
+            notes["measured"].append(f"agreement {a:.3f}: realised over {n} rounds of "
+                                     "earlier calls")
+        elif a is not None:
+            n = _read_cache()["agreement"][f"{pair[1]}|{pair[2]}"][1]
+            notes["measured"].append(f"agreement {a:.3f}: the pair's argmax over {n} prompt "
+                                     "positions of earlier calls")
+        elif pair not in _AGREED or not use_cache:
+            _AGREED.add(pair)
+            a, n = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
+            notes["measured"].append(f"agreement {a:.3f}: the pair's argmax over this call's "
+                                     f"{n} prompt positions (measured now, once per pair)")
         else:
-            a = known_agreement(target, draft)
-            _defer_agreement(target, draft)
-            if a is None:
-                a, measured = DEFAULT_AGREEMENT, False
-    choice = dataclasses.replace(_choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape),
-                                 tables=(tt, td))
-    if not measured:
-        choice = dataclasses.replace(choice, reason=choice.reason + _A_PRIORI)
-    return choice
-
-
-_A_PRIORI = " (a priori: the latency probe and agreement run over the next calls)"
+            a = DEFAULT_AGREEMENT
+            notes["assumed"].append(f"agreement {a} (not measured)")
+    # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
+    a = None if a is None else round(a, 3)
+    choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape)
+    return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 
 
 def _frozen(table: Optional[dict]):

@@ -64,6 +64,68 @@ def interpolate(table: dict, n: int) -> float:
     return ys[-1] + slope * (n - xs[-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """What a device's forward costs per byte and per flop: its calibration (`config="auto"`
+    measures it once per device and dtype, models/timing.py `matmul_timer`).
+
+    Attributes:
+        bandwidth: bytes/s a 1-row matmul streams its weights at.
+        flops: flop/s of the matmul's rows (CPU: of the rows past the first; accelerators: of
+            all rows at a compute-bound size).
+        per_layer: seconds of fixed work per layer per forward (norms, attention's small ops,
+            dispatch); not measured, a platform figure.
+        overlap: whether reading the weights and computing overlap (accelerators: a forward
+            costs the larger of the two, the roofline) or add up (a CPU's few cores do both).
+    """
+
+    bandwidth: float
+    flops: float
+    per_layer: float
+    overlap: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a model's forward reads and computes, from its config and params alone.
+
+    Attributes:
+        weight_bytes: bytes of weights a forward reads (the embedding of an untied model is a
+            row lookup, not a read of the table).
+        matmul_params: parameters multiplied per token (2 flops each).
+        layers: decoder layers.
+        kv_bytes: bytes of K and V cache per row per cached token.
+    """
+
+    weight_bytes: float
+    matmul_params: float
+    layers: int
+    kv_bytes: float
+
+
+def shape_latency(shape: ModelShape, rates: DeviceRates, batch: int, context: int,
+                  sizes) -> dict:
+    """{n: seconds} of a forward of n tokens per row at `batch` rows after `context` cached
+    tokens: fixed work per layer, plus the weights and the live cache read at the device's
+    bandwidth, plus the matmuls' 2 * matmul_params flops per token at its flop rate, the two
+    overlapping on an accelerator (the larger counts) and adding up on a CPU (where a 1-row
+    forward's flops ride along with its reads: only the rows past the first add time)."""
+    fixed = shape.layers * rates.per_layer
+    read = (shape.weight_bytes + shape.kv_bytes * context * batch) / rates.bandwidth
+    out = {}
+    for n in sizes:
+        if rates.overlap:
+            out[n] = fixed + max(read, 2.0 * shape.matmul_params * batch * n / rates.flops)
+        else:
+            out[n] = fixed + read + 2.0 * shape.matmul_params * (batch * n - 1) / rates.flops
+    return out
+
+
+def scaled(table: Optional[dict], scale: float) -> Optional[dict]:
+    """A latency table with every time multiplied by scale (None stays None)."""
+    return None if table is None else {n: t * scale for n, t in table.items()}
+
+
 def expected_tokens(a: float, gamma: int) -> float:
     """Tokens per round of a chain of gamma draft tokens at per-token agreement a (accepted
     prefix + the target's own token): (1 - a^(gamma+1)) / (1 - a)."""
@@ -127,6 +189,16 @@ def round_seconds(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict])
     if model.overhead:
         t = t + model.overhead * interpolate(tt, 1)
     return t
+
+
+def loop_seconds(sizes: tuple, overhead: float, target_forwards: float, draft_forwards: float,
+                 tt: dict, td: Optional[dict]) -> tuple[float, float]:
+    """(target's, draft's) predicted seconds of a loop's counted forwards, priced as
+    `round_seconds` prices a round: target_forwards forwards of sizes[0] tokens, each with its
+    round's work outside the forwards (overhead * t_T(1)), and draft_forwards of sizes[1]."""
+    t = target_forwards * (interpolate(tt, sizes[0]) + overhead * interpolate(tt, 1))
+    d = draft_forwards * interpolate(td, sizes[1]) if draft_forwards else 0.0
+    return t, d
 
 
 def rate(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float:

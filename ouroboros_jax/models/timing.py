@@ -74,3 +74,22 @@ def forward_timer(model, n: int, context: int, slots: int, batch: int = 1, inner
     """`sequence_timer` of one forward of n tokens per row: seconds per forward, the model's
     weights as warm in the CPU's caches as back-to-back forwards leave them."""
     return sequence_timer([(model, n)], context, slots, batch=batch, inner=inner)
+
+
+def matmul_timer(rows: int, k: int, dtype, inner: int = 8):
+    """A callable returning seconds per [rows, k] x [k, k] matmul of `dtype`: a compiled loop of
+    `inner` matmuls, each multiplying the last one's whole product (nothing hoisted, and no
+    reduction for XLA to fuse the product into), the weights an argument (nothing folded).
+    Compiled here: the first timing excludes compilation. The device calibration's one
+    measurement (`config="auto"`: bandwidth at 1 row, flop rate at many)."""
+    w = jnp.full((k, k), 1.0 / k, dtype)  # keeps the carried product at ones
+    x = jnp.ones((rows, k), dtype)
+    f = jax.jit(lambda w, x: jax.lax.fori_loop(0, inner, lambda i, a: a @ w, x))
+    f(w, x).block_until_ready()  # compile
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        f(w, x).block_until_ready()
+        return (time.perf_counter() - t0) / inner
+
+    return timed

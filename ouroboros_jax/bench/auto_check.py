@@ -1,0 +1,193 @@
+"""Does `config="auto"` pay its way? Auto's choice against a stated grid of explicit configs, from
+the second call on, with the wall clock as the judge.
+
+    python -m ouroboros_jax.bench.auto_check --workload demo --calls 2 --max-new-tokens 64
+    python -m ouroboros_jax.bench.auto_check --workload smollm2 --calls 2
+    python -m ouroboros_jax.bench.auto_check --workload real --calls 2 --prompts 1
+
+Workloads: `demo` (the shipped demo pair: every method), `smollm2` (SmolLM2-135M GGUF, no draft:
+lookahead and prompt lookup), `real` (Qwen2.5-Coder 1.5B / 0.5B GGUFs: speculative and
+Ouroboros). The GGUFs are read from --gguf-dir (default ~/.cache/ouroboros-real, see
+docs for the fetch script); nothing is downloaded.
+
+One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every config of the grid
+and auto make their first (compiling) call first; then `--calls` passes over the prompts, each
+pass running vanilla, every grid config and auto in turn on the same prompt (interleaved, so
+load from other processes falls on all alike), timed by the wall clock around `generate`.
+Reported per method: each config's tokens/s and ratio to vanilla, auto's chosen config and its
+ratio to the grid's best (the gate is 0.95), and per config the cost model's price of its calls
+(auto's learned tables: `auto.latency_tables`, `auto.call_parts`) against their measured loop
+time (the gate is within 10%), and auto's stats' tokens/s against the wall clock's (within 5%).
+Every output is checked against vanilla's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+# The grids auto is judged against, per method: explicit configs (field dicts).
+GRIDS = {
+    "speculative": [{"gamma": g} for g in (1, 2, 3, 4, 6)],
+    "ouroboros": [dict(gamma=g, window=2, ngram=3, guesses=2, suffixes=1, phrase_drafting=False,
+                       lengthening=False, recycling=False) for g in (2, 4)]
+                 + [dict(gamma=4, window=4, ngram=3, guesses=4, suffixes=2)],
+    "lookahead": [dict(window=w, ngram=n, guesses=w) for w, n in ((2, 3), (4, 3), (4, 5))],
+    "prompt_lookup": [dict(candidates=c, length=n) for c, n in ((1, 4), (2, 4), (1, 8))],
+}
+# The real pair's forwards take 0.1-0.3 s on a 2-core CPU: a smaller grid, around what tune finds.
+REAL_GRIDS = {"speculative": [{"gamma": g} for g in (2, 4, 6)],
+              "ouroboros": [GRIDS["ouroboros"][1], GRIDS["ouroboros"][2]]}
+WORKLOADS = {"demo": ("speculative", "ouroboros", "lookahead", "prompt_lookup"),
+             "smollm2": ("lookahead", "prompt_lookup"),
+             "real": ("speculative", "ouroboros")}
+GGUFS = {"real": ("qwen2.5-coder-1.5b-instruct-q4_k.gguf", "qwen2.5-coder-0.5b-instruct-q4.gguf"),
+         "smollm2": ("smollm2-135m-instruct-q4_1.gguf", None)}
+CODE_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_prime(n: int) -> bool:\n    \"\"\"Check whether n is a prime number.\"\"\"\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+]
+
+
+def load(workload: str, gguf_dir: str):
+    """(target, draft or None, prompt texts) of a workload."""
+    import ouroboros_jax as oj
+
+    if workload == "demo":
+        t, d = oj.demo_pair("float32")
+        return t, d, [p["text"] for p in oj.demo_prompts()]
+    tname, dname = GGUFS[workload]
+    t = oj.load_model(os.path.join(gguf_dir, tname), dtype="float32")
+    d = oj.load_model(os.path.join(gguf_dir, dname), dtype="float32") if dname else None
+    return t, d, CODE_PROMPTS
+
+
+def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
+    """The cost model's seconds for a finished call's counted forwards, at auto's tables now
+    (the learned scales included)."""
+    from ..decoding import METHODS, auto
+
+    used_draft = method != "vanilla" and METHODS[method].needs_draft
+    tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
+    a = auto.known_agreement(target, draft) if used_draft else None
+    x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width, tt, td, a)
+    return x_t + x_s
+
+
+def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
+    import ouroboros_jax as oj
+    from ..decoding import METHODS
+    from ..request import cache_slots, pad_prompts
+
+    os.environ["OUROBOROS_JAX_CACHE"] = tempfile.mkdtemp(prefix="oj_auto_check_")
+    t0 = time.perf_counter()
+    target, draft, texts = load(workload, gguf_dir)
+    load_s = time.perf_counter() - t0
+    texts = texts[:prompts_n]
+    ids = [list(target.tokenizer(t)["input_ids"]) for t in texts]
+    width = pad_prompts(ids)[0].shape[1]
+    slots = cache_slots(width, max_new_tokens, 0)
+    runs = {("vanilla", "vanilla"): dict(method="vanilla", config=None, cfg=None)}
+    for m in WORKLOADS[workload]:
+        spec = METHODS[m]
+        for fields in (REAL_GRIDS if workload == "real" else GRIDS)[m]:
+            cfg = spec.config_type(**fields)
+            runs[(m, repr(cfg))] = dict(method=m, config=cfg, cfg=cfg)
+        runs[(m, "auto")] = dict(method=m, config="auto", cfg=None)
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=-1)
+
+    def call(r, i):
+        d = draft if r["method"] != "vanilla" and METHODS[r["method"]].needs_draft else None
+        w0 = time.perf_counter()
+        out = oj.generate(target, [ids[i]], draft=d, method=r["method"],
+                          config=r["config"] if r["method"] != "vanilla" else None, **kw)
+        return out, time.perf_counter() - w0
+
+    first = {}
+    for key, r in runs.items():  # first calls: compiles, auto's calibration and agreement
+        out, wall = call(r, 0)
+        first[key] = wall
+    rec = {key: [] for key in runs}
+    for _ in range(calls):
+        for i in range(len(ids)):
+            for key, r in runs.items():
+                out, wall = call(r, i)
+                rec[key].append((i, out, wall))
+    ref = {i: o.tokens for i, o, _ in rec[("vanilla", "vanilla")]}
+    rows = []
+    for key, r in runs.items():
+        new = sum(o.stats["new_tokens"] for _, o, _ in rec[key])
+        wall = sum(w for _, _, w in rec[key])
+        stats_s = sum(o.stats["seconds"] for _, o, _ in rec[key])
+        ran = [(o.stats.get("auto") or {}) for _, o, _ in rec[key]]
+        m, cfg = r["method"], r["cfg"]
+        if r["config"] == "auto":
+            a = ran[-1]
+            m = a["method"]
+            ct = METHODS[r["method"]].config_type
+            cfg = None if a["config"] is None else eval(a["config"], {ct.__name__: ct})
+        priced = sum(price(target, draft, m, cfg, o.stats, width, slots) for _, o, _ in rec[key])
+        loop = sum(o.stats["decode_seconds"] for _, o, _ in rec[key])
+        rows.append({"method": r["method"], "config": key[1] if r["config"] != "auto" else
+                     f"auto -> {ran[-1]['config'] or 'vanilla'}",
+                     "auto_configs": sorted({a.get("config") or "vanilla" for a in ran})
+                     if r["config"] == "auto" else None,
+                     "tokens_per_second": new / wall, "stats_tokens_per_second": new / stats_s,
+                     "first_call_s": first[key], "priced_over_measured": priced / loop,
+                     "identical": all(o.tokens == ref[i] for i, o, _ in rec[key]),
+                     "eta": new / max(sum(o.stats["target_calls"] for _, o, _ in rec[key]), 1)})
+    van = next(x for x in rows if x["method"] == "vanilla")["tokens_per_second"]
+    for x in rows:
+        x["x_vanilla"] = x["tokens_per_second"] / van
+    for m in WORKLOADS[workload]:
+        mine = [x for x in rows if x["method"] == m]
+        best = max(x["tokens_per_second"] for x in mine if not x["config"].startswith("auto"))
+        for x in mine:
+            if x["config"].startswith("auto"):
+                x["auto_over_best"] = x["tokens_per_second"] / best
+                # auto ran vanilla: judged against vanilla too
+                if x["config"].endswith("vanilla"):
+                    x["auto_over_vanilla"] = x["x_vanilla"]
+    return {"workload": workload, "calls": calls, "prompts": len(ids),
+            "max_new_tokens": max_new_tokens, "load_seconds": load_s, "rows": rows}
+
+
+def table(res: dict) -> str:
+    out = [f"workload {res['workload']}: {res['prompts']} prompts x {res['calls']} passes, "
+           f"{res['max_new_tokens']} new tokens, B=1, greedy; tokens/s by the wall clock",
+           f"{'method':<14}{'config':<62}{'tok/s':>7}{'x van':>7}{'eta':>6}{'price/meas':>11}"
+           f"{'stats/wall':>11}{'auto/best':>10}  same"]
+    for x in res["rows"]:
+        ob = x.get("auto_over_best")
+        out.append(f"{x['method']:<14}{x['config'][:61]:<62}{x['tokens_per_second']:>7.2f}"
+                   f"{x['x_vanilla']:>7.2f}{x['eta']:>6.2f}{x['priced_over_measured']:>11.2f}"
+                   f"{x['stats_tokens_per_second'] / x['tokens_per_second']:>11.3f}"
+                   f"{'' if ob is None else f'{ob:.2f}':>10}  {x['identical']}")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="demo")
+    ap.add_argument("--calls", type=int, default=2, help="timed passes after the first calls")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gguf-dir", default=os.path.expanduser("~/.cache/ouroboros-real"))
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    for name in ("calls", "prompts", "max_new_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    res = run(a.workload, a.calls, a.prompts, a.max_new_tokens, a.gguf_dir)
+    print(table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
