@@ -36,9 +36,9 @@ def _write_jsonl(path, objs, extra_lines=()):
 
 # -- a deliberately wrong method: vanilla with one token changed ------------------------------
 
-def _perturbed_run(target, draft, prompt, plens, limits, sp, cfg, *, greedy, slots, pool):
-    seq, stats, pool = METHODS["vanilla"].run(target, draft, prompt, plens, limits, sp, cfg,
-                                              greedy=greedy, slots=slots, pool=pool)
+def _perturbed_run(pair, prompt, plens, limits, sp, pool, *, cfg, slots, greedy):
+    seq, stats, pool = METHODS["vanilla"].runner(pair, prompt, plens, limits, sp, pool, cfg=cfg,
+                                                 slots=slots, greedy=greedy)
     # the third generated token of row 0 -> another id: output differs, shapes do not
     i = plens[0] + 2
     tok = seq.tokens[0, i]
@@ -53,7 +53,7 @@ def bench_run(tiny_pair, tmp_path_factory):
     target, draft, _ = tiny_pair
     d = tmp_path_factory.mktemp("bench")
     spec = _write_jsonl(d / "question.jsonl", SPEC_LINES)
-    METHODS["perturbed"] = MethodSpec(run=_perturbed_run, needs_draft=False,
+    METHODS["perturbed"] = MethodSpec(runner=_perturbed_run, needs_draft=False,
                                       config_type=type(None), default_config=lambda: None,
                                       margin=lambda cfg: 0)
     try:
