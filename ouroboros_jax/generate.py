@@ -99,23 +99,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
     # placed before auto: its probe must time (and key) the models as this call runs them
     target, draft = place_models(target, draft, mesh, multi)
-    if mesh is not None:
-        from .sharding import shard_batch
-
-        # from the host copy: every process holds the whole batch and places its own rows
-        prompt_j, plens_j = shard_batch(prompt, mesh), shard_batch(plens, mesh)
-    else:
-        prompt_j, plens_j = jnp.asarray(prompt), jnp.asarray(plens)
+    prompt_j, plens_j = _placed_batch(prompt, plens, mesh)
     choice, auto_slots = None, None
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
-        from .decoding.auto import auto_config
-
-        # a pool passed in keeps its shape: auto chooses among the configs it can serve
-        shape = (None if pool is None or not hasattr(pool, "phrase_len")
-                 else (int(pool.guesses), int(pool.phrase_len)))
-        auto_slots = cache_slots(P, max_new_tokens, 0, max_cache_len)
-        choice = auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
-                             pool_shape=shape)
+        choice, auto_slots = _auto_choice(method, target, draft, prompt_j, plens_j,
+                                          max_new_tokens, max_cache_len, pool)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
@@ -141,14 +129,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     if target.tokenizer is not None:
         texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in new]
     stats = summarize_stats(stats, seconds)
-    learned = (spec.learn(cfg, stats, greedy) if spec.learn is not None and draft is not None
-               else None)
-    # the agreement this call realised: what the next "auto" plans with (process 0 keeps the
-    # shared cache, so N processes do not count one call N times)
-    if learned is not None and is_leader():
-        from .decoding.auto import record_realised
-
-        record_realised(target, draft, *learned)
+    _learn(spec, cfg, stats, greedy, target, draft)
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
         # the loop's time against its counted forwards' price: what the next choice is priced
@@ -165,6 +146,41 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
     return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
+
+
+def _placed_batch(prompt: np.ndarray, plens: np.ndarray, mesh):
+    """The padded prompts [B,P] and their lengths [B] on the device(s): split over the mesh's
+    "data" axis from the host copy (every process holds the whole batch and places its own
+    rows), or on the default device."""
+    if mesh is None:
+        return jnp.asarray(prompt), jnp.asarray(plens)
+    from .sharding import shard_batch
+
+    return shard_batch(prompt, mesh), shard_batch(plens, mesh)
+
+
+def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: int,
+                 max_cache_len, pool):
+    """`decoding.auto`'s choice for this call -> (Choice, the cache slots it sized for). A pool
+    passed in keeps its shape: auto chooses among the configs it can serve."""
+    from .decoding.auto import auto_config
+
+    shape = (None if pool is None or not hasattr(pool, "phrase_len")
+             else (int(pool.guesses), int(pool.phrase_len)))
+    auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
+    return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
+                       pool_shape=shape), auto_slots
+
+
+def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:
+    """The agreement this call realised, stored: what the next "auto" plans with (process 0
+    keeps the shared cache, so N processes do not count one call N times)."""
+    learned = (spec.learn(cfg, stats, greedy) if spec.learn is not None and draft is not None
+               else None)
+    if learned is not None and is_leader():
+        from .decoding.auto import record_realised
+
+        record_realised(target, draft, *learned)
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:
