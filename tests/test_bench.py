@@ -412,7 +412,7 @@ def test_cpu_forward_bench_times_every_size_and_both_vanilla_rates(tiny_target, 
     rates are positive, and llama.cpp is reported as skipped, not compared."""
     from ouroboros_jax.bench import cpu_forward
 
-    assert cpu_forward.main(["--target", tiny_target.path, "--max-new-tokens", "6",
+    assert cpu_forward.main(["--target", tiny_target.path, "--max-new-tokens", "24",
                              "--reps", "1", "--sizes", "4,2"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert set(res["forward_vs_T1"]) == {"1", "2", "4"} and res["forward_vs_T1"]["1"] == 1.0
