@@ -60,8 +60,8 @@ def bench_run(tiny_pair, tmp_path_factory):
         main(["bench", "--quick", "--target", target.path, "--draft", draft.path,
               "--spec-bench", spec, "--prompts-per-task", "1", "--no-progress", "--ignore-eos",
               "--max-new-tokens", "8",
-              "--methods", "vanilla,speculative,speculative@auto,lookahead,ouroboros,perturbed,"
-                           "peers",
+              "--methods", "vanilla,speculative,peers,speculative@auto,lookahead,ouroboros,"
+                           "perturbed",
               "--sweep", "pool", "--sweep", "history", "--sweep", "length",
               "--sweep", "confidence", "--project", "h100",
               "--out", str(d / "out")])
@@ -88,6 +88,10 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert res["workload"]["tasks"] == {"mt-bench": 1, "translation": 1}
     m = res["methods"]
     assert list(m)[0] == "vanilla"
+    # the peers run after every method of ours (their torch copies are loaded then), though
+    # --methods names them third
+    kinds = ["hf" if k.startswith("hf-") else "oj" for k in m]
+    assert kinds == sorted(kinds, key=lambda k: k == "hf") and kinds[-1] == "hf"
     for label in ("vanilla", "speculative", "lookahead", "ouroboros", "hf-greedy",
                   "hf-assisted", "hf-pld"):
         s = m[label]

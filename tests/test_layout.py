@@ -73,6 +73,10 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     # new params (the same Model object) are packed anew
     model.params = jax.tree.map(lambda x: x + 0, model.params)
     assert layout.packed_bytes(model) == extra and make_pair(model).tparams is not pair.tparams
+    # released, the copy is counted again and the next pair packs anew
+    packed_now = make_pair(model).tparams
+    layout.release(model)
+    assert layout.packed_bytes(model) == extra and make_pair(model).tparams is not packed_now
     with pytest.raises(ValueError, match="set_packing: enabled"):
         layout.set_packing("yes")
 

@@ -129,6 +129,13 @@ def decode_params(model) -> Params:
     return packed
 
 
+def release(model) -> None:
+    """Drops a `Model`'s packed copy (the next call that wants it packs again): frees a
+    second copy of the weights when something else needs the memory, e.g. a benchmark that
+    loads transformers' own copies of the same checkpoints after ours have run."""
+    model._packed.pop("params", None)
+
+
 def _made(model):
     """The model's packed copy when it was made from its current params, else None."""
     hit = model._packed.get("params")
