@@ -155,11 +155,34 @@ def _serve_models(a, mesh):
     return target, draft
 
 
+def _serve_gate(a) -> dict:
+    """serve's limit and access flags -> create_app's keyword arguments (serving/guard.py),
+    checked by flag before anything loads."""
+    _positive("--max-body-bytes", a.max_body_bytes)
+    if not a.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be > 0 seconds, got {a.body_timeout}")
+    key = a.api_key if a.api_key is not None else os.environ.get("OUROBOROS_JAX_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key (or OUROBOROS_JAX_API_KEY) must not be empty")
+
+    def names(flag, v):
+        out = [x.strip() for x in (v or "").split(",") if x.strip()]
+        if v is not None and not out:
+            raise ValueError(f"{flag} must name at least one, comma-separated, got {v!r}")
+        return out
+
+    return dict(max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
+                api_key=key.strip() if key else None, docs=a.docs,
+                allowed_hosts=names("--allowed-hosts", a.allowed_hosts),
+                allowed_origins=names("--allowed-origins", a.allowed_origins))
+
+
 def _cmd_serve(a):
     _positive("--slots", a.slots)
     _positive("--max-queue", a.max_queue)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    gate = _serve_gate(a)
     fields = _serve_fields(a.config)
     if a.mesh:
         _parse_mesh(a.mesh)  # its form checked before anything starts
@@ -194,7 +217,7 @@ def _cmd_serve(a):
         name = name[:-len(".gguf")] if name.endswith(".gguf") else name
     else:
         name = "ouroboros-demo"
-    app = create_app(engine, model_names=[name])
+    app = create_app(engine, model_names=[name], **gate)
     try:
         if hasattr(engine, "warmup"):  # compile now, not on the first requests
             print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
@@ -322,8 +345,24 @@ def main(argv=None):
                                                "ouroboros-demo for the demo pair)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds requests in flight get to finish on Ctrl-C before they are "
-                        "cancelled")
+                   help="seconds requests in flight get to finish on Ctrl-C or SIGTERM before "
+                        "they are cancelled (default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2 ** 20,
+                   help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower ones get HTTP 408 "
+                        "(default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="key every /v1/ request must send as 'Authorization: Bearer KEY', else "
+                        "HTTP 401 (default: $OUROBOROS_JAX_API_KEY, else none)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names served besides the bound address (and "
+                        "localhost when bound to loopback); '*' for any (default: none)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser origins allowed, with CORS headers for them; "
+                        "'*' for any (default: none: cross-origin requests get HTTP 403)")
+    s.add_argument("--docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default: off)")
     s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
                                   "process; processes x local devices over several)")
     s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "
