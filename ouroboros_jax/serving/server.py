@@ -376,16 +376,23 @@ def _routes(app: FastAPI, svc: Service) -> None:
     async def chat_completions(request: Request):
         return await run(request, chat=True)
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    def get(path: str):
+        """A GET route, and HEAD on it (uvicorn sends HEAD's headers without the body)."""
+        def route(fn):
+            app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+            return app.get(path)(fn)
+        return route
+
+    @get("/v1/models")
     async def models():
         return svc.models()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @get("/health")
     async def health():
         status, body = svc.health()
         return JSONResponse(body, status_code=status)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @get("/metrics")
     async def metrics():
         return Response(svc.metrics_text(), media_type=CONTENT_TYPE)
 
