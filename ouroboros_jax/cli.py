@@ -177,6 +177,26 @@ def _serve_gate(a) -> dict:
                 allowed_origins=names("--allowed-origins", a.allowed_origins))
 
 
+def _add_serve_gate_args(s) -> None:
+    """serve's limit and access flags (`_serve_gate` reads them; serving/guard.py enforces)."""
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2 ** 20,
+                   help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower ones get HTTP 408 "
+                        "(default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="key every /v1/ request must send as 'Authorization: Bearer KEY', else "
+                        "HTTP 401 (default: $OUROBOROS_JAX_API_KEY, else none)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names served besides the bound address (and "
+                        "localhost when bound to loopback); '*' for any (default: none)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser origins allowed, with CORS headers for them; "
+                        "'*' for any (default: none: cross-origin requests get HTTP 403)")
+    s.add_argument("--docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default: off)")
+
+
 def _cmd_serve(a):
     _positive("--slots", a.slots)
     _positive("--max-queue", a.max_queue)
@@ -333,11 +353,13 @@ def main(argv=None):
                    help="vanilla, speculative, lookahead, prompt_lookup or ouroboros "
                         "(default: ouroboros with a draft, else vanilla)")
     s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--slots", type=int, default=8, help="requests decoded together")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get HTTP 429")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                                                      "%(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--slots", type=int, default=8,
+                   help="requests decoded together (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot "
+                   "before new ones get HTTP 429 (default: %(default)s)")
     s.add_argument("--max-cache-len", type=int, default=None,
                    help="longest prompt + max_tokens (default: the model's context)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
@@ -347,22 +369,7 @@ def main(argv=None):
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on Ctrl-C or SIGTERM before "
                         "they are cancelled (default: %(default)s)")
-    s.add_argument("--max-body-bytes", type=int, default=8 * 2 ** 20,
-                   help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
-    s.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request body may take to arrive; slower ones get HTTP 408 "
-                        "(default: %(default)s)")
-    s.add_argument("--api-key", default=None,
-                   help="key every /v1/ request must send as 'Authorization: Bearer KEY', else "
-                        "HTTP 401 (default: $OUROBOROS_JAX_API_KEY, else none)")
-    s.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host names served besides the bound address (and "
-                        "localhost when bound to loopback); '*' for any (default: none)")
-    s.add_argument("--allowed-origins", default=None,
-                   help="comma-separated browser origins allowed, with CORS headers for them; "
-                        "'*' for any (default: none: cross-origin requests get HTTP 403)")
-    s.add_argument("--docs", action="store_true",
-                   help="serve /docs, /redoc and /openapi.json (default: off)")
+    _add_serve_gate_args(s)
     s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
                                   "process; processes x local devices over several)")
     s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "

@@ -9,7 +9,7 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events shaped as OpenAI's chunks, ending `data: [DONE]`; `stream_options.
 include_usage` adds the usage chunk), GET /health, GET /metrics (Prometheus text, see
-`serving/metrics.py`).
+`serving/metrics.py`); HEAD wherever GET.
 
 Every response carries the request's own speculative-decoding figures in a top-level `metrics`
 object, `{"speculative_decoding": {"mean_acceptance_length", "acceptance_histogram", ...}}`, where
@@ -22,22 +22,28 @@ Extensions beyond OpenAI's fields, named as vLLM names them: `top_k`, `stop_toke
 (`logprobs`, `echo`, `best_of`, `n` > 1, penalties, `logit_bias`, tools, non-text response
 formats) are refused with 400 rather than silently ignored.
 
-Faults: a body that is not JSON, an unknown model, a bad field (max_tokens <= 0 or past the
-cache, a prompt longer than the cache, sampling values out of range) -> 400 with OpenAI's error
-body `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`; a full queue ->
-429; a client that disconnects mid-request cancels it (the engine frees its slot at its next
-step); stopping the server either drains the requests in flight (`ServerThread.stop()`, uvicorn's
-graceful shutdown) or cancels them (`stop(cancel=True)`: streams get an error event, waiting
-non-streamed requests a 503).
+Faults: a body that is not JSON (nested too deep included), an unknown model, a bad field
+(max_tokens <= 0 or past the cache, a prompt longer than the cache, sampling values out of
+range) -> 400 with OpenAI's error body `{"error": {"message", "type": "invalid_request_error",
+"param", "code"}}`; a full queue -> 429; a client that disconnects mid-request cancels it (the
+engine frees its slot at its next step). Before any handler, the gate (`guard.py`) refuses
+foreign Hosts (421) and Origins (403), a missing API key (401), bodies that are not JSON
+(415), too large (413) or too slow (408).
 
-Structure: `Service` holds what a server knows (the engine, behind the `EngineAPI` interface,
-the names it serves, its counters) and answers each endpoint in a method of its own, callable
-without HTTP (tests/test_serving_units.py); `create_app` only routes to it; the wire format
-(bodies, chunks, error bodies) is `openai_api.py`'s.
+Shutdown (`runner.py`): /health and new requests get 503 at once; requests in flight get the
+drain time to finish, then the Service ends what is left itself (`end_open`: streams get an
+error event and [DONE], non-streamed requests a JSON 503) before uvicorn's own deadline could
+cancel a handler; `ServerThread.stop(cancel=True)` cancels them at once.
 
-Threads: uvicorn's event loop runs the handlers; the engine runs its own step thread
-(`Engine.start`); each request gets a small pump thread that iterates the blocking
-`RequestHandle` and hands its deltas to the event loop, so no handler blocks the loop.
+Structure: `Service` holds what a server knows (the engine, behind the `EngineAPI` interface
+of `engine_api.py`, the names it serves, its counters) and answers each endpoint in a method
+of its own, callable without HTTP (tests/test_serving_units.py); `create_app` only routes to
+it; the wire format (bodies, chunks, error bodies) is `openai_api.py`'s.
+
+Threads: uvicorn's event loop runs the handlers and nothing slow: a request's JSON parsing,
+chat template, tokenization and validation run once, on a worker thread (`pump.off_loop`);
+the engine runs its own step thread (`Engine.start`); each request gets a small pump thread
+that iterates the blocking `RequestHandle` and hands its deltas to the event loop.
 """
 
 
@@ -47,53 +53,22 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
-from ..request import FieldError, RequestParams, ValidRequest
+from ..request import FieldError, RequestParams
 from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, Limits
-from .handle import QueueFull, RequestHandle
+from .engine_api import EngineAPI
+from .handle import QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics, render
 from .pump import Pump, disconnected, off_loop
 from .runner import ServerThread, serve  # noqa: F401  (where callers import them from)
 from .openai_api import (APIError, bad, chunk, completion, metrics_obj, param_name, parse_body,
                          parse_completion_prompt, parse_messages, sampling_fields, sse,
                          stream_flags, usage)
-
-
-@runtime_checkable
-class EngineAPI(Protocol):
-    """What the server asks of an engine (`serving.engine.Engine` is one).
-
-    model_name: the default name served. tokenizer: None when the model has none (no chat, no
-    text). limit: prompt + max_tokens allowed. default_stop_ids: the model's own EOS ids.
-    running: False once the engine can take no more work (/health answers 503).
-    tokens(prompt) -> ids: a prompt (text, ids, chat messages) tokenized, chat rendered once;
-    FieldError naming the prompt. validate(ids, params) -> ValidRequest: FieldError naming
-    the field. submit(ValidRequest) -> RequestHandle: QueueFull when full, RuntimeError when
-    stopped. metrics() -> dict (`serving/metrics.py` renders it). start(), stop(cancel,
-    timeout): the engine's own thread."""
-
-    model_name: str
-    tokenizer: Any
-    limit: int
-    default_stop_ids: tuple
-    running: bool
-
-    def tokens(self, prompt) -> list: ...
-
-    def validate(self, ids: list, params: RequestParams) -> ValidRequest: ...
-
-    def submit(self, request: ValidRequest) -> RequestHandle: ...
-
-    def metrics(self) -> dict: ...
-
-    def start(self) -> None: ...
-
-    def stop(self, cancel: bool = False, timeout: Optional[float] = None) -> None: ...
 
 
 @dataclasses.dataclass
