@@ -27,7 +27,7 @@ def _server(app, host: str, port: int, log_level: str, drain_timeout: Optional[f
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            svc = getattr(app.state, "ouroboros", None)
+            svc = getattr(getattr(app, "state", None), "ouroboros", None)  # create_app's
             timer = None
             if svc is not None:
                 svc.drain()

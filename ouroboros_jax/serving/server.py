@@ -60,8 +60,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.cors import CORSMiddleware
 
 from ..request import FieldError, RequestParams
-from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, Limits
 from .engine_api import EngineAPI
+from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, Limits
 from .handle import QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics, render
 from .pump import Pump, disconnected, off_loop
@@ -142,7 +142,8 @@ class Service:
 
     def accept(self, body: dict, *, chat: bool) -> Call:
         """A parsed body -> the submitted request (APIError: 400 naming the field, 429 when
-        the queue is full, 503 when stopping)."""
+        the queue is full, 503 when stopping). It tokenizes (a chat: its template rendered
+        once), so the server calls it on a worker thread (`pump.off_loop`)."""
         model = self.model_of(body)
         prompt = self.prompt_of(body, chat)
         stream, include_usage = stream_flags(body)
@@ -390,8 +391,7 @@ def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
     the server's own), allowed_origins (browser origins allowed, with CORS headers for them;
     none by default): see `guard.py`. docs: serve /docs, /redoc and /openapi.json.
     """
-    limits = Limits(max_body_bytes, body_timeout, api_key, tuple(allowed_hosts),
-                    tuple(allowed_origins))
+    limits = Limits(max_body_bytes, body_timeout, api_key, allowed_hosts, allowed_origins)
     svc = Service(engine, model_names)
 
     @contextlib.asynccontextmanager
@@ -411,8 +411,9 @@ def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)
     app.state.ouroboros = svc
+    on_error = _on_error(svc)
     for key in (APIError, Exception, 404, 405):
-        app.add_exception_handler(key, _on_error(svc))
+        app.add_exception_handler(key, on_error)
     _routes(app, svc)
     if limits.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
