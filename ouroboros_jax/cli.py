@@ -159,11 +159,12 @@ def _serve_gate(a) -> dict:
     """serve's limit and access flags -> create_app's keyword arguments (serving/guard.py),
     checked by flag before anything loads."""
     _positive("--max-body-bytes", a.max_body_bytes)
-    if not a.body_timeout > 0:
-        raise ValueError(f"--body-timeout must be > 0 seconds, got {a.body_timeout}")
+    if not 0 < a.body_timeout < float("inf"):
+        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {a.body_timeout}")
+    if a.api_key is not None and not a.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    # an empty variable counts as unset, as shells leave them
     key = a.api_key if a.api_key is not None else os.environ.get("OUROBOROS_JAX_API_KEY")
-    if key is not None and not key.strip():
-        raise ValueError("--api-key (or OUROBOROS_JAX_API_KEY) must not be empty")
 
     def names(flag, v):
         out = [x.strip() for x in (v or "").split(",") if x.strip()]
@@ -172,7 +173,7 @@ def _serve_gate(a) -> dict:
         return out
 
     return dict(max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
-                api_key=key.strip() if key else None, docs=a.docs,
+                api_key=(key or "").strip() or None, docs=a.docs,
                 allowed_hosts=names("--allowed-hosts", a.allowed_hosts),
                 allowed_origins=names("--allowed-origins", a.allowed_origins))
 

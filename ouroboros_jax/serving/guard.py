@@ -65,7 +65,7 @@ class Limits:
             raise ValueError(f"max_body_bytes must be an integer >= 1, got {m!r}")
         t = self.body_timeout
         if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool)
-                              or not t > 0):
+                              or not 0 < t < float("inf")):
             raise ValueError(f"body_timeout must be a number of seconds > 0 or None, got {t!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
