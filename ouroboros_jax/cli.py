@@ -155,11 +155,55 @@ def _serve_models(a, mesh):
     return target, draft
 
 
+def _serve_gate(a) -> dict:
+    """serve's limit and access flags -> create_app's keyword arguments (serving/guard.py),
+    checked by flag before anything loads."""
+    _positive("--max-body-bytes", a.max_body_bytes)
+    if not 0 < a.body_timeout < float("inf"):
+        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {a.body_timeout}")
+    if a.api_key is not None and not a.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    # an empty variable counts as unset, as shells leave them
+    key = a.api_key if a.api_key is not None else os.environ.get("OUROBOROS_JAX_API_KEY")
+
+    def names(flag, v):
+        out = [x.strip() for x in (v or "").split(",") if x.strip()]
+        if v is not None and not out:
+            raise ValueError(f"{flag} must name at least one, comma-separated, got {v!r}")
+        return out
+
+    return dict(max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout,
+                api_key=(key or "").strip() or None, docs=a.docs,
+                allowed_hosts=names("--allowed-hosts", a.allowed_hosts),
+                allowed_origins=names("--allowed-origins", a.allowed_origins))
+
+
+def _add_serve_gate_args(s) -> None:
+    """serve's limit and access flags (`_serve_gate` reads them; serving/guard.py enforces)."""
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2 ** 20,
+                   help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; slower ones get HTTP 408 "
+                        "(default: %(default)s)")
+    s.add_argument("--api-key", default=None,
+                   help="key every /v1/ request must send as 'Authorization: Bearer KEY', else "
+                        "HTTP 401 (default: $OUROBOROS_JAX_API_KEY, else none)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names served besides the bound address (and "
+                        "localhost when bound to loopback); '*' for any (default: none)")
+    s.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser origins allowed, with CORS headers for them; "
+                        "'*' for any (default: none: cross-origin requests get HTTP 403)")
+    s.add_argument("--docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (default: off)")
+
+
 def _cmd_serve(a):
     _positive("--slots", a.slots)
     _positive("--max-queue", a.max_queue)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    gate = _serve_gate(a)
     fields = _serve_fields(a.config)
     if a.mesh:
         _parse_mesh(a.mesh)  # its form checked before anything starts
@@ -194,7 +238,7 @@ def _cmd_serve(a):
         name = name[:-len(".gguf")] if name.endswith(".gguf") else name
     else:
         name = "ouroboros-demo"
-    app = create_app(engine, model_names=[name])
+    app = create_app(engine, model_names=[name], **gate)
     try:
         if hasattr(engine, "warmup"):  # compile now, not on the first requests
             print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
@@ -310,11 +354,13 @@ def main(argv=None):
                    help="vanilla, speculative, lookahead, prompt_lookup or ouroboros "
                         "(default: ouroboros with a draft, else vanilla)")
     s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--slots", type=int, default=8, help="requests decoded together")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get HTTP 429")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                                                      "%(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--slots", type=int, default=8,
+                   help="requests decoded together (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot "
+                   "before new ones get HTTP 429 (default: %(default)s)")
     s.add_argument("--max-cache-len", type=int, default=None,
                    help="longest prompt + max_tokens (default: the model's context)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
@@ -322,8 +368,9 @@ def main(argv=None):
                                                "ouroboros-demo for the demo pair)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds requests in flight get to finish on Ctrl-C before they are "
-                        "cancelled")
+                   help="seconds requests in flight get to finish on Ctrl-C or SIGTERM before "
+                        "they are cancelled (default: %(default)s)")
+    _add_serve_gate_args(s)
     s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
                                   "process; processes x local devices over several)")
     s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "

@@ -84,6 +84,13 @@ class ServerMetrics:
         with self._lock:
             self.errors[status] = self.errors.get(status, 0) + 1
 
+    def cancelled(self, endpoint: str) -> None:
+        """A request that ended before it was accepted (its client left mid-upload): counted
+        as cancelled, with no latency to observe."""
+        with self._lock:
+            k = (endpoint, "cancelled")
+            self.finished[k] = self.finished.get(k, 0) + 1
+
 
 def _num(v) -> str:
     """A sample value as Prometheus prints it (integers without '.0')."""

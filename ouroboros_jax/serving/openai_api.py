@@ -63,11 +63,13 @@ def _is_int(v) -> bool:
 
 
 def parse_body(raw: bytes) -> dict:
-    """A request's bytes -> its JSON object; 400 (code invalid_json) otherwise."""
+    """A request's bytes -> its JSON object; 400 (code invalid_json) otherwise: not JSON, not
+    UTF-8, nested past Python's recursion limit, an integer past its digit limit."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+        raise bad(f"the request body is not valid JSON: {type(e).__name__}: {e}",
+                  code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body

@@ -1,31 +1,65 @@
 """uvicorn around a server app: in the foreground (`serve`, the CLI) or on a thread of this
-process (`ServerThread`: tests, the load bench)."""
+process (`ServerThread`: tests, the load bench).
+
+Shutdown (Ctrl-C, SIGTERM, `ServerThread.stop()`): uvicorn stops listening and waits for the
+requests in flight. When the app is `server.create_app`'s, its Service is told first (`drain`:
+/health answers 503, new requests 503) and, once drain_timeout seconds have passed, ends what
+is still open itself (`end_open`: streams get an error event and [DONE], non-streamed requests
+a JSON 503), so the handlers finish on their own; uvicorn's own deadline, SHUTDOWN_GRACE
+seconds later, which would cancel them mid-answer (cut streams, 500s, CancelledError
+tracebacks), is not reached.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 import time
 from typing import Optional
 
+SHUTDOWN_GRACE = 10.0  # seconds past the drain time before uvicorn cancels the handlers
 
-def _config(app, host: str, port: int, log_level: str, drain_timeout: Optional[float]):
+
+def _server(app, host: str, port: int, log_level: str, drain_timeout: Optional[float]):
+    """A uvicorn.Server whose shutdown tells the app's Service (see the module docstring)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=drain_timeout, access_log=False)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            svc = getattr(getattr(app, "state", None), "ouroboros", None)  # create_app's
+            timer = None
+            if svc is not None:
+                svc.drain()
+                if drain_timeout is not None:
+                    timer = asyncio.get_running_loop().call_later(drain_timeout, svc.end_open)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    grace = None if drain_timeout is None else drain_timeout + SHUTDOWN_GRACE
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                 timeout_graceful_shutdown=grace, access_log=False))
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
           drain_timeout: Optional[float] = 30.0) -> None:
-    """Runs the app in the foreground until Ctrl-C / SIGTERM. In-flight requests get up to
-    drain_timeout seconds to finish; what is left is then cancelled (streams get an error
-    event, clients waiting on non-streamed requests a 503)."""
-    import uvicorn
-
+    """Runs the app in the foreground until Ctrl-C / SIGTERM, then returns. In-flight requests
+    get up to drain_timeout seconds to finish; what is left is then cancelled (streams get an
+    error event and [DONE], clients waiting on non-streamed requests a JSON 503)."""
+    # uvicorn re-raises the signal it handled once its shutdown is done: SIGTERM's default
+    # would kill the process there (before the caller's cleanup, exit status -15)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
     try:
-        uvicorn.Server(_config(app, host, port, log_level, drain_timeout)).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its shutdown
+        _server(app, host, port, log_level, drain_timeout).run()
+    except KeyboardInterrupt:  # SIGINT or SIGTERM, re-raised after the shutdown
         pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
 
 
 class ServerThread:
@@ -38,10 +72,8 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *,
                  log_level: str = "warning", drain_timeout: Optional[float] = 30.0):
-        import uvicorn
-
         self.app = app
-        self.server = uvicorn.Server(_config(app, host, port, log_level, drain_timeout))
+        self.server = _server(app, host, port, log_level, drain_timeout)
         self.host = host
         self.port: Optional[int] = None
         self._thread: Optional[threading.Thread] = None

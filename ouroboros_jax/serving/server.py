@@ -9,7 +9,7 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events shaped as OpenAI's chunks, ending `data: [DONE]`; `stream_options.
 include_usage` adds the usage chunk), GET /health, GET /metrics (Prometheus text, see
-`serving/metrics.py`).
+`serving/metrics.py`); HEAD wherever GET.
 
 Every response carries the request's own speculative-decoding figures in a top-level `metrics`
 object, `{"speculative_decoding": {"mean_acceptance_length", "acceptance_histogram", ...}}`, where
@@ -22,22 +22,28 @@ Extensions beyond OpenAI's fields, named as vLLM names them: `top_k`, `stop_toke
 (`logprobs`, `echo`, `best_of`, `n` > 1, penalties, `logit_bias`, tools, non-text response
 formats) are refused with 400 rather than silently ignored.
 
-Faults: a body that is not JSON, an unknown model, a bad field (max_tokens <= 0 or past the
-cache, a prompt longer than the cache, sampling values out of range) -> 400 with OpenAI's error
-body `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`; a full queue ->
-429; a client that disconnects mid-request cancels it (the engine frees its slot at its next
-step); stopping the server either drains the requests in flight (`ServerThread.stop()`, uvicorn's
-graceful shutdown) or cancels them (`stop(cancel=True)`: streams get an error event, waiting
-non-streamed requests a 503).
+Faults: a body that is not JSON (nested too deep included), an unknown model, a bad field
+(max_tokens <= 0 or past the cache, a prompt longer than the cache, sampling values out of
+range) -> 400 with OpenAI's error body `{"error": {"message", "type": "invalid_request_error",
+"param", "code"}}`; a full queue -> 429; a client that disconnects mid-request cancels it (the
+engine frees its slot at its next step). Before any handler, the gate (`guard.py`) refuses
+foreign Hosts (421) and Origins (403), a missing API key (401), bodies that are not JSON
+(415), too large (413) or too slow (408).
 
-Structure: `Service` holds what a server knows (the engine, behind the `EngineAPI` interface,
-the names it serves, its counters) and answers each endpoint in a method of its own, callable
-without HTTP (tests/test_serving_units.py); `create_app` only routes to it; the wire format
-(bodies, chunks, error bodies) is `openai_api.py`'s.
+Shutdown (`runner.py`): /health and new requests get 503 at once; requests in flight get the
+drain time to finish, then the Service ends what is left itself (`end_open`: streams get an
+error event and [DONE], non-streamed requests a JSON 503) before uvicorn's own deadline could
+cancel a handler; `ServerThread.stop(cancel=True)` cancels them at once.
 
-Threads: uvicorn's event loop runs the handlers; the engine runs its own step thread
-(`Engine.start`); each request gets a small pump thread that iterates the blocking
-`RequestHandle` and hands its deltas to the event loop, so no handler blocks the loop.
+Structure: `Service` holds what a server knows (the engine, behind the `EngineAPI` interface
+of `engine_api.py`, the names it serves, its counters) and answers each endpoint in a method
+of its own, callable without HTTP (tests/test_serving_units.py); `create_app` only routes to
+it; the wire format (bodies, chunks, error bodies) is `openai_api.py`'s.
+
+Threads: uvicorn's event loop runs the handlers and nothing slow: a request's JSON parsing,
+chat template, tokenization and validation run once, on a worker thread (`pump.off_loop`);
+the engine runs its own step thread (`Engine.start`); each request gets a small pump thread
+that iterates the blocking `RequestHandle` and hands its deltas to the event loop.
 """
 
 
@@ -46,52 +52,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
 
-from ..request import FieldError, RequestParams, ValidRequest
-from .handle import QueueFull, RequestHandle
+from ..request import FieldError, RequestParams
+from .engine_api import EngineAPI
+from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, Limits
+from .handle import QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics, render
+from .pump import Pump, disconnected, off_loop
 from .runner import ServerThread, serve  # noqa: F401  (where callers import them from)
 from .openai_api import (APIError, bad, chunk, completion, metrics_obj, param_name, parse_body,
                          parse_completion_prompt, parse_messages, sampling_fields, sse,
                          stream_flags, usage)
-
-
-@runtime_checkable
-class EngineAPI(Protocol):
-    """What the server asks of an engine (`serving.engine.Engine` is one).
-
-    model_name: the default name served. tokenizer: None when the model has none (no chat, no
-    text). limit: prompt + max_tokens allowed. default_stop_ids: the model's own EOS ids.
-    running: False once the engine can take no more work (/health answers 503).
-    tokens(prompt) -> ids: a prompt (text, ids, chat messages) tokenized, chat rendered once;
-    FieldError naming the prompt. validate(ids, params) -> ValidRequest: FieldError naming
-    the field. submit(ValidRequest) -> RequestHandle: QueueFull when full, RuntimeError when
-    stopped. metrics() -> dict (`serving/metrics.py` renders it). start(), stop(cancel,
-    timeout): the engine's own thread."""
-
-    model_name: str
-    tokenizer: Any
-    limit: int
-    default_stop_ids: tuple
-    running: bool
-
-    def tokens(self, prompt) -> list: ...
-
-    def validate(self, ids: list, params: RequestParams) -> ValidRequest: ...
-
-    def submit(self, request: ValidRequest) -> RequestHandle: ...
-
-    def metrics(self) -> dict: ...
-
-    def start(self) -> None: ...
-
-    def stop(self, cancel: bool = False, timeout: Optional[float] = None) -> None: ...
 
 
 @dataclasses.dataclass
@@ -113,28 +90,10 @@ class Call:
                 "created": self.created, "model": self.model}
 
 
-class Pump:
-    """Iterates a blocking RequestHandle on its own thread and hands ("delta", d), ("done",
-    result) or ("error", exc) to the event loop's queue."""
-
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop):
-        self.handle, self.loop = handle, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=self._run, daemon=True, name=f"pump-{handle.id}").start()
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.handle.cancel()
-
-    def _run(self) -> None:
-        try:
-            for d in self.handle:
-                self._put(("delta", d))
-            self._put(("done", self.handle.result()))
-        except Exception as e:  # noqa: BLE001  (reported to the client, never lost)
-            self._put(("error", e))
+def shut_down() -> APIError:
+    """What a request the server's shutdown cancelled answers with."""
+    return APIError(503, "the request was cancelled: the server is shutting down",
+                    type_="server_error", code="cancelled")
 
 
 def failure(handle, r) -> Optional[APIError]:
@@ -142,10 +101,7 @@ def failure(handle, r) -> Optional[APIError]:
     the server's shutdown cancelled it (503)."""
     if handle.error is not None:
         return APIError(500, f"generation failed: {handle.error!r}", type_="server_error")
-    if r.finish_reason == "cancelled":
-        return APIError(503, "the request was cancelled: the server is shutting down",
-                        type_="server_error", code="cancelled")
-    return None
+    return shut_down() if r.finish_reason == "cancelled" else None
 
 
 class Service:
@@ -159,6 +115,8 @@ class Service:
         self.metrics = ServerMetrics()
         self.stopping = False
         self.created = int(time.time())
+        self.open: dict = {}  # the pump queue of each request being answered -> its handle
+        self.ended = False  # the drain time is over (`end_open`)
 
     # -- accepting a request ---------------------------------------------------------------
     def model_of(self, body: dict) -> str:
@@ -184,7 +142,8 @@ class Service:
 
     def accept(self, body: dict, *, chat: bool) -> Call:
         """A parsed body -> the submitted request (APIError: 400 naming the field, 429 when
-        the queue is full, 503 when stopping)."""
+        the queue is full, 503 when stopping). It tokenizes (a chat: its template rendered
+        once), so the server calls it on a worker thread (`pump.off_loop`)."""
         model = self.model_of(body)
         prompt = self.prompt_of(body, chat)
         stream, include_usage = stream_flags(body)
@@ -220,6 +179,8 @@ class Service:
 
     # -- answering ---------------------------------------------------------------------------
     def finished(self, call: Call, r) -> None:
+        if r is None:  # ended by the shutdown (`end_open`): no result to measure
+            return self.metrics.cancelled("chat" if call.chat else "completions")
         self.metrics.request_done("chat" if call.chat else "completions", r.finish_reason,
                                   r.latency_s, r.ttft_s if r.completion_tokens else None)
 
@@ -230,6 +191,9 @@ class Service:
         if kind == "done":
             self.finished(call, item)
             err = failure(call.handle, item)
+        if kind == "shutdown":
+            self.finished(call, None)
+            err = shut_down()
         if err is not None:
             return [sse(err.body()), "data: [DONE]\n\n"]
         meta = call.meta
@@ -256,6 +220,7 @@ class Service:
                     yield chunk(meta, call.chat, item.text, list(item.token_ids),
                                 include_usage=call.include_usage)
         finally:
+            self.open.pop(queue, None)
             if not done:  # the client went away (the task is being cancelled)
                 call.handle.cancel()
 
@@ -274,6 +239,9 @@ class Service:
                 kind, item = get.result()
                 if kind == "error":
                     raise APIError(500, f"generation failed: {item!r}", type_="server_error")
+                if kind == "shutdown":
+                    self.finished(call, None)
+                    raise shut_down()
                 if kind == "done":
                     break
                 text.append(item.text or "")
@@ -282,12 +250,39 @@ class Service:
             raise
         finally:
             gone.cancel()
+            self.open.pop(queue, None)
         self.finished(call, item)
         err = failure(call.handle, item)
         if err is not None:
             raise err
         return completion(call.meta, call.chat, item,
                           item.text if item.text is not None else "".join(text))
+
+    # -- shutting down -----------------------------------------------------------------------
+    def drain(self) -> None:
+        """The server's shutdown began: /health answers 503, new requests get 503, those in
+        flight go on."""
+        self.stopping = True
+
+    def register(self, queue: asyncio.Queue, handle) -> None:
+        """A request being answered from `queue`: `end_open` ends it (at once when the drain
+        time is already over)."""
+        self.open[queue] = handle
+        if self.ended:
+            handle.cancel()
+            queue.put_nowait(("shutdown", None))
+
+    def end_open(self) -> int:
+        """The drain time is over: every request still being answered is cancelled and
+        answered now (a stream: an error event and [DONE]; a non-streamed one: a JSON 503),
+        whatever the engine is doing, so no handler is left for uvicorn to cancel. On the
+        event loop's thread. -> how many."""
+        self.stopping = self.ended = True
+        ended = list(self.open.items())
+        for queue, handle in ended:
+            handle.cancel()
+            queue.put_nowait(("shutdown", None))
+        return len(ended)
 
     # -- the other endpoints -----------------------------------------------------------------
     def models(self) -> dict:
@@ -312,38 +307,8 @@ class Service:
         return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (uvicorn's receive() after the body)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
-               manage_engine: bool = True, stop_timeout: Optional[float] = 30.0):
-    """A FastAPI app serving `engine`: routes to a `Service` (app.state.ouroboros).
-
-    model_names: the names clients may ask for (default: [engine.model_name]); the first is the
-    one /v1/models lists first and responses carry. manage_engine: start the engine's thread at
-    startup and stop it at shutdown (finishing what is in flight, then cancelling what is left
-    after stop_timeout seconds); False when the caller drives the engine.
-    """
-    svc = Service(engine, model_names)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        if manage_engine:
-            engine.start()
-        try:
-            yield
-        finally:
-            svc.stopping = True
-            if manage_engine:
-                # uvicorn has already waited for open connections (its graceful shutdown), so
-                # what is left here is cancelled, not waited for again
-                await asyncio.to_thread(engine.stop, cancel=True, timeout=stop_timeout)
-
-    app = FastAPI(title="ouroboros-jax", lifespan=lifespan)
-    app.state.ouroboros = svc
+def _on_error(svc: Service):
+    """The app's one exception handler: every error in OpenAI's error body."""
 
     async def on_error(request, e):
         if isinstance(e, APIError):
@@ -359,17 +324,23 @@ def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
         return svc.error(APIError(500, f"internal error: {type(e).__name__}: {e}",
                                   type_="server_error"))
 
-    for key in (APIError, Exception, 404, 405):
-        app.add_exception_handler(key, on_error)
+    return on_error
+
+
+def _routes(app: FastAPI, svc: Service) -> None:
+    """The endpoints, each routed to the Service; HEAD wherever GET (load balancers' checks)."""
 
     async def run(request: Request, chat: bool):
-        call = svc.accept(parse_body(await request.body()), chat=chat)
+        raw = await request.body()  # the gate (guard.py) has read it already
+        # parsing, the chat template and tokenization cost CPU: a worker thread's, not the loop's
+        call = await off_loop(lambda: svc.accept(parse_body(raw), chat=chat))
         pump = Pump(call.handle, asyncio.get_running_loop())
+        svc.register(pump.queue, call.handle)
         if call.stream:
             return StreamingResponse(svc.events(call, pump.queue),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        out = await svc.answer(call, pump.queue, _disconnected(request))
+        out = await svc.answer(call, pump.queue, disconnected(request))
         # 499: nginx's "client closed request"
         return Response(status_code=499) if out is None else JSONResponse(out)
 
@@ -381,17 +352,74 @@ def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
     async def chat_completions(request: Request):
         return await run(request, chat=True)
 
-    @app.get("/v1/models")
+    def get(path: str):
+        """A GET route, and HEAD on it (uvicorn sends HEAD's headers without the body)."""
+        def route(fn):
+            app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+            return app.get(path)(fn)
+        return route
+
+    @get("/v1/models")
     async def models():
         return svc.models()
 
-    @app.get("/health")
+    @get("/health")
     async def health():
         status, body = svc.health()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return Response(svc.metrics_text(), media_type=CONTENT_TYPE)
 
+
+def create_app(engine: EngineAPI, *, model_names: Optional[list[str]] = None,
+               manage_engine: bool = True, stop_timeout: Optional[float] = 30.0,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: Optional[float] = DEFAULT_BODY_TIMEOUT,
+               api_key: Optional[str] = None, allowed_hosts: Sequence[str] = (),
+               allowed_origins: Sequence[str] = (), docs: bool = False):
+    """A FastAPI app serving `engine`: routes to a `Service` (app.state.ouroboros), behind the
+    gate of `guard.py`.
+
+    model_names: the names clients may ask for (default: [engine.model_name]); the first is the
+    one /v1/models lists first and responses carry. manage_engine: start the engine's thread at
+    startup and stop it at shutdown (finishing what is in flight, then cancelling what is left
+    after stop_timeout seconds); False when the caller drives the engine.
+    max_body_bytes (413 past it), body_timeout (seconds for the whole body; 408 past them),
+    api_key (/v1/ requests need `Authorization: Bearer KEY`), allowed_hosts (Host names beyond
+    the server's own), allowed_origins (browser origins allowed, with CORS headers for them;
+    none by default): see `guard.py`. docs: serve /docs, /redoc and /openapi.json.
+    """
+    limits = Limits(max_body_bytes, body_timeout, api_key, allowed_hosts, allowed_origins)
+    svc = Service(engine, model_names)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            svc.stopping = True
+            if manage_engine:
+                # uvicorn has already waited for open connections (its graceful shutdown), so
+                # what is left here is cancelled, not waited for again
+                await asyncio.to_thread(engine.stop, cancel=True, timeout=stop_timeout)
+
+    app = FastAPI(title="ouroboros-jax", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
+    app.state.ouroboros = svc
+    on_error = _on_error(svc)
+    for key in (APIError, Exception, 404, 405):
+        app.add_exception_handler(key, on_error)
+    _routes(app, svc)
+    if limits.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+    # added last, so outermost: nothing runs for a request the gate refuses
+    app.add_middleware(Guard, limits=limits, metrics=svc.metrics,
+                       cors=bool(limits.allowed_origins))
     return app
