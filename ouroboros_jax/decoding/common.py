@@ -33,6 +33,7 @@ from ..models.layout import decode_params
 from ..sharding import cache_spec
 from ..pool import insert_context, pool_occupancy
 from ..sampling import choose_tokens
+from . import logprobs
 
 
 @struct.dataclass
@@ -44,12 +45,18 @@ class Sequences:
         lengths: int32[B], tokens held per row; the last one is pending (not in the cache).
         prompt_lengths: int32[B], the prompt's share of lengths.
         done: bool[B], the row stopped (EOS emitted or max_new_tokens reached).
+        logprobs, top_tokens, top_logprobs: f32[B,S], int32[B,S,K], f32[B,S,K]: each
+            emitted token's log-probability and the K most likely tokens' at its position,
+            at its slot (`decoding/logprobs.py`); None when the loop computes none.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     prompt_lengths: jax.Array
     done: jax.Array
+    logprobs: Optional[jax.Array] = None
+    top_tokens: Optional[jax.Array] = None
+    top_logprobs: Optional[jax.Array] = None
 
     @property
     def last(self) -> jax.Array:
@@ -142,8 +149,9 @@ def set_rows(tree, rows: jax.Array, values):
 def insert_sequences(seq: Sequences, rows: jax.Array, prompt: jax.Array,
                      prompt_lengths: jax.Array) -> Sequences:
     """Rows int32[R] of seq restart with prompt int32[R,P] (right-padded), prompt_lengths
-    int32[R]: live, nothing generated yet."""
-    fresh = init_sequences(prompt, prompt_lengths, seq.tokens.shape[1])
+    int32[R]: live, nothing generated yet (logprob buffers zeroed, when seq has them)."""
+    fresh = logprobs.buffers_like(seq, init_sequences(prompt, prompt_lengths,
+                                                      seq.tokens.shape[1]))
     return set_rows(seq, rows, fresh)
 
 
@@ -169,11 +177,12 @@ def read_emitted(seq: Sequences, since: jax.Array, width: int
     return jnp.take_along_axis(seq.tokens, idx, 1), jnp.minimum(seq.lengths - since, width)
 
 
-def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
-         ) -> tuple[Sequences, jax.Array]:
+def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits,
+         lp: Optional[logprobs.TokenLogprobs] = None) -> tuple[Sequences, jax.Array]:
     """Appends new[b, :counts[b]] to each live row, cut after an EOS and at max_new_tokens.
 
-    new int32[B,A], counts int32[B]. Returns (sequences, kept int32[B]): how many tokens each
+    new int32[B,A], counts int32[B]; lp: their logprobs, written beside them (None: none
+    computed, `logprobs.walk_logprobs`). Returns (sequences, kept int32[B]): how many tokens each
     row really received (0 for finished rows). The kept tokens are always a prefix of `new`.
     """
     B, A = new.shape
@@ -190,6 +199,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
     slot = jnp.where(valid, seq.lengths[:, None] + a, S)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
     tokens = seq.tokens.at[rows, slot].set(new, mode="drop")
+    seq = logprobs.write(seq, rows, slot, lp)
     lengths = seq.lengths + kept
     done = seq.done | (first_eos < A) | (lengths - seq.prompt_lengths >= limits.max_new_tokens)
     return seq.replace(tokens=tokens, lengths=lengths, done=done), kept
@@ -362,7 +372,8 @@ def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequ
                           jnp.ones((B, 1, 1), bool), cache)
     tok = choose_tokens(logits, pos + 1, sp, greedy)
     live = ~seq.done
-    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits)
+    lp = logprobs.walk_logprobs(logits, jnp.zeros((B, 1), jnp.int32), tok, sp, greedy)
+    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits, lp)
     return seq, commit_prefix(cache, new, kept), live, kept
 
 
@@ -392,6 +403,7 @@ def make_runner(init, insert, round_fn, finish):
             greedy: bool):
         B = prompt.shape[0]
         state = init(pair, cfg, B, slots, pool)
+        state = state.replace(seq=logprobs.with_buffers(state.seq, sp.logprobs))
         state = insert(pair, cfg, state, jnp.arange(B, dtype=jnp.int32), prompt, prompt_lengths)
         state = decode_loop(partial(round_fn, pair, cfg, greedy, sp, limits), state)
         return state.seq, finish(state), getattr(state, "pool", None)

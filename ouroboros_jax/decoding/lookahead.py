@@ -26,6 +26,7 @@ from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
+from .logprobs import token_logprobs, wanted
 from ..tree import jacobi_tree
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, count_round, counter,
                      counters_dict,
@@ -152,8 +153,11 @@ def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingP
     live = ~seq.done
     choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
     res = jacobi_step(pair.tparams, pair.tconfig, layout, state.cache, state.window,
-                      state.pool, seq.last, live, choose, key_offset=state.key_offset)
-    seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits)
+                      state.pool, seq.last, live, choose, key_offset=state.key_offset,
+                      with_logits=wanted(sp))
+    lp = None if res.walk_logits is None else token_logprobs(res.walk_logits, res.acc.tokens,
+                                                             sp, greedy)
+    seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits, lp)
     cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
     # the best guess offered N-1 tokens when the key had a phrase
     stats = count_round(state.stats, live, kept, jnp.where(res.guess_found, cfg.ngram - 1, 0))

@@ -69,6 +69,7 @@ from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, Kn
                     Switch, Variant)
 from .spec import MethodSpec
 from .speculative import draft_propose
+from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
 
 
@@ -359,7 +360,8 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                           state.tcache)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits,
+                     walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     tcache = commit_path(state.tcache, new, acc, kept)
 
     # -- the draft keeps only what the target confirmed (rollback = a length)

@@ -42,6 +42,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, cou
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
+from .logprobs import walk_logprobs
 from .verify import accept_walk, commit_path
 
 
@@ -198,7 +199,8 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     live = ~seq.done
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits,
+                     walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     cache = commit_path(state.cache, new, acc, kept)
     # the best candidate's tokens are what a row offers to be accepted in a row
     stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32))

@@ -57,6 +57,7 @@ from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_fr
                    expected_tokens)
 from .knobs import GAMMA, KnobSpace
 from .spec import MethodSpec
+from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
@@ -297,7 +298,8 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
             acc = jax.tree_util.tree_map(lambda a, b: greedy_where(sp, a, b), g, acc)
 
     live = ~seq.done
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    lp = walk_logprobs(logits, acc.path, acc.tokens, sp, greedy)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits, lp)
     tcache = commit_path(state.tcache, new, acc, kept)
     # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
     # rejected one, which is never before the new pending token: keep up to n'-1.
