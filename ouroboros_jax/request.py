@@ -259,6 +259,10 @@ class RequestParams:
         stop_token_ids: ids that end the request (None: the model's default EOS ids, as
             generate picks them; () for none); at most 8.
         stop: stop strings, matched on the decoded text; the output is cut before the match.
+        logprobs: None (none), or each token's log-probability with this many (0..20) most
+            likely tokens' (`decoding/logprobs.py`).
+        speculation: False runs the request as plain decoding (its slot proposes no draft
+            tokens; the output is what speculation gives, greedy identical).
     """
 
     max_tokens: int = 128
@@ -268,6 +272,8 @@ class RequestParams:
     seed: int = 0
     stop_token_ids: Optional[tuple] = None
     stop: tuple = ()
+    logprobs: Optional[int] = None
+    speculation: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -275,6 +281,13 @@ class RequestParams:
     def validate(self) -> None:
         check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
         check_stops(self.stop_token_ids, self.stop)
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise FieldError("logprobs", f"logprobs must be None or an integer in "
+                             f"[0, {MAX_TOP_LOGPROBS}] (top tokens), got {self.logprobs!r}")
+        if not isinstance(self.speculation, bool):
+            raise FieldError("speculation", f"speculation must be a bool, got "
+                             f"{self.speculation!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,10 +76,23 @@ class Limits:
         max_new_tokens: int32[] or int32[B], the most tokens a row generates.
         eos_token_id: int32[n_eos], int32[] or int32[B, n_eos] (per row): a row stops after any
             of these ids; -1 pads.
+        speculate: bool[B] or None (every row): rows that may be offered draft tokens; a row
+            without proposes nothing (its draft length is 0), so each round gives it the one
+            token plain decoding would (the serving engine's per-request "speculation off").
     """
 
     max_new_tokens: jax.Array
     eos_token_id: jax.Array
+    speculate: Optional[jax.Array] = None
+
+
+def proposing(limits: Limits, offered: jax.Array) -> jax.Array:
+    """offered [B, ...] (a row's draft length, or its candidates' valid flags) with the rows
+    that may not speculate (`Limits.speculate`) offering nothing (0 / False)."""
+    if limits.speculate is None:
+        return offered
+    on = limits.speculate.reshape(limits.speculate.shape + (1,) * (offered.ndim - 1))
+    return jnp.where(on, offered, jnp.zeros_like(offered))
 
 
 @struct.dataclass

@@ -164,7 +164,8 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
                 prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
                 with_confidence: bool = False, key_offset: Optional[jax.Array] = None,
-                with_logits: bool = False) -> JacobiResult:
+                with_logits: bool = False, propose: Optional[jax.Array] = None
+                ) -> JacobiResult:
     """One lookahead step of rows `active` (bool[B]); inactive rows keep window and pool.
 
     last int32[B]: the pending token (root), at position cache.lengths (+ prefix_count).
@@ -174,6 +175,8 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     Nothing is committed here: the caller commits `acc.path` (see `commit_with_prefix`).
     with_confidence (static): also return the model's probability of each walked token;
     with_logits (static): the logits each walked token was chosen from.
+    propose bool[B] (None: every row): rows whose pool guesses are offered; the others'
+    walks stop at the root (speculation off for that row).
     key_offset int32[B] (None: 0): added to the row's pool keys, lookups and inserts alike
     (the engine's per-request pools give each slot its own key range).
     """
@@ -190,6 +193,8 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     valid = jnp.ones((B, T), bool)
     if g:
         guesses, found = lookup(pool, last if key_offset is None else last + key_offset, g)
+        if propose is not None:
+            found = found & propose[:, None]
         tokens = tokens.at[:, gi.reshape(-1)].set(guesses.reshape(B, -1))
         valid = valid.at[:, gi.reshape(-1)].set(jnp.repeat(found, m, axis=1))
     else:

@@ -154,7 +154,7 @@ def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingP
     choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
     res = jacobi_step(pair.tparams, pair.tconfig, layout, state.cache, state.window,
                       state.pool, seq.last, live, choose, key_offset=state.key_offset,
-                      with_logits=wanted(sp))
+                      with_logits=wanted(sp), propose=limits.speculate)
     lp = None if res.walk_logits is None else token_logprobs(res.walk_logits, res.acc.tokens,
                                                              sp, greedy)
     seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits, lp)

@@ -61,6 +61,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction,
                      count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_runner, plain_step,
+                     proposing,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
@@ -336,6 +337,7 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
 
     d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg, state,
                                                            live)
+    drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)
     in_chain = jnp.arange(gamma, dtype=jnp.int32)[None] < drafted[:, None]  # [B,γ]
 

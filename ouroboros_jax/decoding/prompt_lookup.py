@@ -38,7 +38,7 @@ from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
                      counters_dict, emit, empty_cache, empty_sequences, init_stats,
-                     insert_sequences, make_runner, plain_step, prefill_rows)
+                     insert_sequences, make_runner, plain_step, prefill_rows, proposing)
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
@@ -191,6 +191,7 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     X, M = cfg.candidates, cfg.length
     lay = chain_with_branches(1, X, M)
     cand, cvalid = find_candidates(seq.tokens, seq.lengths, cfg)
+    cvalid = proposing(limits, cvalid)  # rows with speculation off offer none
     tokens = jnp.concatenate([seq.last[:, None], cand.reshape(B, X * M)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), cvalid.reshape(B, X * M)], axis=1)
     pos = state.cache.lengths[:, None] + jnp.asarray(lay.depths)[None]

@@ -51,7 +51,7 @@ from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys
 from ..tree import chain_parents, tree_depths, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
-                     init_stats, insert_sequences, make_runner, plain_step,
+                     init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
@@ -277,6 +277,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     keys = None if greedy else token_keys(sp, positions + 1)
     drafts, logq, drafted, forwards, dcache = draft_propose(
         pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence)
+    drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
     logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, state.tcache)
@@ -289,7 +290,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     if greedy:
         acc = walk()
     else:
-        if confidence > 0:
+        if confidence > 0 or limits.speculate is not None:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
         else:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
