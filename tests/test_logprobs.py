@@ -1,7 +1,8 @@
 """Logprobs of emitted tokens (`generate(..., logprobs=True)`, decoding/logprobs.py): every
 method reports vanilla's for the same tokens, taken from the forward that accepted them, and
 vanilla's equal the log-softmax of one full forward of transformers' model over prompt + output
-(an independent reference computed here)."""
+(an independent reference computed here). Also: the accepted draft tokens counted by source
+add up (the greedy runs are at hand)."""
 
 import numpy as np
 import pytest
@@ -115,3 +116,18 @@ def test_logprobs_change_no_token_and_are_absent_by_default(tiny_pair, close_dra
 def test_bad_logprob_arguments_name_the_argument(tiny_target, kwargs, match):
     with pytest.raises(ValueError, match=match):
         oj.generate(tiny_target, [[5, 6]], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_accepted_tokens_by_source_add_up(greedy_runs, method):
+    """Every accepted draft token (kept past the target's own one per round) is counted under
+    exactly one of the method's sources (decoding/common.py SOURCES), and only those."""
+    s = greedy_runs[method].stats
+    accepted = sum(max(j - 1, 0) * n for j, n in enumerate(s["acceptance_histogram"]))
+    by = {k: v for k, v in s.items() if k.startswith("accepted_from_")}
+    assert set(by) == {f"accepted_from_{n}" for n in METHODS[method].sources}
+    assert sum(by.values()) == accepted
+    if method != "vanilla":
+        assert accepted > 0
+    if method == "ouroboros":  # both sources of Ouroboros' tree took part
+        assert min(by.values()) > 0, by

@@ -9,30 +9,15 @@ import json
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 import ouroboros_jax as oj
 from ouroboros_jax.serving.choices import choice_seed
-from ouroboros_jax.serving.server import ServerThread, create_app
 
-from test_server import CACHE, MODEL, PROMPTS, chat_ids, expected, make_engine, sse_events
+from test_server import (CACHE, MODEL, PROMPTS, _prom, chat_ids, client,  # noqa: F401
+                         expected, served, sse_events)  # (client, served: the fixtures, this module's own)
 
 MESSAGES = [{"role": "user", "content": "abcabcabc"}]
-
-
-@pytest.fixture(scope="module")
-def served(tiny_chat_pair):
-    engine = make_engine(tiny_chat_pair)
-    srv = ServerThread(create_app(engine, model_names=[MODEL])).start()
-    yield srv, engine
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
 
 
 def _vanilla(pair, ids, n, **kw):
@@ -139,6 +124,30 @@ def test_speculation_off_gives_the_same_output_without_drafts(client, tiny_chat_
     assert (client.completions.create(**kw).choices[0].model_extra["token_ids"]
             == client.completions.create(**kw, extra_body={"speculation": "off"})
             .choices[0].model_extra["token_ids"])
+
+
+def test_accepted_tokens_by_source_add_up_per_request_and_in_prometheus(served, client):
+    """Ouroboros' accepted draft tokens come from the draft's chain and from pool phrases
+    (lengthening): per request and in /metrics the two add up to the accepted tokens."""
+    url = served[0].url
+    before = _prom(httpx.get(url + "/metrics").text)
+    total = {}
+    for p in PROMPTS[:4]:
+        r = client.completions.create(model=MODEL, prompt=p * 2, max_tokens=24, temperature=0)
+        s = r.model_extra["metrics"]["speculative_decoding"]
+        by = s["accepted_by_source"]
+        assert set(by) == {"draft_chain", "pool_phrases"}
+        assert sum(by.values()) == s["num_accepted_draft_tokens"]
+        for k, v in by.items():
+            total[k] = total.get(k, 0) + v
+    after = _prom(httpx.get(url + "/metrics").text)
+    name = "ouroboros:spec_decode_num_accepted_tokens_by_source_total"
+    got = {k: after[f'{name}{{source="{k}"}}'] - before.get(f'{name}{{source="{k}"}}', 0)
+           for k in total}
+    assert got == total and min(total.values()) > 0, total
+    acc = "ouroboros:spec_decode_num_accepted_tokens_total"
+    assert sum(after[k] for k in after if k.startswith(name)) == after[acc]
+    assert not [k for k in after if "prompt_lookup" in k]  # not this method's source
 
 
 @pytest.mark.parametrize("path, fields, param", [

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
@@ -259,6 +260,9 @@ class Stats:
         proposed: int32[B], draft tokens each row offered the target for verification (its
             chain; lookahead: its best guess): the engine's per-request figure, not reported
             by `generate`.
+        by_source: int32[B, len(SOURCES)], accepted draft tokens (kept tokens past the
+            target's own one per round) by where they came from (`SOURCES`): the engine's
+            per-request and Prometheus figures.
         own: the method's own counters (speculative `SpeculativeCounters`, lookahead
             `LookaheadCounters`, Ouroboros `OuroborosCounters`), None for vanilla.
         summary: {name: value} taken after the loop (pool_hit_rate, pool_occupancy,
@@ -272,6 +276,7 @@ class Stats:
     draft_tokens: jax.Array
     acceptance_histogram: jax.Array
     proposed: jax.Array
+    by_source: Optional[jax.Array] = None
     own: Any = None
     summary: Optional[dict] = None
 
@@ -296,22 +301,53 @@ def counter() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
+# Where an accepted draft token came from: the draft model's chain (speculative, Ouroboros),
+# a pool phrase (Ouroboros' lengthening branches, lookahead's guesses; phrases harvested from
+# the context and from generation alike), a span of the context (prompt lookup)
+SOURCES = ("draft_chain", "pool_phrases", "prompt_lookup")
+
+
+def source_labels(size: int, **nodes) -> np.ndarray:
+    """int32[T = size]: each tree node's source (an index into SOURCES; -1 for the root and
+    nodes no walk takes), from {source name: node indices}."""
+    labels = np.full((size,), -1, np.int32)
+    for name, idx in nodes.items():
+        labels[np.asarray(idx, np.int64)] = SOURCES.index(name)
+    return labels
+
+
 def init_stats(batch: int, hist_bins: int, own=None) -> Stats:
     """Zeroed common counters, with the method's own zeroed counters `own`."""
     return Stats(new_tokens=jnp.zeros((batch,), jnp.int32), rounds=jnp.zeros((batch,), jnp.int32),
                  target_calls=counter(), draft_calls=counter(), draft_tokens=counter(),
                  acceptance_histogram=jnp.zeros((hist_bins,), jnp.int32),
-                 proposed=jnp.zeros((batch,), jnp.int32), own=own)
+                 proposed=jnp.zeros((batch,), jnp.int32),
+                 by_source=jnp.zeros((batch, len(SOURCES)), jnp.int32), own=own)
 
 
-def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None) -> Stats:
+def count_sources(stats: Stats, live: jax.Array, kept: jax.Array, path: jax.Array,
+                  labels: np.ndarray) -> Stats:
+    """Adds a round's accepted draft tokens by source: the walk's nodes path[:, 1:kept]
+    (path int32[B,A], tree indices; labels int32[T] static, `source_labels`) of live rows."""
+    lab = jnp.asarray(labels)[path[:, 1:]]  # [B, A-1]
+    j = jnp.arange(path.shape[1] - 1, dtype=jnp.int32)[None]
+    take = (j < kept[:, None] - 1) & live[:, None]
+    hit = (lab[..., None] == jnp.arange(len(SOURCES))) & take[..., None]
+    return stats.replace(by_source=stats.by_source + jnp.sum(hit, axis=1, dtype=jnp.int32))
+
+
+def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None,
+                sources=None) -> Stats:
     """Adds one target forward: live bool[B] (rows not finished before it), kept int32[B],
-    proposed int32[B] (draft tokens each row offered; None: none)."""
+    proposed int32[B] (draft tokens each row offered; None: none), sources (path, labels):
+    the walk's nodes and their sources (`count_sources`; None: a round without drafts)."""
     bins = stats.acceptance_histogram.shape[0]
     hist = stats.acceptance_histogram.at[jnp.clip(kept, 0, bins - 1)].add(
         live.astype(jnp.int32))
     if proposed is not None:
         stats = stats.replace(proposed=stats.proposed + jnp.where(live, proposed, 0))
+    if sources is not None:
+        stats = count_sources(stats, live, kept, *sources)
     return stats.replace(new_tokens=stats.new_tokens + kept,
                          rounds=stats.rounds + live.astype(jnp.int32),
                          target_calls=stats.target_calls + 1, acceptance_histogram=hist)

@@ -38,7 +38,8 @@ from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
                      counters_dict, emit, empty_cache, empty_sequences, init_stats,
-                     insert_sequences, make_runner, plain_step, prefill_rows, proposing)
+                     insert_sequences, make_runner, plain_step, prefill_rows, proposing,
+                     source_labels)
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
@@ -204,7 +205,9 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
                      walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     cache = commit_path(state.cache, new, acc, kept)
     # the best candidate's tokens are what a row offers to be accepted in a row
-    stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32))
+    stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32),
+                        (acc.path, source_labels(len(lay.parents),
+                                                 prompt_lookup=range(1, len(lay.parents)))))
     own = stats.own
     stats = stats.replace(own=PromptLookupCounters(
         drafted_tokens=own.drafted_tokens + jnp.sum(live[:, None, None] & cvalid,
@@ -261,6 +264,7 @@ SPEC = MethodSpec(runner=run_prompt_lookup, needs_draft=False, config_type=Promp
                   default_config=PromptLookupConfig, margin=lambda cfg: cfg.length + 1,
                   init=prompt_lookup_init, insert=prompt_lookup_insert,
                   round=prompt_lookup_round, plain_round=prompt_lookup_plain,
+                  sources=("prompt_lookup",),
                   finish=prompt_lookup_finish, max_emit=lambda cfg: cfg.length + 1,
                   family=lambda cfg: (),
                   forward_sizes=lambda cfg: (1 + cfg.candidates * cfg.length, 0, 0),

@@ -52,7 +52,7 @@ from ..tree import chain_parents, tree_depths, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
-                     prefill_rows)
+                     prefill_rows, source_labels)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
 from .knobs import GAMMA, KnobSpace
@@ -305,7 +305,8 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)
-    stats = count_round(state.stats, live, kept, drafted)
+    stats = count_round(state.stats, live, kept, drafted,
+                        (acc.path, source_labels(gamma + 1, draft_chain=range(1, gamma + 1))))
     stats = stats.replace(draft_calls=stats.draft_calls + forwards,
                           draft_tokens=stats.draft_tokens + forwards,
                           own=SpeculativeCounters(
@@ -377,6 +378,7 @@ SPEC = MethodSpec(runner=_run_speculative, needs_draft=True, config_type=Specula
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
                   init=speculative_init, insert=speculative_insert, round=speculative_step,
                   plain_round=speculative_plain, finish=speculative_finish,
+                  sources=("draft_chain",),
                   max_emit=lambda cfg: cfg.gamma + 1, family=lambda cfg: (),
                   learn=_learn,
                   forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),

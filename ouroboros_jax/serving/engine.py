@@ -146,7 +146,7 @@ class Engine:
                                   self._blank(pair, spec, base, pool0))
         self._lockstep = Lockstep(self._apply, multi)
         self._sched = Scheduler(self.slots, self.max_queue, self.levels)
-        self._counters = EngineCounters(self._hist)
+        self._counters = EngineCounters(self._hist, spec.sources, spec.keeps_pool)
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
@@ -273,13 +273,14 @@ class Engine:
             self._counters.step(len(busy), "off" if cfg is OFF else repr(cfg), out.hits,
                                 int(live.sum()) if cfg is not OFF and self.spec.keeps_pool
                                 else 0)
-            self._counters.rounds(kept, live, prop)
+            self._counters.rounds(kept, live, prop, out.sources[busy])
             counts, done = out.counts.tolist(), out.done.tolist()
             for j, (i, h) in enumerate(zip(busy, plan.handles)):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)
                     continue
                 new = out.tokens[i, :counts[i]].tolist()
-                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()))
+                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()),
+                         out.row_sources(i, self.spec.sources))
                 self._counters.c["generation_tokens"] += len(new)
                 reason = ("stop" if new and new[-1] in h.request.stop_ids else "length") \
                     if done[i] else None

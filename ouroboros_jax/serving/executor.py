@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from ..decoding import logprobs as lpm
-from ..decoding.common import Limits, read_emitted, run_rounds, set_rows
+from ..decoding.common import SOURCES, Limits, read_emitted, run_rounds, set_rows
 from ..distributed import local
 from ..models.kv_cache import KVCache
 from ..pool import clear_keys
@@ -178,12 +178,14 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
     st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
     since = st.seq.lengths
     sp = dev.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
+    by_source = st.stats.by_source
     st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, dev.limits),
                                       rounds, st)
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
     lp = lpm.read(st.seq, since, width) if logprobs else None
-    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits, lp)
+    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits,
+                          st.stats.by_source - by_source, lp)
     return pinned(pair, dev.replace(state=st)), replicated(pair, out)
 
 
@@ -191,8 +193,9 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
 class StepOutput:
     """What one step gave each slot, on the host: tokens int32[B,E] (counts int32[B] of
     them), per round kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and
-    the pool's hit counter (cumulative); with logprobs, `logprobs.TokenLogprobs` of the
-    tokens (f32[B,E], int32[B,E,K], f32[B,E,K]), else None."""
+    the pool's hit counter (cumulative), the step's accepted draft tokens by source
+    int32[B, len(SOURCES)]; with logprobs, `logprobs.TokenLogprobs` of the tokens (f32[B,E],
+    int32[B,E,K], f32[B,E,K]), else None."""
 
     tokens: np.ndarray
     counts: np.ndarray
@@ -201,14 +204,16 @@ class StepOutput:
     proposed: np.ndarray
     done: np.ndarray
     hits: int
+    sources: np.ndarray
     logprobs: Optional[lpm.TokenLogprobs] = None
 
     @staticmethod
-    def pack(toks, counts, kept, live, prop, done, hits, lp=None) -> jax.Array:
-        """(traced) -> int32[B*E + B + 3*k*B + B + 1 (+ B*E*(1 + 2K))], in the order of the
-        fields (logprobs as float32 bits)."""
+    def pack(toks, counts, kept, live, prop, done, hits, sources, lp=None) -> jax.Array:
+        """(traced) -> int32[B*E + B + 3*k*B + B + 1 + B*n_sources (+ B*E*(1 + 2K))], in the
+        order of the fields (logprobs as float32 bits)."""
         i32 = lambda x: jnp.ravel(x).astype(jnp.int32)  # noqa: E731
-        parts = [i32(toks), i32(counts), i32(kept), i32(live), i32(prop), i32(done), i32(hits)]
+        parts = [i32(toks), i32(counts), i32(kept), i32(live), i32(prop), i32(done), i32(hits),
+                 i32(sources)]
         if lp is not None:
             bits = lambda x: jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.int32))  # noqa: E731
             parts += [bits(lp.logprobs), i32(lp.top_tokens), bits(lp.top_logprobs)]
@@ -217,16 +222,21 @@ class StepOutput:
     @classmethod
     def unpack(cls, flat: np.ndarray, B: int, E: int, k: int, K: int = -1) -> "StepOutput":
         """pack's array on the host; K: its top tokens per position (-1: no logprobs)."""
-        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B, 1] + ([B * E, B * E * K] if K >= 0
-                                                                  else []))
-        t, c, kept, live, prop, done, hits, *rest = np.split(np.asarray(flat), cuts)
+        n = len(SOURCES)
+        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B, 1, B * n]
+                         + ([B * E, B * E * K] if K >= 0 else []))
+        t, c, kept, live, prop, done, hits, src, *rest = np.split(np.asarray(flat), cuts)
         lp = None
         if K >= 0:
             lp = lpm.TokenLogprobs(rest[0].view(np.float32).reshape(B, E),
                                    rest[1].reshape(B, E, K), rest[2].view(np.float32)
                                    .reshape(B, E, K))
         return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
-                   prop.reshape(k, B), done != 0, int(hits[0]), lp)
+                   prop.reshape(k, B), done != 0, int(hits[0]), src.reshape(B, n), lp)
+
+    def row_sources(self, row: int, names: tuple) -> dict:
+        """Slot row's accepted draft tokens this step, {source: count} over names."""
+        return {s: int(self.sources[row, SOURCES.index(s)]) for s in names}
 
     def row_logprobs(self, row: int, n: int, top: Optional[int]) -> Optional[list]:
         """The first n tokens' logprobs of slot row for a request that asked for `top` top

@@ -42,7 +42,8 @@ class RequestResult:
         spec: this request's own speculative figures: mean_acceptance_length (tokens per
             round), acceptance_histogram (rounds by tokens kept), draft_tokens (draft tokens
             offered for verification), accepted_tokens (tokens past the target's own one per
-            round).
+            round), accepted_by_source ({source: accepted tokens from there}, summing to
+            accepted_tokens; absent for a method without drafts: `decoding.common.SOURCES`).
         ttft_s, latency_s: seconds from submit to the first token and to the end.
         logprobs: per token (logprob, [(id, logprob), ...]) as in `Delta`, or None.
     """
@@ -84,6 +85,7 @@ class RequestHandle:
         self.logprobs: Optional[list] = None if request.params.logprobs is None else []
         self.kept: list = []
         self.proposed = 0
+        self.sources: dict = {}
         self.t_submit = time.perf_counter()
         self.t_first: Optional[float] = None
         self._wake = wake
@@ -140,10 +142,13 @@ class RequestHandle:
             self._deltas.put(Delta(new, piece, logprobs))
         return "stop" if stopped else reason
 
-    def record(self, kept: list, proposed: int) -> None:
-        """One step's rounds for this request: tokens kept per round, draft tokens offered."""
+    def record(self, kept: list, proposed: int, sources: Optional[dict] = None) -> None:
+        """One step's rounds for this request: tokens kept per round, draft tokens offered,
+        accepted draft tokens by source."""
         self.kept.extend(kept)
         self.proposed += proposed
+        for s, n in (sources or {}).items():
+            self.sources[s] = self.sources.get(s, 0) + n
 
     def finish(self, reason: str, hist_len: int,
                error: Optional[BaseException] = None) -> Optional[RequestResult]:
@@ -162,6 +167,8 @@ class RequestHandle:
         spec = dict(mean_acceptance_length=(sum(self.kept) / rounds) if rounds else 0.0,
                     acceptance_histogram=hist, draft_tokens=self.proposed,
                     accepted_tokens=sum(max(k - 1, 0) for k in self.kept))
+        if self.sources:
+            spec["accepted_by_source"] = dict(self.sources)
         self._result = RequestResult(
             token_ids=list(self.tokens), text=self._text.text, finish_reason=reason,
             prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens), spec=spec,

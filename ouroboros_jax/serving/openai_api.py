@@ -268,6 +268,9 @@ def merged_spec(specs: list) -> dict:
     hist = [sum(col) for col in zip(*(s["acceptance_histogram"] for s in specs))]
     rounds = sum(hist)
     out = {k: sum(s[k] for s in specs) for k in ("draft_tokens", "accepted_tokens")}
+    if "accepted_by_source" in specs[0]:
+        out["accepted_by_source"] = {k: sum(s["accepted_by_source"][k] for s in specs)
+                                     for k in specs[0]["accepted_by_source"]}
     return dict(out, acceptance_histogram=hist, mean_acceptance_length=(
         sum(j * c for j, c in enumerate(hist)) / rounds if rounds else 0.0))
 
