@@ -22,8 +22,8 @@ from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id
                           spans_processes)
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
-                      check_logprobs, check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
-                      method_config, place_models, resolve_method, row_knobs,
+                      check_logprobs, check_model, default_eos_ids, eos_array, explicit_eos,
+                      pad_prompts, method_config, place_models, resolve_method, row_knobs,
                       validate_scalars)
 
 

@@ -15,7 +15,7 @@ import ouroboros_jax as oj
 from ouroboros_jax.serving.choices import choice_seed
 
 from test_server import (CACHE, MODEL, PROMPTS, _prom, chat_ids, client,  # noqa: F401
-                         expected, served, sse_events)  # (client, served: the fixtures, this module's own)
+                         expected, served, sse_events)  # the fixtures: this module's own
 
 MESSAGES = [{"role": "user", "content": "abcabcabc"}]
 

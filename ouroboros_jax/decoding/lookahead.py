@@ -26,7 +26,6 @@ from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
 from ..models.kv_cache import KVCache
 from ..pool import PhrasePool, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
-from .logprobs import token_logprobs, wanted
 from ..tree import jacobi_tree
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, count_round, counter,
                      counters_dict,
@@ -36,6 +35,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, coun
 from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .cost import RoundModel, phrase_gain
 from .knobs import CONTEXT_PHRASES, GUESSES, NGRAM, WINDOW, KnobSpace
+from .logprobs import token_logprobs, wanted
 from .spec import MethodSpec
 
 

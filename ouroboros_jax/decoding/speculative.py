@@ -56,8 +56,8 @@ from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, 
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
 from .knobs import GAMMA, KnobSpace
-from .spec import MethodSpec
 from .logprobs import walk_logprobs
+from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
 # Purposes folded into token_key(seed, row, position) for the Leviathan rule.
