@@ -22,8 +22,8 @@ from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id
                           spans_processes)
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
-                      check_model, default_eos_ids, eos_array, explicit_eos, pad_prompts,
-                      method_config, place_models, resolve_method, row_knobs,
+                      check_logprobs, check_model, default_eos_ids, eos_array, explicit_eos,
+                      pad_prompts, method_config, place_models, resolve_method, row_knobs,
                       validate_scalars)
 
 
@@ -38,19 +38,28 @@ class GenerationOutput:
             `summarize_stats` names them, plus seconds, tokens_per_second and (config="auto")
             `auto`.
         pool: the phrase pool after the call, for methods that keep one.
+        logprobs: per prompt, each new token's log-probability (logprobs=True; else None)
+            under the distribution it was chosen from: the processed one (temperature,
+            top-k, top-p) when sampling, the temperature-1 softmax when greedy.
+        top_logprobs: per prompt, per new token, the top_logprobs most likely
+            (token id, log-probability) pairs at its position, most likely first (None
+            unless top_logprobs > 0).
     """
 
     tokens: list[list[int]]
     texts: Optional[list[str]]
     stats: dict[str, Any]
     pool: Any = None
+    logprobs: Optional[list[list[float]]] = None
+    top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
 
 
 def generate(target: Model, prompts, draft: Optional[Model] = None, method: str = "vanilla",
              max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int = 0, eos_token_id: Optional[int | Sequence[int]] = None,
              config: Any = "auto", mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
-             max_cache_len: Optional[int] = None) -> GenerationOutput:
+             max_cache_len: Optional[int] = None, logprobs: bool = False,
+             top_logprobs: int = 0) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
     prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
@@ -67,7 +76,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     else config.json's, else the tokenizer's). max_cache_len: the longest prompt + generation
     allowed (default: the target's max_position_embeddings); giving it also fixes the cache
     size, so calls that differ only in max_new_tokens share one compiled loop (see the module
-    docstring). Returns GenerationOutput(tokens, texts, stats, pool).
+    docstring). logprobs: also return each new token's log-probability, taken from the forward
+    that accepted it (no extra forward; off, the loop is the one without them); top_logprobs:
+    with it, the most likely tokens' at each position (0..20). Returns
+    GenerationOutput(tokens, texts, stats, pool, logprobs, top_logprobs).
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     check_model(target, "target")
@@ -80,9 +92,10 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    eos_token_id=eos_token_id, config=repr(config), mesh=mesh_id(mesh),
                    pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
-                   max_cache_len=max_cache_len)
+                   max_cache_len=max_cache_len, logprobs=(logprobs, top_logprobs))
     spec = resolve_method(method)
     validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
+    n_top = check_logprobs(logprobs, top_logprobs)
     check_draft(target, draft, method, spec.needs_draft)
     auto, cfg = method_config(spec, method, config)
     token_lists = as_token_lists(target, prompts)
@@ -107,7 +120,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
-    limits, sp = row_knobs(B, max_new_tokens, eos, temperature, top_k, top_p, seed, V)
+    limits, sp = row_knobs(B, max_new_tokens, eos, temperature, top_k, top_p, seed, V, n_top)
     greedy = temperature == 0.0
 
     if choice is not None:
@@ -118,16 +131,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
     # gathered from every process when the mesh spans several (each gets the full result)
-    tokens_np, lengths, stats = fetch((seq.tokens, seq.lengths, stats))
-    tokens_np, lengths = np.asarray(tokens_np), np.asarray(lengths)
+    seq, stats = fetch((seq, stats))
     if multi and pool_out is not None:
         pool_out = local(pool_out)
     seconds = time.perf_counter() - t0
-
-    new = [tokens_np[i, plens[i]:lengths[i]].tolist() for i in range(B)]
-    texts = None
-    if target.tokenizer is not None:
-        texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in new]
+    out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
     _learn(spec, cfg, stats, greedy, target, draft)
     if choice is not None:
@@ -145,7 +153,29 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     stats["seconds"] = time.perf_counter() - t_call
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
-    return GenerationOutput(tokens=new, texts=texts, stats=stats, pool=pool_out)
+    return dataclasses.replace(out, stats=stats, pool=pool_out)
+
+
+def _read_rows(seq, plens: np.ndarray, tokenizer) -> GenerationOutput:
+    """The loop's Sequences (on the host) -> GenerationOutput of each row's new tokens, their
+    text and, when the loop computed them, logprobs (stats and pool filled in by the caller)."""
+    lengths = np.asarray(seq.lengths)
+    rows = [slice(int(p), int(n)) for p, n in zip(plens, lengths)]
+    tokens = np.asarray(seq.tokens)
+    new = [tokens[i, r].tolist() for i, r in enumerate(rows)]
+    texts = None
+    if tokenizer is not None:
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in new]
+    out = GenerationOutput(tokens=new, texts=texts, stats={})
+    if seq.logprobs is None:
+        return out
+    lp = np.asarray(seq.logprobs)
+    out.logprobs = [lp[i, r].tolist() for i, r in enumerate(rows)]
+    if seq.top_tokens.shape[2]:
+        ids, tlp = np.asarray(seq.top_tokens), np.asarray(seq.top_logprobs)
+        out.top_logprobs = [[list(zip(ids[i, j].tolist(), tlp[i, j].tolist()))
+                             for j in range(r.start, r.stop)] for i, r in enumerate(rows)]
+    return out
 
 
 def _placed_batch(prompt: np.ndarray, plens: np.ndarray, mesh):

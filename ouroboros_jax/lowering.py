@@ -95,10 +95,12 @@ def abstract_pair(tconfig: ModelConfig, dconfig: Optional[ModelConfig] = None,
 
 def _knobs(rows: int, n_eos: int, mesh, greedy_rows: bool = False):
     """Abstract (Limits, SamplingParams) of `rows` rows, as `request.row_knobs` builds them
-    (replicated on a mesh: generate passes them unplaced)."""
+    (replicated on a mesh: generate passes them unplaced); greedy_rows: as the engine's, with
+    per-row greedy and speculation flags."""
     r = lambda dt: _sds((rows,), dt, mesh)  # noqa: E731
     limits = Limits(max_new_tokens=r(jnp.int32), eos_token_id=_sds((rows, n_eos), jnp.int32,
-                                                                    mesh))
+                                                                    mesh),
+                    speculate=r(jnp.bool_) if greedy_rows else None)
     sp = SamplingParams(temperature=r(jnp.float32), top_k=r(jnp.int32), top_p=r(jnp.float32),
                         seed=r(jnp.uint32), stream=r(jnp.int32),
                         greedy_rows=r(jnp.bool_) if greedy_rows else None)
@@ -159,13 +161,14 @@ def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
     engine pins it (`executor.dev_placements`)."""
     from .request import EOS_BUCKET
     from .serving.executor import (_HEAD, DeviceState, dev_placements, device_insert,
-                                   device_step)
+                                   device_step, engine_state)
 
     spec = METHODS[method]
     cfg = spec.default_config() if cfg is None else cfg
     loop_cfg, pool = _loop_config(method, cfg, pair.tconfig.vocab_size, None)
     # the state's shapes (placed below, as the engine pins it)
-    state = jax.eval_shape(lambda p, pl: spec.init(p, loop_cfg, slots, cache_slots, pl),
+    state = jax.eval_shape(lambda p, pl: engine_state(spec.init(p, loop_cfg, slots,
+                                                                cache_slots, pl)),
                            pair.replace(mesh=None), pool)
     limits, sp = _knobs(slots, EOS_BUCKET, None, greedy_rows=True)
     dev = DeviceState(state, sp, limits)

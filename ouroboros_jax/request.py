@@ -190,6 +190,23 @@ def check_sampling(max_tokens, temperature, top_p, top_k, seed,
         raise FieldError("seed", f"seed must be an integer in [0, 2**32), got {seed!r}")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the serving engine's step computes this many
+
+
+def check_logprobs(logprobs, top_logprobs, name: str = "top_logprobs") -> int:
+    """`generate`'s logprobs (a bool) and top_logprobs (an integer in [0, 20], only with
+    logprobs) -> `SamplingParams.logprobs` (-1: none; else the top tokens kept); ValueError
+    naming the argument."""
+    if not isinstance(logprobs, bool):
+        raise ValueError(f"logprobs must be a bool, got {logprobs!r}")
+    if not is_int(top_logprobs) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                         f"got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise ValueError(f"{name}={top_logprobs} needs logprobs=True")
+    return int(top_logprobs) if logprobs else -1
+
+
 def validate_scalars(max_new_tokens, temperature, top_p, top_k, seed):
     """`generate`'s sampling arguments (`check_sampling`, its budget named max_new_tokens)."""
     check_sampling(max_new_tokens, temperature, top_p, top_k, seed, max_name="max_new_tokens")
@@ -242,6 +259,10 @@ class RequestParams:
         stop_token_ids: ids that end the request (None: the model's default EOS ids, as
             generate picks them; () for none); at most 8.
         stop: stop strings, matched on the decoded text; the output is cut before the match.
+        logprobs: None (none), or each token's log-probability with this many (0..20) most
+            likely tokens' (`decoding/logprobs.py`).
+        speculation: False runs the request as plain decoding (its slot proposes no draft
+            tokens; the output is what speculation gives, greedy identical).
     """
 
     max_tokens: int = 128
@@ -251,6 +272,8 @@ class RequestParams:
     seed: int = 0
     stop_token_ids: Optional[tuple] = None
     stop: tuple = ()
+    logprobs: Optional[int] = None
+    speculation: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -258,6 +281,13 @@ class RequestParams:
     def validate(self) -> None:
         check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed)
         check_stops(self.stop_token_ids, self.stop)
+        if self.logprobs is not None and (not is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise FieldError("logprobs", f"logprobs must be None or an integer in "
+                             f"[0, {MAX_TOP_LOGPROBS}] (top tokens), got {self.logprobs!r}")
+        if not isinstance(self.speculation, bool):
+            raise FieldError("speculation", f"speculation must be a bool, got "
+                             f"{self.speculation!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,10 +399,12 @@ def pad_prompts(token_lists: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: float, top_k: int,
-              top_p: float, seed: int, vocab_size: int) -> tuple[Limits, SamplingParams]:
+              top_p: float, seed: int, vocab_size: int, logprobs: int = -1
+              ) -> tuple[Limits, SamplingParams]:
     """One call's knobs as per-row arrays (every row the same): Limits (max_new_tokens int32[B],
     EOS ids int32[B, n_eos]) and SamplingParams whose row b draws from stream b of `seed`
-    (fold_in(key(seed), b), the keys generate has always used)."""
+    (fold_in(key(seed), b), the keys generate has always used), computing `logprobs`
+    (`SamplingParams.logprobs`)."""
     B = rows
     limits = Limits(max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
                     eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32))
@@ -381,7 +413,8 @@ def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: floa
         temperature=jnp.full((B,), float(temperature) if temperature > 0 else 1.0, jnp.float32),
         top_k=jnp.full((B,), min(int(top_k), vocab_size), jnp.int32),
         top_p=jnp.full((B,), float(top_p), jnp.float32),
-        seed=jnp.full((B,), int(seed), jnp.uint32), stream=jnp.arange(B, dtype=jnp.int32))
+        seed=jnp.full((B,), int(seed), jnp.uint32), stream=jnp.arange(B, dtype=jnp.int32),
+        logprobs=logprobs)
     return limits, sp
 
 

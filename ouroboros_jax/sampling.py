@@ -37,6 +37,10 @@ class SamplingParams:
         seed: uint32[] or uint32[B]: the root of every token key (`token_key`).
         stream: int32[B] or None (the batch row): the number folded into a row's seed.
         greedy_rows: bool[B] or None (none): rows that take the argmax in a sampling loop.
+        logprobs: static; -1: emitted tokens get no log-probabilities (the loop is as
+            without them); k >= 0: every emitted token's log-probability is computed from the
+            forward that chose it and written beside it, with the k most likely tokens'
+            (`decoding/logprobs.py`).
     """
 
     temperature: jax.Array
@@ -45,6 +49,7 @@ class SamplingParams:
     seed: jax.Array
     stream: Optional[jax.Array] = None
     greedy_rows: Optional[jax.Array] = None
+    logprobs: int = struct.field(pytree_node=False, default=-1)
 
     @staticmethod
     def make(temperature=1.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":

@@ -301,8 +301,8 @@ BAD = [  # (body fields over a good completion request, the param the error name
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"seed": -1}, "seed"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stream": "yes"}, "stream"),
 ]

@@ -235,7 +235,7 @@ GOOD = dict(model="fake", prompt=[5, 6, 7], max_tokens=8, temperature=0)
     (dict(top_k=-2), "top_k"), (dict(top_p=0), "top_p"), (dict(seed=-1), "seed"),
     (dict(stop=[""]), "stop"), (dict(stop_token_ids=[1, -1]), "stop_token_ids"),
     (dict(stop_token_ids=[150]), "stop_token_ids"), (dict(model="other"), "model"),
-    (dict(n=2), "n"), (dict(stream="yes"), "stream"),
+    (dict(n=0), "n"), (dict(stream="yes"), "stream"),
 ])
 def test_service_refuses_a_bad_field_by_its_name(fields, param):
     svc = Service(FakeEngine(), ["fake"])

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
@@ -33,6 +34,7 @@ from ..models.layout import decode_params
 from ..sharding import cache_spec
 from ..pool import insert_context, pool_occupancy
 from ..sampling import choose_tokens
+from . import logprobs
 
 
 @struct.dataclass
@@ -44,12 +46,18 @@ class Sequences:
         lengths: int32[B], tokens held per row; the last one is pending (not in the cache).
         prompt_lengths: int32[B], the prompt's share of lengths.
         done: bool[B], the row stopped (EOS emitted or max_new_tokens reached).
+        logprobs, top_tokens, top_logprobs: f32[B,S], int32[B,S,K], f32[B,S,K]: each
+            emitted token's log-probability and the K most likely tokens' at its position,
+            at its slot (`decoding/logprobs.py`); None when the loop computes none.
     """
 
     tokens: jax.Array
     lengths: jax.Array
     prompt_lengths: jax.Array
     done: jax.Array
+    logprobs: Optional[jax.Array] = None
+    top_tokens: Optional[jax.Array] = None
+    top_logprobs: Optional[jax.Array] = None
 
     @property
     def last(self) -> jax.Array:
@@ -69,10 +77,23 @@ class Limits:
         max_new_tokens: int32[] or int32[B], the most tokens a row generates.
         eos_token_id: int32[n_eos], int32[] or int32[B, n_eos] (per row): a row stops after any
             of these ids; -1 pads.
+        speculate: bool[B] or None (every row): rows that may be offered draft tokens; a row
+            without proposes nothing (its draft length is 0), so each round gives it the one
+            token plain decoding would (the serving engine's per-request "speculation off").
     """
 
     max_new_tokens: jax.Array
     eos_token_id: jax.Array
+    speculate: Optional[jax.Array] = None
+
+
+def proposing(limits: Limits, offered: jax.Array) -> jax.Array:
+    """offered [B, ...] (a row's draft length, or its candidates' valid flags) with the rows
+    that may not speculate (`Limits.speculate`) offering nothing (0 / False)."""
+    if limits.speculate is None:
+        return offered
+    on = limits.speculate.reshape(limits.speculate.shape + (1,) * (offered.ndim - 1))
+    return jnp.where(on, offered, jnp.zeros_like(offered))
 
 
 @struct.dataclass
@@ -142,8 +163,9 @@ def set_rows(tree, rows: jax.Array, values):
 def insert_sequences(seq: Sequences, rows: jax.Array, prompt: jax.Array,
                      prompt_lengths: jax.Array) -> Sequences:
     """Rows int32[R] of seq restart with prompt int32[R,P] (right-padded), prompt_lengths
-    int32[R]: live, nothing generated yet."""
-    fresh = init_sequences(prompt, prompt_lengths, seq.tokens.shape[1])
+    int32[R]: live, nothing generated yet (logprob buffers zeroed, when seq has them)."""
+    fresh = logprobs.buffers_like(seq, init_sequences(prompt, prompt_lengths,
+                                                      seq.tokens.shape[1]))
     return set_rows(seq, rows, fresh)
 
 
@@ -169,11 +191,12 @@ def read_emitted(seq: Sequences, since: jax.Array, width: int
     return jnp.take_along_axis(seq.tokens, idx, 1), jnp.minimum(seq.lengths - since, width)
 
 
-def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
-         ) -> tuple[Sequences, jax.Array]:
+def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits,
+         lp: Optional[logprobs.TokenLogprobs] = None) -> tuple[Sequences, jax.Array]:
     """Appends new[b, :counts[b]] to each live row, cut after an EOS and at max_new_tokens.
 
-    new int32[B,A], counts int32[B]. Returns (sequences, kept int32[B]): how many tokens each
+    new int32[B,A], counts int32[B]; lp: their logprobs, written beside them (None: none
+    computed, `logprobs.walk_logprobs`). Returns (sequences, kept int32[B]): how many tokens each
     row really received (0 for finished rows). The kept tokens are always a prefix of `new`.
     """
     B, A = new.shape
@@ -190,6 +213,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits
     slot = jnp.where(valid, seq.lengths[:, None] + a, S)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
     tokens = seq.tokens.at[rows, slot].set(new, mode="drop")
+    seq = logprobs.write(seq, rows, slot, lp)
     lengths = seq.lengths + kept
     done = seq.done | (first_eos < A) | (lengths - seq.prompt_lengths >= limits.max_new_tokens)
     return seq.replace(tokens=tokens, lengths=lengths, done=done), kept
@@ -236,6 +260,9 @@ class Stats:
         proposed: int32[B], draft tokens each row offered the target for verification (its
             chain; lookahead: its best guess): the engine's per-request figure, not reported
             by `generate`.
+        by_source: int32[B, len(SOURCES)], accepted draft tokens (kept tokens past the
+            target's own one per round) by where they came from (`SOURCES`): the engine's
+            per-request and Prometheus figures.
         own: the method's own counters (speculative `SpeculativeCounters`, lookahead
             `LookaheadCounters`, Ouroboros `OuroborosCounters`), None for vanilla.
         summary: {name: value} taken after the loop (pool_hit_rate, pool_occupancy,
@@ -249,6 +276,7 @@ class Stats:
     draft_tokens: jax.Array
     acceptance_histogram: jax.Array
     proposed: jax.Array
+    by_source: Optional[jax.Array] = None
     own: Any = None
     summary: Optional[dict] = None
 
@@ -273,22 +301,53 @@ def counter() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
+# Where an accepted draft token came from: the draft model's chain (speculative, Ouroboros),
+# a pool phrase (Ouroboros' lengthening branches, lookahead's guesses; phrases harvested from
+# the context and from generation alike), a span of the context (prompt lookup)
+SOURCES = ("draft_chain", "pool_phrases", "prompt_lookup")
+
+
+def source_labels(size: int, **nodes) -> np.ndarray:
+    """int32[T = size]: each tree node's source (an index into SOURCES; -1 for the root and
+    nodes no walk takes), from {source name: node indices}."""
+    labels = np.full((size,), -1, np.int32)
+    for name, idx in nodes.items():
+        labels[np.asarray(idx, np.int64)] = SOURCES.index(name)
+    return labels
+
+
 def init_stats(batch: int, hist_bins: int, own=None) -> Stats:
     """Zeroed common counters, with the method's own zeroed counters `own`."""
     return Stats(new_tokens=jnp.zeros((batch,), jnp.int32), rounds=jnp.zeros((batch,), jnp.int32),
                  target_calls=counter(), draft_calls=counter(), draft_tokens=counter(),
                  acceptance_histogram=jnp.zeros((hist_bins,), jnp.int32),
-                 proposed=jnp.zeros((batch,), jnp.int32), own=own)
+                 proposed=jnp.zeros((batch,), jnp.int32),
+                 by_source=jnp.zeros((batch, len(SOURCES)), jnp.int32), own=own)
 
 
-def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None) -> Stats:
+def count_sources(stats: Stats, live: jax.Array, kept: jax.Array, path: jax.Array,
+                  labels: np.ndarray) -> Stats:
+    """Adds a round's accepted draft tokens by source: the walk's nodes path[:, 1:kept]
+    (path int32[B,A], tree indices; labels int32[T] static, `source_labels`) of live rows."""
+    lab = jnp.asarray(labels)[path[:, 1:]]  # [B, A-1]
+    j = jnp.arange(path.shape[1] - 1, dtype=jnp.int32)[None]
+    take = (j < kept[:, None] - 1) & live[:, None]
+    hit = (lab[..., None] == jnp.arange(len(SOURCES))) & take[..., None]
+    return stats.replace(by_source=stats.by_source + jnp.sum(hit, axis=1, dtype=jnp.int32))
+
+
+def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None,
+                sources=None) -> Stats:
     """Adds one target forward: live bool[B] (rows not finished before it), kept int32[B],
-    proposed int32[B] (draft tokens each row offered; None: none)."""
+    proposed int32[B] (draft tokens each row offered; None: none), sources (path, labels):
+    the walk's nodes and their sources (`count_sources`; None: a round without drafts)."""
     bins = stats.acceptance_histogram.shape[0]
     hist = stats.acceptance_histogram.at[jnp.clip(kept, 0, bins - 1)].add(
         live.astype(jnp.int32))
     if proposed is not None:
         stats = stats.replace(proposed=stats.proposed + jnp.where(live, proposed, 0))
+    if sources is not None:
+        stats = count_sources(stats, live, kept, *sources)
     return stats.replace(new_tokens=stats.new_tokens + kept,
                          rounds=stats.rounds + live.astype(jnp.int32),
                          target_calls=stats.target_calls + 1, acceptance_histogram=hist)
@@ -362,7 +421,8 @@ def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequ
                           jnp.ones((B, 1, 1), bool), cache)
     tok = choose_tokens(logits, pos + 1, sp, greedy)
     live = ~seq.done
-    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits)
+    lp = logprobs.walk_logprobs(logits, jnp.zeros((B, 1), jnp.int32), tok, sp, greedy)
+    seq, kept = emit(seq, tok, jnp.ones((B,), jnp.int32), limits, lp)
     return seq, commit_prefix(cache, new, kept), live, kept
 
 
@@ -392,6 +452,7 @@ def make_runner(init, insert, round_fn, finish):
             greedy: bool):
         B = prompt.shape[0]
         state = init(pair, cfg, B, slots, pool)
+        state = state.replace(seq=logprobs.with_buffers(state.seq, sp.logprobs))
         state = insert(pair, cfg, state, jnp.arange(B, dtype=jnp.int32), prompt, prompt_lengths)
         state = decode_loop(partial(round_fn, pair, cfg, greedy, sp, limits), state)
         return state.seq, finish(state), getattr(state, "pool", None)

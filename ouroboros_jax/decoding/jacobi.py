@@ -146,6 +146,8 @@ class JacobiResult:
         guess_found: bool[B], at least one pool guess existed for `last`.
         confidence: f32[B, N], the model's softmax probability of each walked token
             (`acc.tokens`), or None unless asked for (adaptive drafting).
+        walk_logits: f32[B, N, V], the logits each walked token was chosen from, or None
+            unless asked for (the target's logprobs, `decoding/logprobs.py`).
     """
 
     acc: Accepted
@@ -154,13 +156,15 @@ class JacobiResult:
     pool: PhrasePool
     guess_found: jax.Array
     confidence: Optional[jax.Array] = None
+    walk_logits: Optional[jax.Array] = None
 
 
 def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, window: JacobiWindow,
                 pool: PhrasePool, last: jax.Array, active: jax.Array,
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
                 prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
-                with_confidence: bool = False, key_offset: Optional[jax.Array] = None
+                with_confidence: bool = False, key_offset: Optional[jax.Array] = None,
+                with_logits: bool = False, propose: Optional[jax.Array] = None
                 ) -> JacobiResult:
     """One lookahead step of rows `active` (bool[B]); inactive rows keep window and pool.
 
@@ -169,7 +173,10 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     (positions = where the chosen token lands): argmax for a greedy draft, `choose_tokens` for
     the target. Window predictions always use argmax (they are only candidates).
     Nothing is committed here: the caller commits `acc.path` (see `commit_with_prefix`).
-    with_confidence (static): also return the model's probability of each walked token.
+    with_confidence (static): also return the model's probability of each walked token;
+    with_logits (static): the logits each walked token was chosen from.
+    propose bool[B] (None: every row): rows whose pool guesses are offered; the others'
+    walks stop at the root (speculation off for that row).
     key_offset int32[B] (None: 0): added to the row's pool keys, lookups and inserts alike
     (the engine's per-request pools give each slot its own key range).
     """
@@ -186,6 +193,8 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     valid = jnp.ones((B, T), bool)
     if g:
         guesses, found = lookup(pool, last if key_offset is None else last + key_offset, g)
+        if propose is not None:
+            found = found & propose[:, None]
         tokens = tokens.at[:, gi.reshape(-1)].set(guesses.reshape(B, -1))
         valid = valid.at[:, gi.reshape(-1)].set(jnp.repeat(found, m, axis=1))
     else:
@@ -215,11 +224,13 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
         cch = jnp.concatenate([c0, bch], 1)
         cvalid = jnp.concatenate([jnp.ones((B, 1), bool), jnp.repeat(bfound, m, 1)], 1)
         acc = accept_walk(chain_parents(n), ctok, cvalid, cch)
-        conf = None
-        if with_confidence:  # softmax only over the N nodes of the best guess's chain
+        conf = walked = None
+        if with_confidence or with_logits:  # only the N nodes of the best guess's chain
             nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                                      1 + best[:, None] * m + jnp.arange(m)[None]], 1)  # [B,N]
             chain_logits = jnp.take_along_axis(logits[:, verify], nodes[:, :, None], 1)
+            walked = jnp.take_along_axis(chain_logits, acc.path[:, :, None], 1)
+        if with_confidence:
             conf = jnp.take_along_axis(token_probability(chain_logits, cch), acc.path, 1)
         tree_of = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                                    jnp.asarray(gi, jnp.int32)[best]], 1)  # [B,N]
@@ -228,6 +239,7 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
         acc = accept_walk(chain_parents(1), last[:, None], jnp.ones((B, 1), bool), c0)
         path = acc.path
         conf = token_probability(logits[:, :1], c0) if with_confidence else None
+        walked = logits[:, :1] if with_logits else None
     acc = acc.replace(path=path)
 
     # -- harvest each column's n-gram: key, level1..level(N-2), new prediction
@@ -243,4 +255,5 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     grid = jnp.where(active[:, None, None], moved, window.grid)
     window = JacobiWindow(grid=grid, steps=window.steps + active.astype(jnp.int32))
     return JacobiResult(acc=acc, new=new, window=window, pool=pool,
-                        guess_found=jnp.any(found, axis=1), confidence=conf)
+                        guess_found=jnp.any(found, axis=1), confidence=conf,
+                        walk_logits=walked)

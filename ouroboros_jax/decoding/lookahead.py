@@ -31,10 +31,11 @@ from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, coun
                      counters_dict,
                      emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
                      make_runner, plain_step, pool_summary, pool_with_context,
-                     prefill_rows, set_rows)
+                     prefill_rows, set_rows, source_labels)
 from .jacobi import JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step
 from .cost import RoundModel, phrase_gain
 from .knobs import CONTEXT_PHRASES, GUESSES, NGRAM, WINDOW, KnobSpace
+from .logprobs import token_logprobs, wanted
 from .spec import MethodSpec
 
 
@@ -152,11 +153,16 @@ def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingP
     live = ~seq.done
     choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
     res = jacobi_step(pair.tparams, pair.tconfig, layout, state.cache, state.window,
-                      state.pool, seq.last, live, choose, key_offset=state.key_offset)
-    seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits)
+                      state.pool, seq.last, live, choose, key_offset=state.key_offset,
+                      with_logits=wanted(sp), propose=limits.speculate)
+    lp = None if res.walk_logits is None else token_logprobs(res.walk_logits, res.acc.tokens,
+                                                             sp, greedy)
+    seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits, lp)
     cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
     # the best guess offered N-1 tokens when the key had a phrase
-    stats = count_round(state.stats, live, kept, jnp.where(res.guess_found, cfg.ngram - 1, 0))
+    stats = count_round(state.stats, live, kept, jnp.where(res.guess_found, cfg.ngram - 1, 0),
+                        (res.acc.path, source_labels(layout.size,
+                                                     pool_phrases=layout.guess_index.ravel())))
     own = stats.own
     stats = stats.replace(own=LookaheadCounters(
         guess_tokens_accepted=own.guess_tokens_accepted
@@ -206,6 +212,7 @@ SPEC = MethodSpec(runner=run_lookahead, needs_draft=False, config_type=Lookahead
                   default_config=LookaheadConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=lookahead_init, insert=lookahead_insert, round=lookahead_step,
                   plain_round=lookahead_plain, finish=lookahead_finish, prepare=_prepare,
+                  sources=("pool_phrases",),
                   keeps_pool=True,
                   max_emit=lambda cfg: cfg.ngram,
                   family=lambda cfg: (cfg.window, cfg.ngram, cfg.guesses, cfg.pool_rows),

@@ -61,6 +61,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction,
                      count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_runner, plain_step,
+                     proposing, source_labels,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step)
 from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
@@ -69,6 +70,7 @@ from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, Kn
                     Switch, Variant)
 from .spec import MethodSpec
 from .speculative import draft_propose
+from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
 
 
@@ -335,6 +337,7 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
 
     d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg, state,
                                                            live)
+    drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)
     in_chain = jnp.arange(gamma, dtype=jnp.int32)[None] < drafted[:, None]  # [B,γ]
 
@@ -359,7 +362,8 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                           state.tcache)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits,
+                     walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     tcache = commit_path(state.tcache, new, acc, kept)
 
     # -- the draft keeps only what the target confirmed (rollback = a length)
@@ -372,7 +376,9 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                         state.key_offset)
 
     # -- stats
-    stats = count_round(stats, live, kept, drafted)
+    T = len(lay.parents)
+    stats = count_round(stats, live, kept, drafted, (acc.path, source_labels(
+        T, draft_chain=range(1, 1 + gamma), pool_phrases=range(1 + gamma, T))))
     q = jnp.arange(acc.path.shape[1] - 1)[None]
     from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > gamma)
     lv = live.astype(jnp.int32)
@@ -486,6 +492,7 @@ SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosC
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=ouroboros_init, insert=ouroboros_insert, round=ouroboros_round,
                   plain_round=ouroboros_plain, finish=ouroboros_finish, prepare=_prepare,
+                  sources=("draft_chain", "pool_phrases"),
                   keeps_pool=True,
                   max_emit=lambda cfg: 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0),
                   family=_family,

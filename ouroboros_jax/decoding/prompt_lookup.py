@@ -38,10 +38,12 @@ from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
                      counters_dict, emit, empty_cache, empty_sequences, init_stats,
-                     insert_sequences, make_runner, plain_step, prefill_rows)
+                     insert_sequences, make_runner, plain_step, prefill_rows, proposing,
+                     source_labels)
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
+from .logprobs import walk_logprobs
 from .verify import accept_walk, commit_path
 
 
@@ -190,6 +192,7 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     X, M = cfg.candidates, cfg.length
     lay = chain_with_branches(1, X, M)
     cand, cvalid = find_candidates(seq.tokens, seq.lengths, cfg)
+    cvalid = proposing(limits, cvalid)  # rows with speculation off offer none
     tokens = jnp.concatenate([seq.last[:, None], cand.reshape(B, X * M)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), cvalid.reshape(B, X * M)], axis=1)
     pos = state.cache.lengths[:, None] + jnp.asarray(lay.depths)[None]
@@ -198,10 +201,13 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     live = ~seq.done
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits,
+                     walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     cache = commit_path(state.cache, new, acc, kept)
     # the best candidate's tokens are what a row offers to be accepted in a row
-    stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32))
+    stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32),
+                        (acc.path, source_labels(len(lay.parents),
+                                                 prompt_lookup=range(1, len(lay.parents)))))
     own = stats.own
     stats = stats.replace(own=PromptLookupCounters(
         drafted_tokens=own.drafted_tokens + jnp.sum(live[:, None, None] & cvalid,
@@ -258,6 +264,7 @@ SPEC = MethodSpec(runner=run_prompt_lookup, needs_draft=False, config_type=Promp
                   default_config=PromptLookupConfig, margin=lambda cfg: cfg.length + 1,
                   init=prompt_lookup_init, insert=prompt_lookup_insert,
                   round=prompt_lookup_round, plain_round=prompt_lookup_plain,
+                  sources=("prompt_lookup",),
                   finish=prompt_lookup_finish, max_emit=lambda cfg: cfg.length + 1,
                   family=lambda cfg: (),
                   forward_sizes=lambda cfg: (1 + cfg.candidates * cfg.length, 0, 0),

@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional
 
 from ..pool import pool_bytes
 from . import cost
-from .common import make_pair
+from .common import SOURCES, make_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,8 @@ class MethodSpec:
         round_model: (config, agreement or None) -> `cost.RoundModel` (expected tokens,
             draft forwards and overhead per round): with `forward_sizes`, what the cost model
             (decoding/cost.py) prices. None: the method has no `config="auto"`.
+        sources: the names (`common.SOURCES`) of where its accepted draft tokens come from,
+            each counted per row in `Stats.by_source` (() for vanilla: none).
 
     The knobs `config="auto"` searches, and everything else that enumerates configs, come from
     the config class's `KNOBS` (decoding/knobs.py).
@@ -114,21 +116,29 @@ class MethodSpec:
     forward_sizes: Optional[Callable[[Any], tuple]] = None
     quick_config: Optional[Callable[[], Any]] = None
     round_model: Optional[Callable[..., Any]] = None
+    sources: tuple = ()
 
     def run(self, target, draft, prompt, prompt_lengths, limits, sampling, cfg, *, greedy: bool,
             slots: int, pool):
         """The whole generation, one jitted while_loop (`runner`): the pool prepared for the
         config (`prepare`) when the method keeps one, else passed through. -> (Sequences,
-        `common.Stats`, pool)."""
+        `common.Stats`, pool); the stats' summary holds `accepted_from_<source>` for each of
+        the method's `sources` (accepted draft tokens from there, all rows)."""
         pair = make_pair(target, draft if self.needs_draft else None)
         if not self.keeps_pool:
             seq, stats, _ = self.runner(pair, prompt, prompt_lengths, limits, sampling, None,
                                         cfg=cfg, slots=slots, greedy=greedy)
-            return seq, stats, pool
+            return seq, self._summarized(stats), pool
         cfg, pool = self.prepare(cfg, pool, target.config.vocab_size)
         seq, stats, pool = self.runner(pair, prompt, prompt_lengths, limits, sampling, pool,
                                        cfg=cfg, slots=slots, greedy=greedy)
-        return seq, stats.replace(summary={**stats.summary, "pool_bytes": pool_bytes(pool)}), pool
+        return seq, self._summarized(stats, pool_bytes=pool_bytes(pool)), pool
+
+    def _summarized(self, stats, **extra):
+        """stats with the accepted draft tokens by source, and extra, in its summary."""
+        by = {f"accepted_from_{n}": stats.by_source[:, SOURCES.index(n)].sum()
+              for n in self.sources}
+        return stats.replace(summary={**(stats.summary or {}), **by, **extra})
 
     @property
     def knobs(self):

@@ -51,11 +51,12 @@ from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys
 from ..tree import chain_parents, tree_depths, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
-                     init_stats, insert_sequences, make_runner, plain_step,
-                     prefill_rows)
+                     init_stats, insert_sequences, make_runner, plain_step, proposing,
+                     prefill_rows, source_labels)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    expected_tokens)
 from .knobs import GAMMA, KnobSpace
+from .logprobs import walk_logprobs
 from .spec import MethodSpec
 from .verify import Accepted, accept_walk, commit_path
 
@@ -276,6 +277,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     keys = None if greedy else token_keys(sp, positions + 1)
     drafts, logq, drafted, forwards, dcache = draft_propose(
         pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence)
+    drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
     logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, state.tcache)
@@ -288,7 +290,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     if greedy:
         acc = walk()
     else:
-        if confidence > 0:
+        if confidence > 0 or limits.speculate is not None:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
         else:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
@@ -297,12 +299,14 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
             acc = jax.tree_util.tree_map(lambda a, b: greedy_where(sp, a, b), g, acc)
 
     live = ~seq.done
-    seq, kept = emit(seq, acc.tokens, acc.count, limits)
+    lp = walk_logprobs(logits, acc.path, acc.tokens, sp, greedy)
+    seq, kept = emit(seq, acc.tokens, acc.count, limits, lp)
     tcache = commit_path(state.tcache, new, acc, kept)
     # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)
-    stats = count_round(state.stats, live, kept, drafted)
+    stats = count_round(state.stats, live, kept, drafted,
+                        (acc.path, source_labels(gamma + 1, draft_chain=range(1, gamma + 1))))
     stats = stats.replace(draft_calls=stats.draft_calls + forwards,
                           draft_tokens=stats.draft_tokens + forwards,
                           own=SpeculativeCounters(
@@ -374,6 +378,7 @@ SPEC = MethodSpec(runner=_run_speculative, needs_draft=True, config_type=Specula
                   default_config=SpeculativeConfig, margin=lambda cfg: cfg.gamma + 1,
                   init=speculative_init, insert=speculative_insert, round=speculative_step,
                   plain_round=speculative_plain, finish=speculative_finish,
+                  sources=("draft_chain",),
                   max_emit=lambda cfg: cfg.gamma + 1, family=lambda cfg: (),
                   learn=_learn,
                   forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),

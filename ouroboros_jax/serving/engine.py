@@ -52,7 +52,7 @@ from ..request import (RequestParams, ValidRequest, bucket, cache_slots, check_c
                        check_draft, check_model, default_eos_ids, eos_array, is_int,
                        place_models, prompt_ids, resolve_method, validate_request)
 from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
-                       device_step, pack_insert, pinned)
+                       device_step, engine_state, pack_insert, pinned)
 from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401  (re-exported)
 from .lockstep import Lockstep, Op
 from .metrics import EngineCounters
@@ -146,7 +146,7 @@ class Engine:
                                   self._blank(pair, spec, base, pool0))
         self._lockstep = Lockstep(self._apply, multi)
         self._sched = Scheduler(self.slots, self.max_queue, self.levels)
-        self._counters = EngineCounters(self._hist)
+        self._counters = EngineCounters(self._hist, spec.sources, spec.keeps_pool)
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
@@ -171,8 +171,8 @@ class Engine:
     def _blank(self, pair, spec, base, pool0) -> DeviceState:
         """The device state before any request, placed on the mesh."""
         B = self.slots
-        state = jax.jit(spec.init, static_argnums=(1, 2, 3))(pair, base, B, self.cache_slots,
-                                                             pool0)
+        state = engine_state(jax.jit(spec.init, static_argnums=(1, 2, 3))(
+            pair, base, B, self.cache_slots, pool0))
         if not self.shared_pool and pool0 is not None:  # slot i's keys start at i * vocab
             state = state.replace(key_offset=jnp.arange(B, dtype=jnp.int32) * self.vocab)
         dev = DeviceState(state, *blank_knobs(B))
@@ -225,7 +225,7 @@ class Engine:
         """The device call op stands for, on this process (the lockstep serializes them)."""
         ex = self._executor
         calls = {"insert": lambda: ex.insert(op.packed),
-                 "step": lambda: ex.step(op.level, op.greedy, op.stop_rows),
+                 "step": lambda: ex.step(op.level, op.greedy, op.stop_rows, op.logprobs),
                  "pool": ex.pool_copy, "save_pool": ex.save_pool,
                  "restore_pool": ex.restore_pool, "idle": lambda: None}
         if op.kind not in calls:
@@ -258,13 +258,13 @@ class Engine:
         if plan is None:
             return None
         return plan, self._lockstep.lead(Op("step", level=plan.level, greedy=plan.greedy,
-                                             stop_rows=plan.stop_rows))
+                                             stop_rows=plan.stop_rows, logprobs=plan.logprobs))
 
     def _process(self, plan: Plan, packed: jax.Array) -> None:
         """A step's outputs on the host (waiting for the device): tokens streamed to their
         requests, spec counters kept, finished requests ended and their slots freed."""
         # replicated over the mesh: every process reads its own devices
-        out = self._executor.read(fetch(packed))
+        out = self._executor.read(fetch(packed), plan.logprobs)
         now = time.perf_counter()
         cfg = self.levels[plan.level][1]
         busy = plan.busy
@@ -273,17 +273,19 @@ class Engine:
             self._counters.step(len(busy), "off" if cfg is OFF else repr(cfg), out.hits,
                                 int(live.sum()) if cfg is not OFF and self.spec.keeps_pool
                                 else 0)
-            self._counters.rounds(kept, live, prop)
+            self._counters.rounds(kept, live, prop, out.sources[busy])
             counts, done = out.counts.tolist(), out.done.tolist()
             for j, (i, h) in enumerate(zip(busy, plan.handles)):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)
                     continue
                 new = out.tokens[i, :counts[i]].tolist()
-                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()))
+                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()),
+                         out.row_sources(i, self.spec.sources))
                 self._counters.c["generation_tokens"] += len(new)
                 reason = ("stop" if new and new[-1] in h.request.stop_ids else "length") \
                     if done[i] else None
-                reason = h.deliver(new, now, reason)
+                reason = h.deliver(new, now, reason,
+                                   out.row_logprobs(i, len(new), h.params.logprobs))
                 if reason is not None:
                     self._end(h, reason)
                     self._sched.free(i, device_done=bool(done[i]))

@@ -5,7 +5,9 @@ Compiled programs: one device step per (load-level config, sampling mode) and on
 prompt-width bucket, all at fixed shapes (slots, cache size); requests arriving and leaving
 never recompile. An insert's host data (slot, prompt, knobs, stop ids) travels as one int32
 array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step),
-and its outputs come back as one int32 array (`StepOutput`), one download.
+and its outputs come back as one int32 array (`StepOutput`), one download. A step computes
+the emitted tokens' logprobs (with the `MAX_TOP_LOGPROBS` most likely tokens') only when a
+busy request asks for them (`logprobs`, static: a second compiled step, built on first use).
 A step returns device arrays at once (JAX dispatch is asynchronous): the caller reads them
 when it needs them, so the host may work while the device runs.
 
@@ -24,18 +26,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..decoding.common import Limits, read_emitted, run_rounds, set_rows
+from ..decoding import logprobs as lpm
+from ..decoding.common import SOURCES, Limits, read_emitted, run_rounds, set_rows
 from ..distributed import local
 from ..models.kv_cache import KVCache
 from ..pool import clear_keys
-from ..request import EOS_BUCKET, ValidRequest, bucket
+from ..request import EOS_BUCKET, MAX_TOP_LOGPROBS, ValidRequest, bucket
 from ..sampling import SamplingParams
 from ..sharding import LOGICAL_AXES, spec_for
 
 OFF = "off"  # a load level without speculation
 # the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
-# temperature and top_p (float32 bits), then EOS_BUCKET stop ids; the prompt follows
-_HEAD = 8 + EOS_BUCKET
+# temperature and top_p (float32 bits), speculation on, then EOS_BUCKET stop ids; the prompt
+# follows
+_HEAD = 9 + EOS_BUCKET
 
 
 @struct.dataclass
@@ -48,13 +52,21 @@ class DeviceState:
 
 
 def blank_knobs(B: int) -> tuple[SamplingParams, Limits]:
-    """Every slot's knobs before any request: greedy, one token, no stop ids."""
+    """Every slot's knobs before any request: greedy, one token, no stop ids, speculating."""
     return (SamplingParams(temperature=jnp.ones((B,), jnp.float32),
                            top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,), jnp.float32),
                            seed=jnp.zeros((B,), jnp.uint32), stream=jnp.zeros((B,), jnp.int32),
                            greedy_rows=jnp.ones((B,), bool)),
             Limits(max_new_tokens=jnp.ones((B,), jnp.int32),
-                   eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32)))
+                   eos_token_id=jnp.full((B, EOS_BUCKET), -1, jnp.int32),
+                   speculate=jnp.ones((B,), bool)))
+
+
+def engine_state(state):
+    """A method's state over the slots (`MethodSpec.init`) as the engine keeps it: its
+    sequences with logprob buffers of `MAX_TOP_LOGPROBS` top tokens, which steps fill when a
+    request asks for logprobs."""
+    return state.replace(seq=lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS))
 
 
 def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
@@ -64,7 +76,8 @@ def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
     greedy = p.temperature == 0
     out[:6] = (slot, len(ids), p.top_k, np.uint32(p.seed).view(np.int32), greedy, p.max_tokens)
     out[6:8] = np.asarray([1.0 if greedy else p.temperature, p.top_p], np.float32).view(np.int32)
-    out[8:_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
+    out[8] = p.speculation
+    out[9:_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
     out[_HEAD:_HEAD + len(ids)] = ids
     return out
 
@@ -78,7 +91,7 @@ def unpack_insert(packed: jax.Array, vocab: int):
                         top_p=floats[1:2],
                         seed=jax.lax.bitcast_convert_type(h[3:4], jnp.uint32),
                         stream=jnp.zeros((1,), jnp.int32), greedy_rows=h[4:5] != 0)
-    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[8:_HEAD][None])
+    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[9:_HEAD][None], speculate=h[8:9] != 0)
     return h[0:1], packed[_HEAD:][None], h[1:2], sp, limits
 
 
@@ -154,20 +167,25 @@ def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
                                     set_rows(dev.limits, rows, limits)))
 
 
-@partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width"),
+@partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs"),
          donate_argnums=(1,))
 def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
-                width: int):
+                width: int, logprobs: bool = False):
     """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
-    the step's outputs as one int32 array, `StepOutput.pack`: one download)."""
+    the step's outputs as one int32 array, `StepOutput.pack`: one download). logprobs: the
+    rounds compute the emitted tokens' logprobs, and the outputs carry them."""
     st = dev.state
     st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
     since = st.seq.lengths
-    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, dev.sp, dev.limits),
+    sp = dev.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
+    by_source = st.stats.by_source
+    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, dev.limits),
                                       rounds, st)
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
-    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits)
+    lp = lpm.read(st.seq, since, width) if logprobs else None
+    out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits,
+                          st.stats.by_source - by_source, lp)
     return pinned(pair, dev.replace(state=st)), replicated(pair, out)
 
 
@@ -175,7 +193,9 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
 class StepOutput:
     """What one step gave each slot, on the host: tokens int32[B,E] (counts int32[B] of
     them), per round kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and
-    the pool's hit counter (cumulative)."""
+    the pool's hit counter (cumulative), the step's accepted draft tokens by source
+    int32[B, len(SOURCES)]; with logprobs, `logprobs.TokenLogprobs` of the tokens (f32[B,E],
+    int32[B,E,K], f32[B,E,K]), else None."""
 
     tokens: np.ndarray
     counts: np.ndarray
@@ -184,20 +204,49 @@ class StepOutput:
     proposed: np.ndarray
     done: np.ndarray
     hits: int
+    sources: np.ndarray
+    logprobs: Optional[lpm.TokenLogprobs] = None
 
     @staticmethod
-    def pack(toks, counts, kept, live, prop, done, hits) -> jax.Array:
-        """(traced) -> int32[B*E + B + 3*k*B + B + 1], in the order of the fields."""
+    def pack(toks, counts, kept, live, prop, done, hits, sources, lp=None) -> jax.Array:
+        """(traced) -> int32[B*E + B + 3*k*B + B + 1 + B*n_sources (+ B*E*(1 + 2K))], in the
+        order of the fields (logprobs as float32 bits)."""
         i32 = lambda x: jnp.ravel(x).astype(jnp.int32)  # noqa: E731
-        return jnp.concatenate([i32(toks), i32(counts), i32(kept), i32(live), i32(prop),
-                                i32(done), i32(hits)])
+        parts = [i32(toks), i32(counts), i32(kept), i32(live), i32(prop), i32(done), i32(hits),
+                 i32(sources)]
+        if lp is not None:
+            bits = lambda x: jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.int32))  # noqa: E731
+            parts += [bits(lp.logprobs), i32(lp.top_tokens), bits(lp.top_logprobs)]
+        return jnp.concatenate(parts)
 
     @classmethod
-    def unpack(cls, flat: np.ndarray, B: int, E: int, k: int) -> "StepOutput":
-        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B])
-        t, c, kept, live, prop, done, hits = np.split(np.asarray(flat), cuts)
+    def unpack(cls, flat: np.ndarray, B: int, E: int, k: int, K: int = -1) -> "StepOutput":
+        """pack's array on the host; K: its top tokens per position (-1: no logprobs)."""
+        n = len(SOURCES)
+        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B, 1, B * n]
+                         + ([B * E, B * E * K] if K >= 0 else []))
+        t, c, kept, live, prop, done, hits, src, *rest = np.split(np.asarray(flat), cuts)
+        lp = None
+        if K >= 0:
+            lp = lpm.TokenLogprobs(rest[0].view(np.float32).reshape(B, E),
+                                   rest[1].reshape(B, E, K), rest[2].view(np.float32)
+                                   .reshape(B, E, K))
         return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
-                   prop.reshape(k, B), done != 0, int(hits[0]))
+                   prop.reshape(k, B), done != 0, int(hits[0]), src.reshape(B, n), lp)
+
+    def row_sources(self, row: int, names: tuple) -> dict:
+        """Slot row's accepted draft tokens this step, {source: count} over names."""
+        return {s: int(self.sources[row, SOURCES.index(s)]) for s in names}
+
+    def row_logprobs(self, row: int, n: int, top: Optional[int]) -> Optional[list]:
+        """The first n tokens' logprobs of slot row for a request that asked for `top` top
+        tokens (None: none asked) -> [(logprob, [(token id, logprob), ...top])] or None."""
+        if top is None or self.logprobs is None:
+            return None
+        lp = self.logprobs
+        return [(float(lp.logprobs[row, j]),
+                 list(zip(lp.top_tokens[row, j, :top].tolist(),
+                          lp.top_logprobs[row, j, :top].tolist()))) for j in range(n)]
 
 
 @dataclasses.dataclass
@@ -224,21 +273,25 @@ class Executor:
                                  insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
                                  shared=self.shared)
 
-    def step(self, level: int, greedy: bool, stop_rows: np.ndarray) -> jax.Array:
+    def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
+             logprobs: bool = False) -> jax.Array:
         """k rounds on every slot under load level `level` -> the outputs packed on the device
-        (`StepOutput.pack`; not waited for: `read` them)."""
+        (`StepOutput.pack`, with logprobs when asked; not waited for: `read` them)."""
         cfg = self.levels[level][1]
         round_fn, cfg = (self.spec.plain_round, self.base) if cfg is OFF else (self.spec.round,
                                                                                 cfg)
         self.dev, out = device_step(self.pair, self.dev, jnp.asarray(stop_rows),
                                     round_fn=round_fn, cfg=cfg, greedy=greedy,
-                                    rounds=self.rounds, width=self.width)
+                                    rounds=self.rounds, width=self.width,
+                                    logprobs=bool(logprobs))
         return out
 
-    def read(self, flat: np.ndarray) -> StepOutput:
-        """A step's packed outputs, fetched to the host -> StepOutput."""
+    def read(self, flat: np.ndarray, logprobs: bool = False) -> StepOutput:
+        """A step's packed outputs, fetched to the host -> StepOutput (logprobs: the step
+        computed them)."""
         B = self.dev.limits.max_new_tokens.shape[0]
-        return StepOutput.unpack(flat, B, self.width, self.rounds)
+        return StepOutput.unpack(flat, B, self.width, self.rounds,
+                                 MAX_TOP_LOGPROBS if logprobs else -1)
 
     @property
     def _pool(self):

@@ -22,10 +22,12 @@ class QueueFull(Exception):
 @dataclasses.dataclass
 class Delta:
     """Tokens that arrived for a request: token_ids and their newly decoded text (stop strings
-    already cut; "" without a tokenizer)."""
+    already cut; "" without a tokenizer); logprobs: per token (logprob, [(id, logprob), ...
+    the top ones]) when the request asked for them (`RequestParams.logprobs`), else None."""
 
     token_ids: list
     text: str
+    logprobs: Optional[list] = None
 
 
 @dataclasses.dataclass
@@ -40,8 +42,10 @@ class RequestResult:
         spec: this request's own speculative figures: mean_acceptance_length (tokens per
             round), acceptance_histogram (rounds by tokens kept), draft_tokens (draft tokens
             offered for verification), accepted_tokens (tokens past the target's own one per
-            round).
+            round), accepted_by_source ({source: accepted tokens from there}, summing to
+            accepted_tokens; absent for a method without drafts: `decoding.common.SOURCES`).
         ttft_s, latency_s: seconds from submit to the first token and to the end.
+        logprobs: per token (logprob, [(id, logprob), ...]) as in `Delta`, or None.
     """
 
     token_ids: list
@@ -52,6 +56,7 @@ class RequestResult:
     spec: dict
     ttft_s: float
     latency_s: float
+    logprobs: Optional[list] = None
 
 
 _ids = itertools.count()
@@ -77,8 +82,10 @@ class RequestHandle:
         self.params = request.params
         self.error: Optional[BaseException] = None
         self.tokens: list = []
+        self.logprobs: Optional[list] = None if request.params.logprobs is None else []
         self.kept: list = []
         self.proposed = 0
+        self.sources: dict = {}
         self.t_submit = time.perf_counter()
         self.t_first: Optional[float] = None
         self._wake = wake
@@ -116,25 +123,32 @@ class RequestHandle:
         return self._result
 
     # -- fed by the engine ----------------------------------------------------------------
-    def deliver(self, new: list, now: float, reason: Optional[str]) -> Optional[str]:
-        """Streams new tokens (their text incremental, stop strings cut). reason: the device
-        ended the request ("stop" or "length"). -> why it ends now (a stop string: "stop"),
-        or None while it goes on."""
+    def deliver(self, new: list, now: float, reason: Optional[str],
+                logprobs: Optional[list] = None) -> Optional[str]:
+        """Streams new tokens (their text incremental, stop strings cut) and their logprobs
+        (as `Delta.logprobs`; None: not asked for). reason: the device ended the request
+        ("stop" or "length"). -> why it ends now (a stop string: "stop"), or None while it
+        goes on."""
         if new and self.t_first is None:
             self.t_first = now
         self.tokens.extend(new)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs or [])
         piece, stopped = self._text.push(new)
         if reason is not None and not stopped:
             tail, stopped = self._text.close()
             piece += tail
         if new or piece:
-            self._deltas.put(Delta(new, piece))
+            self._deltas.put(Delta(new, piece, logprobs))
         return "stop" if stopped else reason
 
-    def record(self, kept: list, proposed: int) -> None:
-        """One step's rounds for this request: tokens kept per round, draft tokens offered."""
+    def record(self, kept: list, proposed: int, sources: Optional[dict] = None) -> None:
+        """One step's rounds for this request: tokens kept per round, draft tokens offered,
+        accepted draft tokens by source."""
         self.kept.extend(kept)
         self.proposed += proposed
+        for s, n in (sources or {}).items():
+            self.sources[s] = self.sources.get(s, 0) + n
 
     def finish(self, reason: str, hist_len: int,
                error: Optional[BaseException] = None) -> Optional[RequestResult]:
@@ -153,10 +167,13 @@ class RequestHandle:
         spec = dict(mean_acceptance_length=(sum(self.kept) / rounds) if rounds else 0.0,
                     acceptance_histogram=hist, draft_tokens=self.proposed,
                     accepted_tokens=sum(max(k - 1, 0) for k in self.kept))
+        if self.sources:
+            spec["accepted_by_source"] = dict(self.sources)
         self._result = RequestResult(
             token_ids=list(self.tokens), text=self._text.text, finish_reason=reason,
             prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens), spec=spec,
-            ttft_s=(self.t_first or now) - self.t_submit, latency_s=now - self.t_submit)
+            ttft_s=(self.t_first or now) - self.t_submit, latency_s=now - self.t_submit,
+            logprobs=None if self.logprobs is None else list(self.logprobs))
         self._done.set()
         self._deltas.put(None)
         return self._result

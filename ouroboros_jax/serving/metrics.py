@@ -6,6 +6,11 @@ for vLLM's speculative-decoding panels read these unchanged but for the prefix. 
 the `_total` suffix of the exposition format (version 0.0.4); histograms are cumulative
 `_bucket{le=...}` lines plus `_sum` and `_count`.
 
+Only the measures of the method that runs are exported: no spec-decode counters for plain
+decoding, no pool counters for a method without a phrase pool; accepted draft tokens by source
+(`spec_decode_num_accepted_tokens_by_source{source=...}`, `decoding.common.SOURCES`) for the
+method's own sources, summing to `spec_decode_num_accepted_tokens`.
+
 No prometheus_client dependency: the format is a few lines of text, and the engine already
 keeps the counters (`Engine.metrics()`); this module only renders them.
 """
@@ -18,6 +23,8 @@ import threading
 from typing import Iterable, Optional
 
 import numpy as np
+
+from ..decoding.common import SOURCES
 
 PREFIX = "ouroboros:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -159,6 +166,12 @@ def render(engine_metrics: dict, server: Optional[ServerMetrics] = None,
         lines += _family("spec_decode_num_accepted_tokens_per_pos", "counter",
                          "Accepted draft tokens by their position in the draft (0 = first).",
                          [({"position": i}, int(v)) for i, v in enumerate(per_pos)])
+    by_source = m.get("accepted_by_source")
+    if by_source:
+        lines += _family("spec_decode_num_accepted_tokens_by_source", "counter",
+                         "Accepted draft tokens by where they came from (the draft model's "
+                         "chain, phrase-pool phrases, spans of the context).",
+                         [({"source": s}, int(v)) for s, v in by_source.items()])
     if server is not None:
         fam = [({"endpoint": e, "finished_reason": r}, n)
                for (e, r), n in sorted(server.finished.items())]
@@ -180,13 +193,21 @@ def render(engine_metrics: dict, server: Optional[ServerMetrics] = None,
 class EngineCounters:
     """The engine's cumulative counters (vLLM's spec-decode names), kept by the step loop;
     `snapshot` is what `Engine.metrics()` reports. hist: bins of a request's acceptance
-    histogram (the most tokens one round gives a row, + 1)."""
+    histogram (the most tokens one round gives a row, + 1); sources: the method's draft
+    sources (`MethodSpec.sources`; none: plain decoding, no spec-decode counters); pool:
+    whether it keeps a phrase pool (else no pool counters)."""
 
-    def __init__(self, hist: int):
+    SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                 "num_accepted_tokens_per_pos", "accepted_by_source")
+    POOL_KEYS = ("pool_hits", "pool_lookups", "pool_hit_rate")
+
+    def __init__(self, hist: int, sources: tuple = ("draft_chain",), pool: bool = True):
         self.c = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                       num_accepted_tokens_per_pos=[0] * (hist - 2 if hist > 2 else 0),
                       pool_hits=0, pool_lookups=0, requests_finished=0,
                       requests_cancelled=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self.sources, self.pool = tuple(sources), pool
+        self.by_source = {s: 0 for s in self.sources}
         self.hits_seen = 0
         self.levels_used: dict = {}
 
@@ -200,9 +221,14 @@ class EngineCounters:
         self.hits_seen = hits
         self.c["pool_lookups"] += lookups
 
-    def rounds(self, kept: np.ndarray, live: np.ndarray, proposed: np.ndarray) -> None:
+    def rounds(self, kept: np.ndarray, live: np.ndarray, proposed: np.ndarray,
+               sources: Optional[np.ndarray] = None) -> None:
         """One step's rounds of the busy slots, [k, busy]: tokens kept, whether the slot
-        took part, draft tokens offered."""
+        took part, draft tokens offered; sources int[busy, len(SOURCES)]: the step's accepted
+        draft tokens by source."""
+        if sources is not None:
+            for s in self.sources:
+                self.by_source[s] += int(np.asarray(sources)[:, SOURCES.index(s)].sum())
         c, pos = self.c, self.c["num_accepted_tokens_per_pos"]
         c["num_drafts"] += int((live & (proposed > 0)).sum())
         c["num_draft_tokens"] += int(proposed[live].sum())
@@ -218,6 +244,9 @@ class EngineCounters:
         m = dict(self.c)
         m["num_accepted_tokens_per_pos"] = list(self.c["num_accepted_tokens_per_pos"])
         m["pool_hit_rate"] = m["pool_hits"] / m["pool_lookups"] if m["pool_lookups"] else 0.0
+        m["accepted_by_source"] = dict(self.by_source)
+        for k in (() if self.sources else self.SPEC_KEYS) + (() if self.pool else self.POOL_KEYS):
+            m.pop(k, None)
         m["steps_per_level"] = {f"{b} busy: {c}": v for (b, c), v in
                                 sorted(self.levels_used.items())}
         return m

@@ -5,8 +5,12 @@ body. Pure functions, so each is testable on its own; `server.py` wires them to 
 What a field may hold is checked once, in `request.py` (`RequestParams`, `check_stops`,
 `check_fits`); here only what OpenAI's format adds: its field names (`max_completion_tokens`),
 its defaults (temperature 1, a random seed), vLLM's `top_k=-1` and `ignore_eos`, its range for
-temperature ([0, 2]) and the fields this server refuses rather than ignore.
+temperature ([0, 2]), `logprobs` / `top_logprobs` (chat: a bool and 0..20; completions: 0..20),
+`n` (choices, each its own engine request), the `speculation` switch ("on" / "off") and the
+fields this server refuses rather than ignore. The logprob objects of responses are
+`openai_logprobs.py`'s.
 """
+
 
 from __future__ import annotations
 
@@ -14,15 +18,12 @@ import json
 import secrets
 from typing import Any, Optional
 
-from ..request import check_stops, is_real
+from ..request import MAX_TOP_LOGPROBS, check_stops, is_real
 
 # Fields refused with 400: (name, test that the value asks for something unsupported, why)
 UNSUPPORTED = (
-    ("n", lambda v: v not in (None, 1), "only n=1 is supported; send one request per sample"),
     ("best_of", lambda v: v not in (None, 1), "best_of is not supported"),
     ("echo", lambda v: bool(v), "echo is not supported"),
-    ("logprobs", lambda v: v not in (None, False), "logprobs are not supported"),
-    ("top_logprobs", lambda v: v not in (None, 0), "top_logprobs are not supported"),
     ("suffix", lambda v: v not in (None, ""), "suffix (insertion) is not supported"),
     ("presence_penalty", lambda v: v not in (None, 0, 0.0),
      "presence_penalty is not supported (it would change the target's distribution)"),
@@ -37,6 +38,7 @@ UNSUPPORTED = (
      "only response_format {'type': 'text'} is supported"),
 )
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_CHOICES = 32  # n: each choice takes a slot of its own
 
 
 class APIError(Exception):
@@ -139,11 +141,51 @@ def _stop_ids(body: dict, default_eos: tuple) -> Optional[tuple]:
     return None
 
 
+def logprob_count(body: dict, chat: bool) -> Optional[int]:
+    """The body's logprobs fields -> RequestParams.logprobs (None: none; else the top tokens
+    per position). Chat: `logprobs` a bool, `top_logprobs` 0..20 (only with logprobs);
+    completions: `logprobs` 0..20."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    rng = f"[0, {MAX_TOP_LOGPROBS}]"
+    if not chat:
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise bad(f"logprobs must be an integer in {rng} (top tokens per position), got "
+                      f"{lp!r}", "logprobs")
+        return lp
+    if lp is not None and not isinstance(lp, bool):
+        raise bad(f"logprobs must be a boolean, got {lp!r}", "logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad(f"top_logprobs must be an integer in {rng}, got {top!r}", "top_logprobs")
+    if top and not lp:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+def choice_count(body: dict) -> int:
+    """`n`: the choices asked for (1 when absent); 400 naming it otherwise."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    return n
+
+
+def speculation_of(body: dict) -> bool:
+    """The `speculation` extension ("on", default, or "off": plain decoding for this request,
+    the same output) -> RequestParams.speculation."""
+    v = body.get("speculation")
+    if v not in (None, "on", "off"):
+        raise bad(f"speculation must be \"on\" or \"off\", got {v!r}", "speculation")
+    return v != "off"
+
+
 def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
-                    default_eos: tuple) -> dict:
+                    default_eos: tuple, chat: bool = False) -> dict:
     """The sampling fields of a request body -> keyword arguments of RequestParams (which
     checks each value, naming it); the fields refused, OpenAI's defaults and vLLM's extensions
-    applied here. default_eos: the model's EOS ids, which `stop_token_ids` adds to."""
+    applied here. default_eos: the model's EOS ids, which `stop_token_ids` adds to; chat: the
+    body is a chat completion's (its logprobs fields differ)."""
     for name, asks, why in UNSUPPORTED:
         if asks(body.get(name)):
             raise bad(why, name, code="unsupported_parameter")
@@ -162,7 +204,8 @@ def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
                seed=secrets.randbits(31) if seed is None else seed,  # no seed: not reproducible
                stop_token_ids=_stop_ids(body, default_eos),
                stop=() if stop is None else tuple([stop] if isinstance(stop, str) else stop)
-               if isinstance(stop, (str, list)) else stop)
+               if isinstance(stop, (str, list)) else stop,
+               logprobs=logprob_count(body, chat), speculation=speculation_of(body))
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
@@ -212,14 +255,34 @@ def spec_figures(spec: Optional[dict]) -> dict:
     return out
 
 
-def usage(r) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens}
+def usage(*results) -> dict:
+    """The usage of one request's choices: the prompt once, their completion tokens summed."""
+    prompt = results[0].prompt_tokens
+    done = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def metrics_obj(r) -> dict:
-    return {"speculative_decoding": spec_figures(r.spec),
-            "time_to_first_token_s": r.ttft_s, "latency_s": r.latency_s}
+def merged_spec(specs: list) -> dict:
+    """Several choices' RequestResult.spec -> one: histograms and token counts summed, the
+    mean acceptance length over all their rounds."""
+    if len(specs) == 1:
+        return specs[0]
+    hist = [sum(col) for col in zip(*(s["acceptance_histogram"] for s in specs))]
+    rounds = sum(hist)
+    out = {k: sum(s[k] for s in specs) for k in ("draft_tokens", "accepted_tokens")}
+    if "accepted_by_source" in specs[0]:
+        out["accepted_by_source"] = {k: sum(s["accepted_by_source"][k] for s in specs)
+                                     for k in specs[0]["accepted_by_source"]}
+    return dict(out, acceptance_histogram=hist, mean_acceptance_length=(
+        sum(j * c for j, c in enumerate(hist)) / rounds if rounds else 0.0))
+
+
+def metrics_obj(*results) -> dict:
+    """The response's `metrics`: the speculative figures of its choices (merged), its first
+    token's time and its last choice's latency."""
+    return {"speculative_decoding": spec_figures(merged_spec([r.spec for r in results])),
+            "time_to_first_token_s": min(r.ttft_s for r in results),
+            "latency_s": max(r.latency_s for r in results)}
 
 
 def sse(obj) -> str:
@@ -227,15 +290,16 @@ def sse(obj) -> str:
 
 
 def chunk(meta: dict, chat: bool, text: str, ids: list, finish: Optional[str] = None,
-          extra: Optional[dict] = None, role: bool = False, include_usage: bool = False) -> str:
-    """One streamed chunk (an SSE event) of a completion (`meta`: id, object, created,
-    model)."""
+          extra: Optional[dict] = None, role: bool = False, include_usage: bool = False,
+          index: int = 0, logprobs: Optional[dict] = None) -> str:
+    """One streamed chunk (an SSE event) of choice `index` of a completion (`meta`: id,
+    object, created, model); logprobs: its tokens' (`openai_logprobs`), or None."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else (
             {} if finish is not None and not text else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     choice["token_ids"] = ids
     c = dict(meta, choices=[choice])
     if include_usage:
@@ -245,13 +309,19 @@ def chunk(meta: dict, chat: bool, text: str, ids: list, finish: Optional[str] = 
     return sse(c)
 
 
-def completion(meta: dict, chat: bool, r, text: str) -> dict:
-    """The whole (non-streamed) response for a finished request."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": r.finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": r.finish_reason}
-    choice["token_ids"] = list(r.token_ids)
+def completion(meta: dict, chat: bool, results: list, texts: list,
+               logprobs: Optional[list] = None) -> dict:
+    """The whole (non-streamed) response for finished requests, one choice each (their
+    texts; logprobs: each one's object, `openai_logprobs`, or None)."""
+    choices = []
+    for i, (r, text) in enumerate(zip(results, texts)):
+        lp = None if logprobs is None else logprobs[i]
+        if chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": text},
+                      "logprobs": lp, "finish_reason": r.finish_reason}
+        else:
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
+        choice["token_ids"] = list(r.token_ids)
+        choices.append(choice)
     return dict(meta, object="chat.completion" if chat else "text_completion",
-                choices=[choice], usage=usage(r), metrics=metrics_obj(r))
+                choices=choices, usage=usage(*results), metrics=metrics_obj(*results))

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Optional
 
 
 class Pump:
-    """Iterates a blocking RequestHandle on its own thread and hands ("delta", d), ("done",
-    result) or ("error", exc) to the event loop's queue. The server may put ("shutdown",
-    None) there itself (its drain time is over)."""
+    """Iterates a blocking RequestHandle on its own thread and hands ("delta", d, index),
+    ("done", result, index) or ("error", exc, index) to the event loop's queue (index: the
+    handle's choice; the pumps of a request's choices share one queue). The server may put
+    ("shutdown", None) there itself (its drain time is over)."""
 
-    def __init__(self, handle, loop: asyncio.AbstractEventLoop):
-        self.handle, self.loop = handle, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+    def __init__(self, handle, loop: asyncio.AbstractEventLoop, index: int = 0,
+                 queue: Optional[asyncio.Queue] = None):
+        self.handle, self.loop, self.index = handle, loop, index
+        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
         threading.Thread(target=self._run, daemon=True, name=f"pump-{handle.id}").start()
 
     def _put(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item + (self.index,))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.handle.cancel()
 
@@ -39,11 +42,11 @@ class Pump:
 
 def _cancel_orphan(fut: asyncio.Future) -> None:
     """A preparation that finished after its request was abandoned: its submitted request
-    (anything with a `handle`) is cancelled, so it frees its slot."""
+    (anything with a `cancel`, a `server.Call`) is cancelled, so it frees its slots."""
     if not fut.cancelled() and fut.exception() is None:
-        handle = getattr(fut.result(), "handle", None)
-        if handle is not None:
-            handle.cancel()
+        cancel = getattr(fut.result(), "cancel", None)
+        if cancel is not None:
+            cancel()
 
 
 async def off_loop(fn, *args):

@@ -92,13 +92,15 @@ def check_family(method: str, spec, cfgs: list) -> None:
 @dataclasses.dataclass
 class Plan:
     """One step as the scheduler decided it: the busy slots and their handles, the load level
-    (an index into levels), whether every busy slot is greedy, the slots to end."""
+    (an index into levels), whether every busy slot is greedy, the slots to end, whether a
+    busy slot asks for logprobs."""
 
     busy: list
     handles: list
     level: int
     greedy: bool
     stop_rows: np.ndarray
+    logprobs: bool = False
 
 
 class Scheduler:
@@ -163,6 +165,7 @@ class Scheduler:
             return None
         handles = [self.running[i] for i in busy]
         plan = Plan(busy, handles, self.level(len(busy)),
-                    all(h.params.temperature == 0 for h in handles), self.stop_rows.copy())
+                    all(h.params.temperature == 0 for h in handles), self.stop_rows.copy(),
+                    any(h.params.logprobs is not None for h in handles))
         self.stop_rows[:] = False
         return plan

@@ -18,9 +18,13 @@ exactly j draft tokens). Each choice also carries `token_ids` (its generated ids
 `return_token_ids` does), so models without a tokenizer can be served on token-id prompts.
 
 Extensions beyond OpenAI's fields, named as vLLM names them: `top_k`, `stop_token_ids`,
-`ignore_eos`. Fields that would change what is sampled and that the engine does not implement
-(`logprobs`, `echo`, `best_of`, `n` > 1, penalties, `logit_bias`, tools, non-text response
-formats) are refused with 400 rather than silently ignored.
+`ignore_eos`; and `speculation: "off"` (plain decoding for that request, the same output).
+`logprobs` / `top_logprobs` are the target's, taken from the forward that accepted each token
+(`openai_logprobs.py`). `n` > 1 submits n engine requests, choice i with a seed derived from
+the request's (`choice_seed`); usage sums their completion tokens. Fields that would change
+what is sampled and that the engine does not implement (`echo`, `best_of`, penalties,
+`logit_bias`, tools, non-text response formats) are refused with 400 rather than silently
+ignored.
 
 Faults: a body that is not JSON (nested too deep included), an unknown model, a bad field
 (max_tokens <= 0 or past the cache, a prompt longer than the cache, sampling values out of
@@ -51,9 +55,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -64,44 +67,13 @@ from .engine_api import EngineAPI
 from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Guard, Limits
 from .handle import QueueFull
 from .metrics import CONTENT_TYPE, ServerMetrics, render
-from .pump import Pump, disconnected, off_loop
+from .pump import disconnected, off_loop
 from .runner import ServerThread, serve  # noqa: F401  (where callers import them from)
-from .openai_api import (APIError, bad, chunk, completion, metrics_obj, param_name, parse_body,
-                         parse_completion_prompt, parse_messages, sampling_fields, sse,
-                         stream_flags, usage)
-
-
-@dataclasses.dataclass
-class Call:
-    """One accepted request: its handle and how to answer it."""
-
-    handle: Any
-    chat: bool
-    model: str
-    stream: bool
-    include_usage: bool
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-
-    @property
-    def meta(self) -> dict:
-        """The fields every chunk and response of this request carries."""
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.handle.id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model}
-
-
-def shut_down() -> APIError:
-    """What a request the server's shutdown cancelled answers with."""
-    return APIError(503, "the request was cancelled: the server is shutting down",
-                    type_="server_error", code="cancelled")
-
-
-def failure(handle, r) -> Optional[APIError]:
-    """The error a finished request answers with, or None: the engine failed it (500), or
-    the server's shutdown cancelled it (503)."""
-    if handle.error is not None:
-        return APIError(500, f"generation failed: {handle.error!r}", type_="server_error")
-    return shut_down() if r.finish_reason == "cancelled" else None
+from .openai_api import (APIError, bad, choice_count, chunk, completion, metrics_obj,
+                         param_name, parse_body, parse_completion_prompt, parse_messages,
+                         sampling_fields, sse, stream_flags, usage)
+from .openai_logprobs import CompletionOffsets, chat_logprobs, logprobs_of
+from .choices import Call, choice_seed, entry, failure, pumps, shut_down
 
 
 class Service:
@@ -115,7 +87,7 @@ class Service:
         self.metrics = ServerMetrics()
         self.stopping = False
         self.created = int(time.time())
-        self.open: dict = {}  # the pump queue of each request being answered -> its handle
+        self.open: dict = {}  # the pump queue of each request being answered -> its Call
         self.ended = False  # the drain time is over (`end_open`)
 
     # -- accepting a request ---------------------------------------------------------------
@@ -155,8 +127,17 @@ class Service:
         if chat:  # OpenAI's chat without max_tokens runs to the end of the context
             default_max = max(self.engine.limit - len(ids), 1)
         fields = sampling_fields(body, default_max_tokens=default_max,
-                                 default_eos=tuple(self.engine.default_stop_ids))
-        return Call(self.submit(ids, fields, body, chat), chat, model, stream, include_usage)
+                                 default_eos=tuple(self.engine.default_stop_ids), chat=chat)
+        handles = []
+        try:
+            for i in range(choice_count(body)):
+                seed = choice_seed(fields["seed"], i)
+                handles.append(self.submit(ids, dict(fields, seed=seed), body, chat))
+        except APIError:
+            for h in handles:  # the choices already queued go with the request
+                h.cancel()
+            raise
+        return Call(handles[0], chat, model, stream, include_usage, handles=handles)
 
     def submit(self, ids: list, fields: dict, body: dict, chat: bool):
         """Tokenized ids and RequestParams fields -> the engine's handle; APIError by what
@@ -184,79 +165,107 @@ class Service:
         self.metrics.request_done("chat" if call.chat else "completions", r.finish_reason,
                                   r.latency_s, r.ttft_s if r.completion_tokens else None)
 
-    def _last(self, call: Call, kind: str, item) -> list:
-        """The events that end a stream: its error or its final chunk (and usage), [DONE]."""
+    def _last(self, call: Call, kind: str, item, index: int, results: dict
+              ) -> tuple[list, bool]:
+        """The events a choice's end gives a stream: an error (the stream ends, the other
+        choices cancelled) or its final chunk, then, once every choice has ended, the usage
+        chunk and [DONE]. -> (events, whether the stream ends)."""
         err = APIError(500, f"generation failed: {item!r}", type_="server_error") \
             if kind == "error" else None
         if kind == "done":
             self.finished(call, item)
-            err = failure(call.handle, item)
+            err = failure(call.handles[index], item)
+            results[index] = item
         if kind == "shutdown":
             self.finished(call, None)
             err = shut_down()
         if err is not None:
-            return [sse(err.body()), "data: [DONE]\n\n"]
+            call.cancel()
+            return [sse(err.body()), "data: [DONE]\n\n"], True
         meta = call.meta
-        out = [chunk(meta, call.chat, "", [], finish=item.finish_reason,
+        out = [chunk(meta, call.chat, "", [], finish=item.finish_reason, index=index,
                      extra={"metrics": metrics_obj(item)}, include_usage=call.include_usage)]
+        if len(results) < len(call.handles):
+            return out, False
+        every = [results[i] for i in range(len(call.handles))]
         if call.include_usage:
-            out.append(sse(dict(meta, choices=[], usage=usage(item), metrics=metrics_obj(item))))
-        return out + ["data: [DONE]\n\n"]
+            out.append(sse(dict(meta, choices=[], usage=usage(*every),
+                                metrics=metrics_obj(*every))))
+        return out + ["data: [DONE]\n\n"], True
+
+    def _streamed_logprobs(self, call: Call) -> list:
+        """Per choice: (token ids, logprobs) -> the chunk's logprobs object."""
+        tok = self.engine.tokenizer
+        if call.chat:
+            return [lambda ids, lps: chat_logprobs(tok, ids, lps)] * len(call.handles)
+        return [CompletionOffsets(tok).logprobs for _ in call.handles]
 
     async def events(self, call: Call, queue: asyncio.Queue):
-        """A streamed answer: SSE events from the pump's queue until [DONE]. A client that
-        goes away (the generator is closed) cancels the request."""
-        meta, done = call.meta, False
+        """A streamed answer: SSE events from the pumps' queue until [DONE], each chunk
+        carrying its choice's index. A client that goes away (the generator is closed)
+        cancels the request."""
+        meta, done, results = call.meta, False, {}
+        fmt = self._streamed_logprobs(call)
         try:
             if call.chat:
-                yield chunk(meta, True, "", [], role=True, include_usage=call.include_usage)
+                for i in range(len(call.handles)):
+                    yield chunk(meta, True, "", [], role=True, index=i,
+                                include_usage=call.include_usage)
             while not done:
-                kind, item = await queue.get()
+                kind, item, i = entry(await queue.get())
                 if kind != "delta":
-                    done = True
-                    for e in self._last(call, kind, item):
+                    events, done = self._last(call, kind, item, i, results)
+                    for e in events:
                         yield e
                 elif item.token_ids or item.text:
-                    yield chunk(meta, call.chat, item.text, list(item.token_ids),
-                                include_usage=call.include_usage)
+                    yield chunk(meta, call.chat, item.text, list(item.token_ids), index=i,
+                                include_usage=call.include_usage,
+                                logprobs=fmt[i](list(item.token_ids), item.logprobs))
         finally:
             self.open.pop(queue, None)
             if not done:  # the client went away (the task is being cancelled)
-                call.handle.cancel()
+                call.cancel()
 
     async def answer(self, call: Call, queue: asyncio.Queue, gone) -> Optional[dict]:
-        """A non-streamed answer: the whole response once the request finishes; None when
+        """A non-streamed answer: the whole response once every choice finishes; None when
         the client went away first (`gone`, an awaitable; the request is then cancelled)."""
-        text, gone = [], asyncio.ensure_future(gone)
+        n, texts, results, gone = len(call.handles), {}, {}, asyncio.ensure_future(gone)
         try:
-            while True:
+            while len(results) < n:
                 get = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:  # the client went away: free the slot, answer nobody
+                if get not in done:  # the client went away: free the slots, answer nobody
                     get.cancel()
-                    call.handle.cancel()
+                    call.cancel()
                     return None
-                kind, item = get.result()
+                kind, item, i = entry(get.result())
                 if kind == "error":
+                    call.cancel()
                     raise APIError(500, f"generation failed: {item!r}", type_="server_error")
                 if kind == "shutdown":
                     self.finished(call, None)
                     raise shut_down()
                 if kind == "done":
-                    break
-                text.append(item.text or "")
+                    results[i] = item
+                else:
+                    texts.setdefault(i, []).append(item.text or "")
         except asyncio.CancelledError:
-            call.handle.cancel()
+            call.cancel()
             raise
         finally:
             gone.cancel()
             self.open.pop(queue, None)
-        self.finished(call, item)
-        err = failure(call.handle, item)
-        if err is not None:
-            raise err
-        return completion(call.meta, call.chat, item,
-                          item.text if item.text is not None else "".join(text))
+        every = [results[i] for i in range(n)]
+        for h, r in zip(call.handles, every):
+            self.finished(call, r)
+            err = failure(h, r)
+            if err is not None:
+                raise err
+        text = [r.text if r.text is not None else "".join(texts.get(i, []))
+                for i, r in enumerate(every)]
+        lps = None if call.handle.params.logprobs is None else [
+            logprobs_of(self.engine.tokenizer, call.chat, r.token_ids, r.logprobs) for r in every]
+        return completion(call.meta, call.chat, every, text, lps)
 
     # -- shutting down -----------------------------------------------------------------------
     def drain(self) -> None:
@@ -264,12 +273,12 @@ class Service:
         flight go on."""
         self.stopping = True
 
-    def register(self, queue: asyncio.Queue, handle) -> None:
+    def register(self, queue: asyncio.Queue, call) -> None:
         """A request being answered from `queue`: `end_open` ends it (at once when the drain
-        time is already over)."""
-        self.open[queue] = handle
+        time is already over). call: a `Call` (its every choice is cancelled then)."""
+        self.open[queue] = call
         if self.ended:
-            handle.cancel()
+            call.cancel()
             queue.put_nowait(("shutdown", None))
 
     def end_open(self) -> int:
@@ -279,8 +288,8 @@ class Service:
         event loop's thread. -> how many."""
         self.stopping = self.ended = True
         ended = list(self.open.items())
-        for queue, handle in ended:
-            handle.cancel()
+        for queue, call in ended:
+            call.cancel()
             queue.put_nowait(("shutdown", None))
         return len(ended)
 
@@ -334,13 +343,13 @@ def _routes(app: FastAPI, svc: Service) -> None:
         raw = await request.body()  # the gate (guard.py) has read it already
         # parsing, the chat template and tokenization cost CPU: a worker thread's, not the loop's
         call = await off_loop(lambda: svc.accept(parse_body(raw), chat=chat))
-        pump = Pump(call.handle, asyncio.get_running_loop())
-        svc.register(pump.queue, call.handle)
+        queue = pumps(call, asyncio.get_running_loop())
+        svc.register(queue, call)
         if call.stream:
-            return StreamingResponse(svc.events(call, pump.queue),
+            return StreamingResponse(svc.events(call, queue),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        out = await svc.answer(call, pump.queue, disconnected(request))
+        out = await svc.answer(call, queue, disconnected(request))
         # 499: nginx's "client closed request"
         return Response(status_code=499) if out is None else JSONResponse(out)
 
