@@ -65,19 +65,28 @@ class CachePlan:
                 f"{gib(self.kv_bytes)}{budget}")
 
 
+def check_flags(memory_fraction, max_model_len, max_cache_len) -> None:
+    """The sizing flags' forms, checked before anything loads: ValueError naming the flag."""
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"--memory-fraction must be in (0, 1], got {memory_fraction!r}")
+    for flag, v in (("--max-cache-len", max_cache_len), ("--max-model-len", max_model_len)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
+            raise ValueError(f"{flag} must be an integer >= 2 (prompt + max_tokens), got {v!r}")
+
+
 def request_cap(context: int, max_model_len: Optional[int],
                 max_cache_len: Optional[int]) -> tuple[int, str]:
     """(prompt + max_tokens cap of one request, the flag it comes from): --max-cache-len wins,
-    then --max-model-len, else min(DEFAULT_MAX_MODEL_LEN, the model's context)."""
-    for flag, v in (("--max-cache-len", max_cache_len), ("--max-model-len", max_model_len)):
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
-            raise ValueError(f"{flag} must be an integer >= 2 (prompt + max_tokens), got {v!r}")
-        if flag == "--max-model-len" and v > context:
-            raise ValueError(f"--max-model-len {v} exceeds the model's context of {context} "
-                             "tokens")
-        return v, flag
+    then --max-model-len (never past the model's context), else min(DEFAULT_MAX_MODEL_LEN,
+    the model's context)."""
+    if max_cache_len is not None:
+        return max_cache_len, "--max-cache-len"
+    if max_model_len is not None:
+        if max_model_len > context:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of "
+                             f"{context} tokens")
+        return max_model_len, "--max-model-len"
     return min(DEFAULT_MAX_MODEL_LEN, context), "default --max-model-len"
 
 
@@ -88,9 +97,7 @@ def plan_cache(target, draft, *, slots: int, memory_fraction: float = DEFAULT_ME
     loaded models (draft None, or one the method runs). margin: the method's cache slots past
     a request's tokens (`MethodSpec.margin`). memory: the bytes the fraction is of (default:
     `bounds.total_bytes`). ValueError naming the flag when not one slot fits."""
-    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
-            or not 0 < memory_fraction <= 1:
-        raise ValueError(f"--memory-fraction must be in (0, 1], got {memory_fraction!r}")
+    check_flags(memory_fraction, max_model_len, max_cache_len)
     cap, source = request_cap(target.config.max_position_embeddings, max_model_len,
                               max_cache_len)
     per_token = sum(kv_bytes_per_token(m.config, m.params["embed"].dtype.itemsize)
