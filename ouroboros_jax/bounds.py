@@ -101,14 +101,19 @@ def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slot
     return total + peak
 
 
+def _memory_stats(device=None) -> tuple:
+    """(the device, default the first; its allocator's stats, None when it keeps none)."""
+    device = device or jax.devices()[0]
+    try:
+        return device, device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return device, None
+
+
 def available_bytes(device=None) -> Optional[int]:
     """Free bytes of the device (its allocator's limit minus what is in use; on a CPU the
     host's available memory), None when the backend does not say."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
+    device, stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
@@ -129,11 +134,7 @@ def available_bytes(device=None) -> Optional[int]:
 def total_bytes(device=None) -> Optional[int]:
     """All the device's memory (its allocator's limit; on a CPU the host's total memory), None
     when the backend does not say: what a memory fraction is a fraction of."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
+    device, stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     if device.platform == "cpu":

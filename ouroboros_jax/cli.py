@@ -398,6 +398,16 @@ def _cmd_tune(a):
     tune_main(a)
 
 
+def _command(sub, name: str, text: str, models: Optional[tuple] = None):
+    """A subcommand's parser, its --help with defaults; models: the help of its --model (alias
+    --target) and --draft, the flags every command that takes a model has."""
+    p = sub.add_parser(name, formatter_class=_Help, help=text)
+    if models is not None:
+        p.add_argument("--model", "--target", dest="model", metavar="PATH", help=models[0])
+        p.add_argument("--draft", metavar="PATH", help=models[1])
+    return p
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:  # its own parser (training/distill.py), so -h shows all its flags
@@ -413,14 +423,11 @@ def main(argv=None):
     from .serving.sizing import DEFAULT_MAX_MODEL_LEN, DEFAULT_MEMORY_FRACTION
 
     methods = sorted(METHODS)
-    g = sub.add_parser("generate", formatter_class=_Help,
-                       help="generate text from a Hugging Face model directory or a GGUF file "
-                            "(default: the shipped demo pair)")
-    g.add_argument("--model", "--target", dest="model", metavar="PATH",
-                   help="target model: an HF directory or a .gguf file (default: the shipped "
-                        "demo target, with its draft)")
-    g.add_argument("--draft", metavar="PATH",
-                   help="draft model directory or .gguf file (same tokenizer)")
+    g = _command(sub, "generate", "generate text from a Hugging Face model directory or a GGUF "
+                                  "file (default: the shipped demo pair)",
+                 ("target model: an HF directory or a .gguf file (default: the shipped demo "
+                  "target, with its draft)", "draft model directory or .gguf file (same "
+                                             "tokenizer)"))
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--chat", action="append", help="a user message to an instruct model, "
                    "rendered with its chat template (repeatable: one conversation each)")
@@ -442,14 +449,10 @@ def main(argv=None):
                                                         "every stat (JSON) on stderr")
     g.set_defaults(fn=_cmd_generate)
 
-    s = sub.add_parser("serve", formatter_class=_Help,
-                       help="an OpenAI-compatible server (continuous batching, one shared "
-                            "phrase pool); default: the demo pair")
-    s.add_argument("--model", "--target", dest="model", metavar="PATH",
-                   help="target: a Hugging Face directory or a .gguf file (default: the "
-                        "shipped demo pair)")
-    s.add_argument("--draft", metavar="PATH", help="draft model (same tokenizer); default with "
-                                                   "the demo pair: its draft")
+    s = _command(sub, "serve", "an OpenAI-compatible server (continuous batching, one shared "
+                               "phrase pool); default: the demo pair",
+                 ("target: a Hugging Face directory or a .gguf file (default: the shipped demo "
+                  "pair)", "draft model (same tokenizer); default with the demo pair: its draft"))
     s.add_argument("--method", default=None, choices=methods,
                    help="decoding method (default: ouroboros with a draft, else vanilla)")
     s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
@@ -488,8 +491,7 @@ def main(argv=None):
                                                   "to N-1")
     s.set_defaults(fn=_cmd_serve)
 
-    d = sub.add_parser("demo", formatter_class=_Help,
-                       help="the shipped pair: vanilla vs the fastest method")
+    d = _command(sub, "demo", "the shipped pair: vanilla vs the fastest method")
     d.add_argument("--num-prompts", type=int, default=None,
                    help="held-out prompts to run (default 6; 2 when CI is set)")
     d.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
@@ -497,12 +499,9 @@ def main(argv=None):
                    help="run only this method beside vanilla")
     d.set_defaults(fn=_cmd_demo)
 
-    m = sub.add_parser("memory", formatter_class=_Help,
-                       help="per-device and per-host bytes of params and KV cache on a mesh")
-    m.add_argument("--model", "--target", dest="model", metavar="PATH",
-                   help="plan this model (an HF directory or a .gguf file; its config only is "
-                        "read) instead of the presets")
-    m.add_argument("--draft", metavar="PATH", help="plan this draft model too")
+    m = _command(sub, "memory", "per-device and per-host bytes of params and KV cache on a mesh",
+                 ("plan this model (an HF directory or a .gguf file; its config only is read) "
+                  "instead of the presets", "plan this draft model too"))
     m.add_argument("--preset", action="append", help="llama-2-70b, yi-34b, llama-3-8b, ... "
                                                      "(default: every preset)")
     m.add_argument("--mesh", default="1x8", help="DATAxMODEL, e.g. 1x8")
@@ -517,12 +516,11 @@ def main(argv=None):
     from .bench.suite import add_bench_args
     from .bench.tune import add_tune_args
 
-    b = sub.add_parser("bench", formatter_class=_Help, help="benchmark methods and transformers peers: JSON, "
-                                     "markdown, plots")
+    b = _command(sub, "bench", "benchmark methods and transformers peers: JSON, markdown, plots")
     add_bench_args(b)
     b.set_defaults(fn=_cmd_bench)
 
-    t = sub.add_parser("tune", formatter_class=_Help, help="the paper's Algorithm 1: pick gamma, then W/N, then K")
+    t = _command(sub, "tune", "the paper's Algorithm 1: pick gamma, then W/N, then K")
     add_tune_args(t)
     t.set_defaults(fn=_cmd_tune)
 
