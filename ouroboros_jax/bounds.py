@@ -55,9 +55,16 @@ def forward_sizes(spec, cfg) -> tuple[int, int, int]:
     return tuple(int(x) for x in spec.forward_sizes(cfg))
 
 
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes one cached token takes in one model's cache: k and v over L layers, K kv heads,
+    D head dim. The one formula of the cache's size (`estimate_bytes`, serve's sizing,
+    `sharding.memory_plan` counts the same from shapes)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+
 def _kv_bytes(config, batch: int, slots: int, itemsize: int) -> int:
     """k and v [L, B, S, K, D] of one model's cache."""
-    return 2 * config.num_layers * batch * slots * config.num_kv_heads * config.head_dim * itemsize
+    return batch * slots * kv_bytes_per_token(config, itemsize)
 
 
 def _forward_bytes(config, batch: int, tokens: int, slots: int, logits: bool = True) -> int:
@@ -94,14 +101,19 @@ def estimate_bytes(spec, cfg, target, draft, batch: int, prompt_width: int, slot
     return total + peak
 
 
+def _memory_stats(device=None) -> tuple:
+    """(the device, default the first; its allocator's stats, None when it keeps none)."""
+    device = device or jax.devices()[0]
+    try:
+        return device, device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return device, None
+
+
 def available_bytes(device=None) -> Optional[int]:
     """Free bytes of the device (its allocator's limit minus what is in use; on a CPU the
     host's available memory), None when the backend does not say."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # some backends raise instead of returning None
-        stats = None
+    device, stats = _memory_stats(device)
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
@@ -114,6 +126,20 @@ def available_bytes(device=None) -> Optional[int]:
             pass
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def total_bytes(device=None) -> Optional[int]:
+    """All the device's memory (its allocator's limit; on a CPU the host's total memory), None
+    when the backend does not say: what a memory fraction is a fraction of."""
+    device, stats = _memory_stats(device)
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             return None
     return None

@@ -22,50 +22,21 @@ def _generate_prompts(a) -> list:
     return prompts
 
 
-def _cmd_generate(a):
-    from . import generate, load_model
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with "(default: X)" after each flag that has a default its help does not already
+    state (argparse lists choices itself)."""
 
-    prompts = _generate_prompts(a)
-    if a.target:
-        target = load_model(a.target, dtype=a.dtype)
-        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
-    else:  # the shipped pair, as `demo` uses it
-        from .demo_assets import demo_pair
-
-        target, draft = demo_pair(a.dtype)
-        if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype)
-    mesh = None
-    if a.mesh:
-        from .sharding import make_mesh
-
-        data, model = _parse_mesh(a.mesh)
-        mesh = make_mesh(data, model)
-    config = "auto"
-    if a.config:
-        from .decoding import METHODS
-
-        if a.method not in METHODS:
-            raise ValueError(f"method must be one of {sorted(METHODS)}, got {a.method!r}")
-        try:
-            fields = json.loads(a.config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config is not valid JSON: {e}") from None
-        try:
-            config = METHODS[a.method].config_type(**fields)
-        except TypeError as e:
-            raise ValueError(f"--config for method {a.method!r}: {e}") from None
-    out = generate(target, prompts, draft=draft, method=a.method, config=config,
-                   max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                   top_k=a.top_k, seed=a.seed, mesh=mesh)
-    for i, toks in enumerate(out.tokens):
-        print(out.texts[i] if out.texts else toks)
-    if a.stats:
-        print(json.dumps(out.stats, indent=2), file=sys.stderr)
+    def _get_help_string(self, action):
+        text = action.help or ""
+        # identity: 0 and 0.0 are defaults to show, though they equal False
+        if action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
-def _serve_fields(text) -> Optional[dict]:
-    """--config JSON of `serve` -> its fields (None when not given); checked before any load."""
+def _config_fields(text) -> Optional[dict]:
+    """--config JSON -> its fields (None when not given); checked before any load."""
     if not text:
         return None
     try:
@@ -77,18 +48,96 @@ def _serve_fields(text) -> Optional[dict]:
     return fields
 
 
-def _serve_config(method: str, fields: Optional[dict]):
+def _method_config(method: str, fields: Optional[dict]):
     """The method's config object from --config's fields ("auto" when not given)."""
     if fields is None:
         return "auto"
     from .decoding import METHODS
 
     if method not in METHODS:
-        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+        raise ValueError(f"--method must be one of {sorted(METHODS)}, got {method!r}")
     try:
         return METHODS[method].config_type(**fields)
-    except TypeError as e:
-        raise ValueError(f"--config for method {method!r}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--config for --method {method}: {e}") from None
+
+
+def _check_draft_flag(a, method: str) -> None:
+    """A method that needs a draft, with --model but no --draft, refused before any load (the
+    demo pair, without --model, brings its draft)."""
+    from .decoding import METHODS
+
+    if a.model and not a.draft and METHODS[method].needs_draft:
+        raise ValueError(f"--method {method} needs --draft (a draft model with the target's "
+                         "tokenizer)")
+
+
+def _compile_clock():
+    """A function giving the seconds JAX has spent tracing, lowering and compiling since this
+    call (the events the bench subtracts, `bench.runner.CompileClock`)."""
+    from .bench.runner import CompileClock
+
+    clock = CompileClock.get()
+    clock.take()
+    return clock.take
+
+
+def _note_cut(out, eos, max_new_tokens: int) -> None:
+    """Says on stderr which generations --max-new-tokens cut (full length, no EOS last)."""
+    stops = set(() if eos is None else [eos] if isinstance(eos, int) else eos)
+    cut = [i for i, t in enumerate(out.tokens)
+           if len(t) >= max_new_tokens and (not t or t[-1] not in stops)]
+    for i in cut:
+        which = f"prompt {i + 1}: " if len(out.tokens) > 1 else ""
+        print(f"ouroboros-jax generate: {which}stopped at --max-new-tokens {max_new_tokens}; "
+              "pass a larger value for more", file=sys.stderr)
+
+
+def _print_stats(stats: dict, compile_s: float) -> None:
+    """--stats: compile time and decode speed apart, then every stat as JSON, on stderr."""
+    run_s = max(stats["seconds"] - compile_s, 1e-9)
+    stats["compile_seconds"] = compile_s
+    stats["decode_tokens_per_second"] = stats["new_tokens"] / run_s
+    print(f"ouroboros-jax generate: {stats['new_tokens']} tokens; compiling {compile_s:.2f} s, "
+          f"decoding {stats['decode_tokens_per_second']:.1f} tokens/s ({run_s:.2f} s; "
+          f"{stats['tokens_per_second']:.1f} tokens/s with compiling)", file=sys.stderr)
+    print(json.dumps(stats, indent=2), file=sys.stderr)
+
+
+def _cmd_generate(a):
+    from . import generate, load_model
+    from .request import default_eos_ids
+
+    # every flag checked before anything loads
+    prompts = _generate_prompts(a)
+    _positive("--max-new-tokens", a.max_new_tokens)
+    _check_draft_flag(a, a.method)
+    config = _method_config(a.method, _config_fields(a.config))
+    shape = _parse_mesh(a.mesh) if a.mesh else None
+    if a.model:
+        target = load_model(a.model, dtype=a.dtype)
+        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+    else:  # the shipped pair, as `demo` uses it
+        from .demo_assets import demo_pair
+
+        target, draft = demo_pair(a.dtype)
+        if a.draft:
+            draft = load_model(a.draft, dtype=a.dtype)
+    mesh = None
+    if shape:
+        from .sharding import make_mesh
+
+        mesh = make_mesh(*shape)
+    compiled = _compile_clock()
+    out = generate(target, prompts, draft=draft, method=a.method, config=config,
+                   max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                   top_k=a.top_k, seed=a.seed, mesh=mesh)
+    compile_s = compiled()
+    for i, toks in enumerate(out.tokens):
+        print(out.texts[i] if out.texts else toks)
+    _note_cut(out, default_eos_ids(target), a.max_new_tokens)
+    if a.stats:
+        _print_stats(out.stats, compile_s)
 
 
 def _processes(a) -> Optional[tuple]:
@@ -198,13 +247,65 @@ def _add_serve_gate_args(s) -> None:
                    help="serve /docs, /redoc and /openapi.json (default: off)")
 
 
+def _serve_method(a) -> str:
+    """--method, else ouroboros with a draft (--draft, or the demo pair's), else vanilla."""
+    return a.method or ("ouroboros" if a.draft or not a.model else "vanilla")
+
+
+def _serve_plan(a, target, draft, spec, config):
+    """serve's slots and cache (`serving.sizing.plan_cache`) from --slots, --memory-fraction,
+    --max-model-len and --max-cache-len; the margin is the given config's, else the method's
+    default config's (auto's choice may round the cache up: the startup line says the real
+    size)."""
+    from .serving.sizing import plan_cache
+
+    cfg = config if not isinstance(config, str) else (
+        spec.default_config() if spec.knobs is not None else None)
+    return plan_cache(target, draft if spec.needs_draft else None, slots=a.slots,
+                      memory_fraction=a.memory_fraction, max_model_len=a.max_model_len,
+                      max_cache_len=a.max_cache_len, margin=spec.margin(cfg))
+
+
+def _say(msg: str, end: str = "\n") -> None:
+    print(f"ouroboros-jax serve: {msg}" if msg else "", end=end, file=sys.stderr, flush=True)
+
+
+def _progress(name: str, seconds: Optional[float]) -> None:
+    """Engine.warmup's progress: "compiling NAME ... 3.1 s", one line per program."""
+    if seconds is None:
+        _say(f"compiling {name} ...", end=" ")
+    else:
+        print(f"{seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def _served_name(a) -> str:
+    if a.served_model_name:
+        return a.served_model_name
+    if a.model:  # the directory's or file's name, as clients would type it
+        name = os.path.basename(os.path.normpath(a.model))
+        return name[:-len(".gguf")] if name.endswith(".gguf") else name
+    return "ouroboros-demo"
+
+
 def _cmd_serve(a):
+    import dataclasses
+    import time
+
+    from .request import resolve_method
+
+    # every flag checked before anything starts or loads
     _positive("--slots", a.slots)
     _positive("--max-queue", a.max_queue)
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     gate = _serve_gate(a)
-    fields = _serve_fields(a.config)
+    from .serving.sizing import check_flags
+
+    check_flags(a.memory_fraction, a.max_model_len, a.max_cache_len)
+    method = _serve_method(a)
+    _check_draft_flag(a, method)
+    config = _method_config(method, _config_fields(a.config))
+    spec = resolve_method(method)
     if a.mesh:
         _parse_mesh(a.mesh)  # its form checked before anything starts
     procs = _processes(a)
@@ -215,38 +316,39 @@ def _cmd_serve(a):
     multi = procs is not None and procs[1] > 1
     mesh = _serve_mesh(a, multi)
     target, draft = _serve_models(a, mesh)
-    method = a.method or ("ouroboros" if draft is not None else "vanilla")
-    config = _serve_config(method, fields)
+    plan = _serve_plan(a, target, draft, spec, config)
     from .serving.engine import Engine
 
+    t0 = time.perf_counter()
+    auto = isinstance(config, str) and spec.knobs is not None
+    _say(f"building the engine ({method}{', auto probing each load level' if auto else ''})"
+         " ...", end=" ")
     # every process builds the same engine (auto's probes and the state are collective)
-    engine = Engine(target, draft, method=method, config=config, slots=a.slots,
-                    max_cache_len=a.max_cache_len, max_queue=a.max_queue, mesh=mesh)
+    engine = Engine(target, draft, method=method, config=config, slots=plan.slots,
+                    max_cache_len=plan.max_model_len, max_queue=a.max_queue, mesh=mesh)
+    print(f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    _say(dataclasses.replace(plan, cache_tokens=engine.cache_slots).describe())
     if multi and procs[2] != 0:
-        print(f"ouroboros-jax serve: process {procs[2]} of {procs[1]} follows process 0",
-              file=sys.stderr, flush=True)
+        _say(f"process {procs[2]} of {procs[1]} follows process 0")
         n = engine.follow()
-        print(f"ouroboros-jax serve: process {procs[2]}: process 0 stopped after {n} device "
-              "calls", file=sys.stderr, flush=True)
+        _say(f"process {procs[2]}: process 0 stopped after {n} device calls")
         return
-    from .serving.server import create_app, serve
+    _serve_http(a, engine, procs if multi else None, gate)
 
-    if a.served_model_name:
-        name = a.served_model_name
-    elif a.model:  # the directory's or file's name, as clients would type it
-        name = os.path.basename(os.path.normpath(a.model))
-        name = name[:-len(".gguf")] if name.endswith(".gguf") else name
-    else:
-        name = "ouroboros-demo"
+
+def _serve_http(a, engine, procs, gate: dict) -> None:
+    """Process 0's part: the programs compiled (with progress), then HTTP until Ctrl-C."""
+    from .serving.server import create_app, serve
+    from .serving.warmup import default_widths
+
+    name = _served_name(a)
     app = create_app(engine, model_names=[name], **gate)
     try:
         if hasattr(engine, "warmup"):  # compile now, not on the first requests
-            print("ouroboros-jax serve: compiling the engine's steps ...", file=sys.stderr,
-                  flush=True)
-            engine.warmup()
-        where = f", {procs[1]} processes" if multi else ""
-        print(f"ouroboros-jax serve: {name} ({method}, {a.slots} slots{where}) on "
-              f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+            engine.warmup(default_widths(engine.limit), progress=_progress)
+        where = f", {procs[1]} processes" if procs else ""
+        _say(f"{name} ({engine.method}, {engine.slots} slots{where}) on "
+             f"http://{a.host}:{a.port}/v1")
         serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
     finally:  # the followers return even when serving never started (a port in use)
         engine.stop(cancel=True, timeout=a.drain_timeout)
@@ -267,8 +369,36 @@ def _positive(name: str, v: int) -> None:
         raise ValueError(f"{name} must be >= 1, got {v}")
 
 
-def _cmd_memory(a):
+def _model_config(path: str):
+    """A model's config from its directory's config.json or its GGUF metadata: no weights
+    are read."""
+    from .models.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        from .models.gguf import config_from_gguf, open_gguf
+
+        return config_from_gguf(open_gguf(path), path)
+    from .models.loading import read_config
+
+    return read_config(path)
+
+
+def _memory_rows(a) -> list:
+    """[(name, config)] `memory` plans: --model and --draft, else --preset (default: all)."""
     from .models.presets import PRESETS
+
+    if a.model or a.draft:
+        if a.preset:
+            raise ValueError("--preset and --model/--draft each choose what to plan; give one")
+        return [(os.path.basename(os.path.normpath(p)), _model_config(p))
+                for p in (a.model, a.draft) if p]
+    for n in a.preset or []:
+        if n not in PRESETS:
+            raise ValueError(f"--preset: unknown preset {n!r}; choose from {sorted(PRESETS)}")
+    return [(n, PRESETS[n]) for n in a.preset or PRESETS]
+
+
+def _cmd_memory(a):
     from .sharding import memory_plan
 
     data, model = _parse_mesh(a.mesh)
@@ -277,19 +407,19 @@ def _cmd_memory(a):
     _positive("--hosts", a.hosts)
     if (data * model) % a.hosts:
         raise ValueError(f"--hosts {a.hosts} must divide the mesh's {data * model} devices")
-    names = a.preset or list(PRESETS)
+    rows = _memory_rows(a)
     gib = 2 ** 30
+    width = max(14, 2 + max(len(n) for n, _ in rows))
     print(f"mesh data={data} x model={model} over {a.hosts} host(s) of "
           f"{data * model // a.hosts} devices, batch {a.batch}, cache {a.cache_len} tokens, "
           f"{a.dtype}")
-    print(f"{'model':<14}{'params':>10}{'params/dev':>14}{'kv cache/dev':>15}{'total/dev':>12}"
-          f"{'total/host':>13}")
-    for n in names:
-        if n not in PRESETS:
-            raise ValueError(f"unknown preset {n!r}; choose from {sorted(PRESETS)}")
-        p = memory_plan(PRESETS[n], data, model, a.batch, a.cache_len, a.dtype, a.hosts)
-        print(f"{n:<14}{p['num_params'] / 1e9:>9.1f}B{p['params_per_device_bytes'] / gib:>11.2f}"
-              f"GiB{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"
+    print(f"{'model':<{width}}{'params':>10}{'params/dev':>14}{'kv cache/dev':>15}"
+          f"{'total/dev':>12}{'total/host':>13}")
+    for n, config in rows:
+        p = memory_plan(config, data, model, a.batch, a.cache_len, a.dtype, a.hosts)
+        print(f"{n:<{width}}{p['num_params'] / 1e9:>9.1f}B"
+              f"{p['params_per_device_bytes'] / gib:>11.2f}GiB"
+              f"{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"
               f"{p['total_per_device_bytes'] / gib:>9.2f}GiB"
               f"{p['total_per_host_bytes'] / gib:>10.2f}GiB")
 
@@ -312,6 +442,16 @@ def _cmd_tune(a):
     tune_main(a)
 
 
+def _command(sub, name: str, text: str, models: Optional[tuple] = None):
+    """A subcommand's parser, its --help with defaults; models: the help of its --model (alias
+    --target) and --draft, the flags every command that takes a model has."""
+    p = sub.add_parser(name, formatter_class=_Help, help=text)
+    if models is not None:
+        p.add_argument("--model", "--target", dest="model", metavar="PATH", help=models[0])
+        p.add_argument("--draft", metavar="PATH", help=models[1])
+    return p
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:  # its own parser (training/distill.py), so -h shows all its flags
@@ -323,50 +463,65 @@ def main(argv=None):
                                  description="Ouroboros speculative decoding for JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a Hugging Face model directory or "
-                                        "a GGUF file (default: the shipped demo pair)")
-    g.add_argument("--target", help="target model: an HF directory or a .gguf file (default: "
-                                    "the shipped demo target, with its draft)")
-    g.add_argument("--draft", help="draft model directory or .gguf file (same tokenizer)")
+    from .decoding import METHODS
+    from .serving.sizing import DEFAULT_MAX_MODEL_LEN, DEFAULT_MEMORY_FRACTION
+
+    methods = sorted(METHODS)
+    g = _command(sub, "generate", "generate text from a Hugging Face model directory or a GGUF "
+                                  "file (default: the shipped demo pair)",
+                 ("target model: an HF directory or a .gguf file (default: the shipped demo "
+                  "target, with its draft)", "draft model directory or .gguf file (same "
+                                             "tokenizer)"))
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--chat", action="append", help="a user message to an instruct model, "
                    "rendered with its chat template (repeatable: one conversation each)")
     g.add_argument("--system", help="a system message put before each --chat message")
-    g.add_argument("--method", default="vanilla")
-    g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\' (default: auto)')
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--method", default="vanilla", choices=methods,
+                   help="decoding method (speculative and ouroboros need --draft with --model)")
+    g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\' '
+                                    "(default: auto)")
+    g.add_argument("--max-new-tokens", type=int, default=128,
+                   help="the most new tokens per prompt (a cut is said on stderr)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering (1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k filtering (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="the random stream of sampling")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
-    g.add_argument("--stats", action="store_true", help="print stats as JSON on stderr")
+    g.add_argument("--stats", action="store_true", help="print compile time, decode speed and "
+                                                        "every stat (JSON) on stderr")
     g.set_defaults(fn=_cmd_generate)
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible server (continuous batching, "
-                                     "one shared phrase pool); default: the demo pair")
-    s.add_argument("--model", help="target: a Hugging Face directory or a .gguf file "
-                                   "(default: the shipped demo pair)")
-    s.add_argument("--draft", help="draft model (same tokenizer); default with the demo pair: "
-                                   "its draft")
-    s.add_argument("--method", default=None,
-                   help="vanilla, speculative, lookahead, prompt_lookup or ouroboros "
-                        "(default: ouroboros with a draft, else vanilla)")
+    s = _command(sub, "serve", "an OpenAI-compatible server (continuous batching, one shared "
+                               "phrase pool); default: the demo pair",
+                 ("target: a Hugging Face directory or a .gguf file (default: the shipped demo "
+                  "pair)", "draft model (same tokenizer); default with the demo pair: its draft"))
+    s.add_argument("--method", default=None, choices=methods,
+                   help="decoding method (default: ouroboros with a draft, else vanilla)")
     s.add_argument("--config", help="method config as JSON (default: auto, per load level)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                                                      "%(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--slots", type=int, default=8,
-                   help="requests decoded together (default: %(default)s)")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot "
-                   "before new ones get HTTP 429 (default: %(default)s)")
+                   help="requests decoded together, at most (fewer when --memory-fraction "
+                        "holds fewer); more wait in the queue")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot before new ones get HTTP 429")
+    s.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
+                   help="share of the device's memory (on a CPU the host's) the slots' KV "
+                        "caches may take; it bounds the slots")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens of one request, at most; longer ones get HTTP "
+                        f"400 (default: {DEFAULT_MAX_MODEL_LEN}, or the model's context if "
+                        "smaller)")
     s.add_argument("--max-cache-len", type=int, default=None,
-                   help="longest prompt + max_tokens (default: the model's context)")
+                   help="explicit override of --max-model-len (wins over it; may be up to "
+                        "the model's context)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
                                                "model's directory or file name; "
                                                "ouroboros-demo for the demo pair)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="parameter and cache dtype")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on Ctrl-C or SIGTERM before "
                         "they are cancelled (default: %(default)s)")
@@ -381,19 +536,24 @@ def main(argv=None):
                                                   "to N-1")
     s.set_defaults(fn=_cmd_serve)
 
-    d = sub.add_parser("demo", help="the shipped pair: vanilla vs the fastest method")
-    d.add_argument("--num-prompts", type=int, default=None)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--method", default=None)
+    d = _command(sub, "demo", "the shipped pair: vanilla vs the fastest method")
+    d.add_argument("--num-prompts", type=int, default=None,
+                   help="held-out prompts to run (default 6; 2 when CI is set)")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    d.add_argument("--method", default=None, choices=methods,
+                   help="run only this method beside vanilla")
     d.set_defaults(fn=_cmd_demo)
 
-    m = sub.add_parser("memory", help="per-device and per-host bytes of params and KV "
-                                       "cache on a mesh")
-    m.add_argument("--preset", action="append", help="llama-2-70b, yi-34b, llama-3-8b, ...")
+    m = _command(sub, "memory", "per-device and per-host bytes of params and KV cache on a mesh",
+                 ("plan this model (an HF directory or a .gguf file; its config only is read) "
+                  "instead of the presets", "plan this draft model too"))
+    m.add_argument("--preset", action="append", help="llama-2-70b, yi-34b, llama-3-8b, ... "
+                                                     "(default: every preset)")
     m.add_argument("--mesh", default="1x8", help="DATAxMODEL, e.g. 1x8")
-    m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--cache-len", type=int, default=4096)
-    m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    m.add_argument("--batch", type=int, default=1, help="rows decoded together")
+    m.add_argument("--cache-len", type=int, default=4096, help="KV cache tokens per row")
+    m.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="parameter and cache dtype")
     m.add_argument("--hosts", type=int, default=1,
                    help="hosts the mesh spans (equal device counts): adds per-host bytes")
     m.set_defaults(fn=_cmd_memory)
@@ -401,12 +561,11 @@ def main(argv=None):
     from .bench.suite import add_bench_args
     from .bench.tune import add_tune_args
 
-    b = sub.add_parser("bench", help="benchmark methods and transformers peers: JSON, "
-                                     "markdown, plots")
+    b = _command(sub, "bench", "benchmark methods and transformers peers: JSON, markdown, plots")
     add_bench_args(b)
     b.set_defaults(fn=_cmd_bench)
 
-    t = sub.add_parser("tune", help="the paper's Algorithm 1: pick gamma, then W/N, then K")
+    t = _command(sub, "tune", "the paper's Algorithm 1: pick gamma, then W/N, then K")
     add_tune_args(t)
     t.set_defaults(fn=_cmd_tune)
 

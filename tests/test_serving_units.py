@@ -325,3 +325,112 @@ def test_service_reports_a_cancelled_request_as_503():
     with pytest.raises(APIError) as e:
         asyncio.run(run())
     assert e.value.status == 503 and e.value.code == "cancelled"
+
+
+# ------------------------------------------------------------------ serve's sizing by memory
+from ouroboros_jax.bounds import kv_bytes_per_token  # noqa: E402
+from ouroboros_jax.serving.sizing import DEFAULT_MAX_MODEL_LEN, plan_cache  # noqa: E402
+
+
+def _token_bytes(m):
+    """By hand: k and v, per layer, per kv head, per head dim, fp32."""
+    c = m.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
+def test_kv_bytes_per_token_is_the_memory_plans_formula(tiny_target):
+    from ouroboros_jax.sharding import memory_plan
+
+    c = tiny_target.config
+    assert kv_bytes_per_token(c, 4) == _token_bytes(tiny_target)
+    plan = memory_plan(c, 1, 1, batch=3, cache_len=512, dtype="float32")
+    assert plan["kv_cache_per_device_bytes"] == 3 * 512 * kv_bytes_per_token(c, 4)
+
+
+def test_plan_caps_requests_and_fits_slots_to_the_budget(tiny_pair):
+    target, draft, _ = tiny_pair
+    context = target.config.max_position_embeddings  # 1024 < the default cap
+    assert context < DEFAULT_MAX_MODEL_LEN
+    per = _token_bytes(target)
+    slot = 256 * per  # a 256-token request's cache (a power of two already)
+    # room for 3 slots at a fraction of 0.5: 8 asked, 3 run
+    p = plan_cache(target, None, slots=8, memory_fraction=0.5, max_model_len=256,
+                   memory=2 * 3 * slot + 1)
+    assert (p.slots, p.max_model_len, p.cache_tokens, p.token_bytes) == (3, 256, 256, per)
+    assert p.kv_bytes == 3 * slot and p.budget_bytes == 3 * slot
+    assert "3 slots (--slots 8 do not fit --memory-fraction) x 256 cache tokens" in p.describe()
+    # the default cap is the model's context here; enough memory: the slots asked for
+    p = plan_cache(target, None, slots=4, memory=2**40)
+    assert (p.slots, p.max_model_len, p.cache_tokens) == (4, context, context)
+    assert p.source == "default --max-model-len"
+    # --max-cache-len wins over --max-model-len; the method's margin rounds the cache up
+    p = plan_cache(target, None, slots=2, max_model_len=256, max_cache_len=100, margin=30,
+                   memory=2**40)
+    assert (p.max_model_len, p.cache_tokens, p.source) == (100, 256, "--max-cache-len")
+    # a draft the method runs has a cache of its own
+    both = plan_cache(target, draft, slots=1, max_model_len=256, memory=2**40)
+    assert both.token_bytes == per + _token_bytes(draft)
+
+
+def test_plan_refuses_by_flag(tiny_target):
+    per = _token_bytes(tiny_target)
+    with pytest.raises(ValueError, match=r"--memory-fraction 0.5 gives the KV caches .* less "
+                                         r"than one slot of 512 cache tokens .* lower "
+                                         r"--max-model-len"):
+        plan_cache(tiny_target, None, slots=8, memory_fraction=0.5, max_model_len=512,
+                   memory=512 * per)
+    with pytest.raises(ValueError, match="--max-model-len 4096 exceeds the model's context "
+                                         "of 1024 tokens"):
+        plan_cache(tiny_target, None, slots=1, max_model_len=4096, memory=2**40)
+    with pytest.raises(ValueError, match=r"--memory-fraction must be in \(0, 1\]"):
+        plan_cache(tiny_target, None, slots=1, memory_fraction=0.0)
+
+
+def test_sized_engine_queues_what_its_slots_cannot_hold_and_caps_requests(tiny_target):
+    """Memory for one slot of 64 tokens: requests beyond it wait (none fails) and each equals
+    generate's; one over the cap is refused naming max_tokens, as the server's 400 does."""
+    import ouroboros_jax as oj
+    from ouroboros_jax.serving.engine import Engine
+
+    plan = plan_cache(tiny_target, None, slots=4, max_model_len=64,
+                      memory=10 * 64 * _token_bytes(tiny_target) + 1, memory_fraction=0.1)
+    assert plan.slots == 1
+    eng = Engine(tiny_target, method="vanilla", config=None, slots=plan.slots,
+                 max_cache_len=plan.max_model_len, rounds_per_step=2)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    hs = [eng.submit(p, RequestParams(max_tokens=6, stop_token_ids=())) for p in prompts]
+    eng.step()
+    m = eng.metrics()
+    assert (m["busy_slots"], m["queue_length"]) == (1, 2)
+    while eng.step():
+        pass
+    for p, h in zip(prompts, hs):
+        assert h.result().finish_reason == "length"
+        assert h.result().token_ids == oj.generate(tiny_target, [p], max_new_tokens=6,
+                                                   eos_token_id=-1).tokens[0]
+    with pytest.raises(FieldError) as e:
+        eng.validate([5] * 10, RequestParams(max_tokens=55))
+    assert e.value.field == "max_tokens" and "cache limit of 64 tokens; at most 54" in str(e.value)
+
+
+# ------------------------------------------------------------------ compile progress
+def test_warmup_reports_each_program_with_its_time(tiny_target):
+    from ouroboros_jax.serving.engine import Engine
+    from ouroboros_jax.serving.warmup import default_widths
+
+    assert default_widths(2048) == (16, 32, 64, 128, 256)
+    assert default_widths(40) == (16, 32, 64)  # prompts up to 39 tokens: bucket 64
+    assert default_widths(16) == (16,)
+    eng = Engine(tiny_target, method="vanilla", config=None, slots=2, max_cache_len=64)
+    seen = []
+    eng.warmup((16, 20), progress=lambda name, s: seen.append((name, s)))
+    names = ["insert (prompt width 16)", "insert (prompt width 32)",
+             "step (1+ busy slots, plain, greedy)", "step (1+ busy slots, plain, sampling)"]
+    # each program announced, then timed
+    assert [n for n, _ in seen] == [n for n in names for _ in range(2)]
+    assert [s is None for _, s in seen] == [True, False] * 4
+    assert all(s >= 0 for _, s in seen[1::2])
+    h = eng.submit([5, 6, 7], RequestParams(max_tokens=3, stop_token_ids=()))
+    while eng.step():
+        pass
+    assert len(h.result().token_ids) == 3  # the warm-up's dummy rows left nothing behind

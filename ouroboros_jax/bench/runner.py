@@ -55,7 +55,7 @@ class MethodRun:
         return self.config == "auto"
 
 
-class _CompileClock:
+class CompileClock:
     """Seconds jax spent tracing/lowering/compiling since the last `take()`."""
 
     _installed = None
@@ -64,7 +64,7 @@ class _CompileClock:
         self.total = 0.0
 
     @classmethod
-    def get(cls) -> "_CompileClock":
+    def get(cls) -> "CompileClock":
         if cls._installed is None:
             import jax
 
@@ -310,7 +310,7 @@ def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats:
     settle: seconds of idle before measuring. Thread pools of the previous method (XLA's,
     torch's OpenMP) keep competing for the cores for a moment after their work; on a small
     machine that slows whatever runs next."""
-    clock = _CompileClock.get()
+    clock = CompileClock.get()
     if run.kind == "hf":
         call, shape_key = _hf_caller(run, hf, eos)
     else:

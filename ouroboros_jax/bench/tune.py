@@ -81,8 +81,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny random pair, tiny grid")
     p.add_argument("--method", default="ouroboros", choices=sorted(tunable()),
                    help="which method's knobs to tune (default ouroboros)")
-    p.add_argument("--target", help="target model directory (default: demo pair)")
-    p.add_argument("--draft", help="draft model directory")
+    p.add_argument("--model", "--target", dest="target", metavar="PATH",
+                   help="target model directory (default: demo pair)")
+    p.add_argument("--draft", metavar="PATH", help="draft model directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--humaneval", nargs="?", const=True, default=None, metavar="PATH")
     p.add_argument("--spec-bench", metavar="PATH")

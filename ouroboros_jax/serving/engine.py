@@ -17,7 +17,9 @@ while the device computes the next step): a slot freed in 3. is then refilled on
 
 The jobs live in modules of their own: `scheduler` (queue, slots, load levels), `executor`
 (device state, its placement, the jitted insert and step), `lockstep` (the multi-process
-protocol), `handle` and `output` (a request's deltas, text and stop strings), `metrics`.
+protocol), `handle` and `output` (a request's deltas, text and stop strings), `metrics`,
+`warmup` (every program compiled before the first request) and `sizing` (serve's slots and
+cache from a memory budget).
 
 Exactness: a slot's row runs the same rounds as `generate` on that prompt alone, so greedy
 output equals `generate`'s whatever else is in the batch. A request samples from stream 0 of
@@ -41,14 +43,13 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..decoding import METHODS, PLAIN
 from ..decoding.common import make_pair
 from ..distributed import (check_same, fetch, is_leader, mesh_id, model_id,
                            model_spans_processes, spans_processes)
 from ..pool import PhrasePool, ranged_pool
-from ..request import (RequestParams, ValidRequest, bucket, cache_slots, check_call,
+from ..request import (RequestParams, ValidRequest, cache_slots, check_call,
                        check_draft, check_model, default_eos_ids, eos_array, is_int,
                        place_models, prompt_ids, resolve_method, validate_request)
 from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
@@ -57,6 +58,7 @@ from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401
 from .lockstep import Lockstep, Op
 from .metrics import EngineCounters
 from .scheduler import Plan, Scheduler, auto_levels, check_family, load_levels
+from .warmup import Progress, compile_programs
 
 # the jitted calls by the names tests count their compiles by
 _device_step, _device_insert = device_step, device_insert
@@ -312,27 +314,19 @@ class Engine:
                                "processes follow")
         return self._lockstep.follow()
 
-    def warmup(self, prompt_widths: Sequence[int] = (16,)) -> None:
+    def warmup(self, prompt_widths: Sequence[int] = (16,),
+               progress: Optional[Progress] = None) -> None:
         """Compiles, while idle, the device step of every load level in both sampling modes
-        and the insert of each prompt-width bucket, so the first requests wait for none."""
+        and the insert of each prompt-width bucket, so the first requests wait for none.
+        progress(name, None) as each program starts and progress(name, seconds) when done
+        (`warmup.compile_programs`)."""
         self._leader_only("warmup")
         with self._lock:
             if not self._sched.idle:
                 raise RuntimeError("warmup() needs an idle engine")
-            # the dummy prompts' n-grams (context phrases) must not stay
-            self._lockstep.lead(Op("save_pool"))
-            stop = np.zeros((self.slots,), bool)
-            for w in sorted({bucket(int(w)) for w in prompt_widths}):
-                req = ValidRequest([0] * min(w, self.limit - 1), RequestParams(max_tokens=1),
-                                   self._default_eos)
-                self._lockstep.lead(Op("insert", packed=pack_insert(0, req)))
-                stop[0] = True  # the dummy row ends before any round
-            for level in range(len(self.levels)):
-                for greedy in (True, False):
-                    fetch(self._lockstep.lead(Op("step", level=level, greedy=greedy,
-                                                 stop_rows=stop.copy())))
-                    stop[0] = False
-            self._lockstep.lead(Op("restore_pool"))
+            compile_programs(self._lockstep.lead, slots=self.slots, limit=self.limit,
+                             eos=self._default_eos, levels=self.levels,
+                             prompt_widths=prompt_widths, progress=progress)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:

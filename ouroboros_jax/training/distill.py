@@ -566,7 +566,7 @@ def _optimizer(a):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="ouroboros-jax distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="the target: a Hugging Face directory (or a training run)")
+    ap.add_argument("--model", "--target", dest="target", metavar="PATH", required=True, help="the target: a Hugging Face directory (or a training run)")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, hf/, report.json)")
     ap.add_argument("--init", help="start from this draft (Hugging Face directory or training run)")
     ap.add_argument("--draft-config", help="or a fresh draft: JSON of config fields over the target's")
