@@ -26,8 +26,11 @@ this table through `--latency-json`):
                     each a latency-bound kernel of a few microseconds.
 
 The projection prices the counted forwards with the same `cost_model.predict_seconds` that
-predicts the CPU run from this CPU's measured latencies (bench/cost_check.py checks that one
-within 10% of the measured time), plus the round overhead.
+predicts the CPU run from this CPU's measured latencies, plus the round overhead; the bench
+prints that CPU prediction beside every projected row with its error against the measured time
+(`cost_check.validate`: within 10% is the bound; bench/cost_check.py checks it paired in time).
+A METHOD@auto row is priced by the configs auto ran on this CPU, call by call
+(bench/auto_rows.py): a projection of what ran here, not of what auto would choose there.
 
 Peak figures (bf16 dense, i.e. without 2:4 sparsity; HBM bandwidth), from the vendors' pages:
   v5e   197 TFLOP/s,   819 GB/s  https://cloud.google.com/tpu/docs/v5e
@@ -197,7 +200,10 @@ def main(argv=None) -> list:
         python -m ouroboros_jax.bench.accelerator runs/bench/results.json \\
             --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --project h100
 
-    The counts (target forwards, draft forwards, their sizes, the prompts) are the saved run's;
+    METHOD@auto rows are priced by the configs auto ran in that run's calls (their
+    `per_call` choices), named after them; the run's own CPU validation error is printed
+    beside each row. The counts (target forwards, draft forwards, their sizes, the prompts)
+    are the saved run's;
     the shapes are the presets' (`models/presets.py`): what the same counts would cost on that
     pair, a projection twice over (the counts belong to the pair that ran)."""
     import argparse
@@ -243,9 +249,10 @@ def main(argv=None) -> list:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ms, err = r["measured_speedup"], r["cpu_error"]
+        ms = "–" if ms is None else f"{ms:.3g}×"
+        err = "–" if err is None else f"{err:+.1%}"
         print(f"| {r['device']} | {r['ran']} | {r['target_calls']} | {r['draft_forwards']} "
-              f"| {r['n_target']} | {r['n_draft']} | "
-              f"{'–' if ms is None else f'{ms:.3g}×'} | {'–' if err is None else f'{err:+.1%}'} "
+              f"| {r['n_target']} | {r['n_draft']} | {ms} | {err} "
               f"| {r['projected_speedup']:.3g}× |")
     return rows
 

@@ -182,10 +182,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="time forwards here and predict speedups from the counted forwards")
     p.add_argument("--latency-json", help="latency table from another machine (cost model)")
     p.add_argument("--project", action="append", metavar="DEVICE",
-                   help="also print each method's speedup projected onto DEVICE (v5e, v5p, "
+                   help="also print each row's speedup projected onto DEVICE (v5e, v5p, "
                         "a100, h100, h200; repeatable) from its counted forwards and a bf16 "
-                        "roofline of the models (bench/accelerator.py): a projection, not a "
-                        "measurement; implies --cost-model, its CPU validation")
+                        "roofline of the models (bench/accelerator.py; METHOD@auto rows: the "
+                        "configs auto ran): a projection, not a measurement; beside it the "
+                        "CPU validation (the cost model's CPU time of the same forwards vs "
+                        "the measured time, within 10%%); implies --cost-model")
     p.add_argument("--sweep", action="append", default=[],
                    help="k, gamma, pool, history, length, confidence, or all (repeatable)")
     p.add_argument("--sweep-prompts", type=int, help="prompts per task in sweeps")
