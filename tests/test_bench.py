@@ -71,6 +71,34 @@ def bench_run(tiny_pair, tmp_path_factory):
         return json.load(f), d / "out"
 
 
+def _h100_seconds(calls, sizes, tcfg, dcfg, ctx):
+    """The H100 roofline price of these per-call counts at forward sizes (n_T, n_S, n_S1), by
+    hand: prefill per call, (t_T + round overhead) per target call, t_S per draft forward and
+    a round's first draft forward at n_S1."""
+    from ouroboros_jax.bench.accelerator import ACCELERATORS, ROUND_OVERHEAD_S, forward_seconds
+    from ouroboros_jax.bench.cost_model import prompt_bucket
+
+    t = lambda cfg, n, c=ctx: forward_seconds(ACCELERATORS["h100"], cfg, n, c)  # noqa: E731
+    n_t, n_s, n_s1 = sizes
+    tc = sum(c["target_calls"] for c in calls)
+    df = sum(c["draft_forwards"] for c in calls)
+    secs = sum(t(tcfg, prompt_bucket(c["prompt_tokens"]), 0)
+               + (t(dcfg, prompt_bucket(c["prompt_tokens"]), 0) if n_s else 0) for c in calls)
+    secs += tc * (t(tcfg, n_t) + ROUND_OVERHEAD_S)
+    if n_s:
+        secs += df * t(dcfg, n_s) + min(tc, df) * (t(dcfg, n_s1) - t(dcfg, n_s))
+    return secs
+
+
+def _auto_groups(row):
+    """{(method auto ran, its recipe): [calls]} of a METHOD@auto row, from the runner's
+    per-call stats["auto"]."""
+    groups = {}
+    for c in row["per_call"]:
+        groups.setdefault((c["auto"]["method"], c["auto"]["config"]), []).append(c)
+    return groups
+
+
 @pytest.fixture(scope="module")
 def bench_configs(tiny_pair):
     target, draft, _ = tiny_pair
@@ -125,8 +153,9 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert [(c["id"], c["turn"]) for c in calls] == [("spec_bench/1", 0), ("spec_bench/1", 1),
                                                       ("spec_bench/2", 0)]
     cm = res["cost_model"]
+    # every row of ours, METHOD@auto too (priced by what auto ran: test_auto_row_...)
     assert {r["method"] for r in cm["rows"]} == {"vanilla", "speculative", "lookahead",
-                                                 "ouroboros"}
+                                                 "ouroboros", "speculative@auto"}
     assert all(r["predicted_speedup"] > 0 and r["prefill_seconds"] > 0 for r in cm["rows"])
     assert cm["latency"]["target_prefill"] and cm["latency"]["draft_prefill"]
     # weights-bound pricing of the same counts: vanilla is 1x by construction, and a method's
@@ -141,8 +170,7 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert wb["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
     # --project h100: the same counts priced with the roofline of both models' shapes
     # (bench/accelerator.py, tested by hand in test_accelerator.py), round overhead included
-    from ouroboros_jax.bench.accelerator import ACCELERATORS, ROUND_OVERHEAD_S, forward_seconds
-    from ouroboros_jax.bench.cost_model import forward_sizes, prompt_bucket
+    from ouroboros_jax.bench.cost_model import forward_sizes
 
     pj = cm["projections"]["h100"]
     assert "not a measurement" in pj["note"] and "PROJECTION" in pj["latency"]["note"]
@@ -151,27 +179,14 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert rows["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
     tcfg, dcfg = bench_configs
     ctx = pj["latency"]["context"]
-    t = lambda cfg, n, c=ctx: forward_seconds(ACCELERATORS["h100"], cfg, n, c)  # noqa: E731
-
-    def projected_seconds(label, n_t, n_s, n_s1):
-        r = m[label]
-        pre = sum(t(tcfg, prompt_bucket(c["prompt_tokens"]), 0)
-                  + (t(dcfg, prompt_bucket(c["prompt_tokens"]), 0) if n_s else 0)
-                  for c in r["per_call"])
-        secs = pre + r["target_calls"] * (t(tcfg, n_t) + ROUND_OVERHEAD_S)
-        if n_s:
-            secs += r["draft_forwards"] * t(dcfg, n_s) + min(
-                r["target_calls"], r["draft_forwards"]) * (t(dcfg, n_s1) - t(dcfg, n_s))
-        return secs
-
-    base = projected_seconds("vanilla", 1, 0, 0)
+    base = _h100_seconds(m["vanilla"]["per_call"], (1, 0, 0), tcfg, dcfg, ctx)
     from ouroboros_jax.bench.configs import method_runs
 
     cfgs = {run.label: run.config for run in method_runs(["speculative", "ouroboros"], True, {})}
     for label in ("speculative", "ouroboros"):
         sizes = forward_sizes(label, cfgs[label])
         assert rows[label]["predicted_speedup"] == pytest.approx(
-            base / projected_seconds(label, *sizes), rel=1e-6)
+            base / _h100_seconds(m[label]["per_call"], sizes, tcfg, dcfg, ctx), rel=1e-6)
     sw = res["sweeps"]
     assert [p["value"] for p in sw["pool"]["points"]] == [4, "default"]
     assert [p["value"] for p in sw["history"]["points"]] == [
@@ -192,6 +207,80 @@ def test_quick_bench_json_has_every_field(bench_run, bench_configs):
     assert "| ouroboros |" in md and "| hf-assisted |" in md
 
 
+def test_auto_row_projected_as_the_config_it_ran(bench_run, bench_configs):
+    """--project h100 on a METHOD@auto row: each call's counts priced at the forward sizes of
+    the config auto chose for it (vanilla's when it turned speculation off), the row named
+    after it."""
+    from ouroboros_jax.bench.cost_model import forward_sizes
+    from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+    res, out = bench_run
+    m = res["methods"]
+    pj = res["cost_model"]["projections"]["h100"]
+    rows = {r["method"]: r for r in pj["rows"]}
+    auto = rows["speculative@auto"]
+    groups = _auto_groups(m["speculative@auto"])
+    names = [recipe or method for method, recipe in groups]
+    assert auto["ran"] == "speculative@auto (ran " + (
+        names[0] if len(names) == 1 else ", ".join(
+            f"{n} on {len(g)} calls" for n, g in zip(names, groups.values()))) + ")"
+    assert [p["calls"] for p in auto["ran_parts"]] == [len(g) for g in groups.values()]
+    tcfg, dcfg = bench_configs
+    ctx = pj["latency"]["context"]
+    base = _h100_seconds(m["vanilla"]["per_call"], (1, 0, 0), tcfg, dcfg, ctx)
+    secs = 0.0
+    for (method, recipe), calls in groups.items():
+        cfg = None if recipe is None else eval(recipe, {"SpeculativeConfig": SpeculativeConfig})
+        secs += _h100_seconds(calls, forward_sizes(method, cfg), tcfg, dcfg, ctx)
+    assert auto["predicted_speedup"] == pytest.approx(base / secs, rel=1e-6)
+    md = (out / "results.md").read_text()
+    assert f"| {auto['ran']} |" in md
+
+
+def test_cpu_validation_is_the_cost_models_price(bench_run):
+    """The validation column: each row's measured time against the CPU cost model's price of
+    its counted forwards (this CPU's latency table), the relative error, the count within
+    10%; the error follows the measured time (not a constant), the price does not."""
+    import copy
+
+    from ouroboros_jax.bench.cost_check import TOLERANCE, validate
+
+    res, out = bench_run
+    cm = res["cost_model"]
+    table = cost_model.LatencyTable.from_json(cm["latency"])
+    van = res["methods"]["vanilla"]
+    rows = {r["method"]: r for r in cm["rows"]}
+    # vanilla by hand: a prefill per call plus one 1-token target forward per target call
+    expect = table.prefill_seconds([c["prompt_tokens"] for c in van["per_call"]], False) \
+        + van["target_calls"] * table.t_target(1)
+    assert rows["vanilla"]["predicted_seconds"] == pytest.approx(expect)
+    for r in cm["rows"]:
+        assert r["measured_seconds"] == res["methods"][r["method"]]["seconds"]
+        assert r["cpu_error"] == pytest.approx(r["measured_seconds"] / r["predicted_seconds"]
+                                               - 1)
+        assert r["within_tolerance"] == (abs(r["cpu_error"]) <= TOLERANCE)
+    v = cm["validation"]
+    assert (v["within"], v["rows"]) == (sum(r["within_tolerance"] for r in cm["rows"]),
+                                        len(cm["rows"]))
+    # the projection rows carry the same validation beside the projected speedup
+    for r in cm["projections"]["h100"]["rows"]:
+        assert r["cpu_error"] == rows[r["method"]]["cpu_error"]
+        assert r["cpu_predicted_seconds"] == rows[r["method"]]["predicted_seconds"]
+    md = (out / "results.md").read_text()
+    assert v["summary"] in md and "CPU model error" in md
+    # a run twice as slow: the same price, an error of 2 * (1 + e) - 1
+    slow = copy.deepcopy(res)
+    for s in slow["methods"].values():
+        s["seconds"] *= 2
+    from ouroboros_jax.bench.accelerator import configs_of
+
+    again = cost_model.cost_rows(slow, table, {**configs_of(slow), "vanilla": None})
+    validate(again)
+    for r in again:
+        assert r["predicted_seconds"] == pytest.approx(rows[r["method"]]["predicted_seconds"])
+        assert r["cpu_error"] == pytest.approx(2 * (1 + rows[r["method"]]["cpu_error"]) - 1)
+
+
 def test_saved_counts_reprojected_onto_preset_shapes(bench_run, capsys):
     """`python -m ouroboros_jax.bench.accelerator results.json --target ... --draft ...`:
     the saved run's counts priced with other shapes, on each device asked; vanilla 1x by
@@ -204,11 +293,17 @@ def test_saved_counts_reprojected_onto_preset_shapes(bench_run, capsys):
     text = capsys.readouterr().out
     assert "PROJECTION (not a measurement)" in text
     by = {(r["device"], r["method"]): r for r in rows}
-    assert {m for _, m in by} == {"vanilla", "speculative", "lookahead", "ouroboros"}
+    assert {m for _, m in by} == {"vanilla", "speculative", "lookahead", "ouroboros",
+                                  "speculative@auto"}
+    # a METHOD@auto row re-projected by the configs its calls ran, named as in the run
+    saved = {r["method"]: r for r in res["cost_model"]["rows"]}
+    assert by[("h100", "speculative@auto")]["ran"] == saved["speculative@auto"]["ran"]
+    assert by[("h100", "speculative@auto")]["cpu_error"] == saved["speculative@auto"]["cpu_error"]
+    assert f"| h100 | {saved['speculative@auto']['ran']} |" in text
     for dev in ("h100", "v5e"):
         assert by[(dev, "vanilla")]["projected_speedup"] == pytest.approx(1.0)
         # the counts are the run's, whatever the shapes
-        for m in ("speculative", "ouroboros"):
+        for m in ("speculative", "ouroboros", "speculative@auto"):
             assert by[(dev, m)]["target_calls"] == res["methods"][m]["target_calls"]
 
 
@@ -267,6 +362,45 @@ def test_cost_model_hand_computed():
     from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
     assert cost_model.forward_sizes("speculative", SpeculativeConfig(gamma=3)) == (4, 1, 2)
+
+
+def test_auto_row_with_changing_choices_priced_per_choice():
+    """A METHOD@auto row whose choice changed between calls (vanilla, then gamma 3): each
+    call's counts priced at its own config's forward sizes, summed; acceptance histograms of
+    different lengths summed bin by bin."""
+    from ouroboros_jax.bench.auto_rows import config_from_recipe
+    from ouroboros_jax.bench.runner import summed_histograms
+    from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+    spec3 = {"method": "speculative", "config": "SpeculativeConfig(gamma=3)"}
+    call = lambda tc, df, auto: {"prompt_tokens": 10, "target_calls": tc,  # noqa: E731
+                                 "draft_forwards": df, "auto": auto}
+    van = {"method": "vanilla", "kind": "oj", "config": None, "seconds": 1.0, "speedup": 1.0,
+           "target_calls": 300, "draft_forwards": 0, "per_call": [call(100, 0, None)] * 3}
+    auto = {"method": "speculative", "kind": "oj", "config": {"auto": True}, "seconds": 0.9,
+            "speedup": 1.1, "target_calls": 200, "draft_forwards": 300,
+            "per_call": [call(100, 0, {"method": "vanilla", "config": None}),
+                         call(50, 150, spec3), call(50, 150, spec3)]}
+    results = {"methods": {"vanilla": van, "speculative@auto": auto}}
+    table = cost_model.LatencyTable(target={1: 0.002, 4: 0.004}, draft={1: 0.001, 2: 0.0015},
+                                    target_prefill={16: 0.01}, draft_prefill={16: 0.005})
+    rows = {r["method"]: r for r in cost_model.cost_rows(
+        results, table, {"vanilla": None, "speculative@auto": "auto"})}
+    r = rows["speculative@auto"]
+    # vanilla's call: prefill + 100 steps; gamma 3's: prefills of both models, 100 verifications
+    # of 4 tokens, 300 draft forwards of which 100 (one per round) catch up on 2 tokens
+    expect = (0.01 + 100 * 0.002) + (2 * 0.015 + 100 * 0.004 + 200 * 0.001 + 100 * 0.0015)
+    assert r["predicted_seconds"] == pytest.approx(expect)
+    assert r["ran"] == ("speculative@auto (ran vanilla on 1 calls, "
+                        "SpeculativeConfig(gamma=3) on 2 calls)")
+    assert (r["n_target"], r["n_draft"]) == (4, 1)  # the sizes of most calls
+    assert rows["vanilla"]["ran"] == "vanilla"
+    assert config_from_recipe("speculative", spec3["config"]) == SpeculativeConfig(gamma=3)
+    for bad in ("__import__('os').getcwd()", "LookaheadConfig(window=4)",
+                "SpeculativeConfig(gamma=g)"):
+        with pytest.raises(ValueError, match="auto recipe"):
+            config_from_recipe("speculative", bad)
+    assert summed_histograms([[0, 5], [1, 2, 3], [0, 1]]) == [1, 8, 3]
 
 
 def test_context_mix_hand_computed():

@@ -26,8 +26,11 @@ this table through `--latency-json`):
                     each a latency-bound kernel of a few microseconds.
 
 The projection prices the counted forwards with the same `cost_model.predict_seconds` that
-predicts the CPU run from this CPU's measured latencies (bench/cost_check.py checks that one
-within 10% of the measured time), plus the round overhead.
+predicts the CPU run from this CPU's measured latencies, plus the round overhead; the bench
+prints that CPU prediction beside every projected row with its error against the measured time
+(`cost_check.validate`: within 10% is the bound; bench/cost_check.py checks it paired in time).
+A METHOD@auto row is priced by the configs auto ran on this CPU, call by call
+(bench/auto_rows.py): a projection of what ran here, not of what auto would choose there.
 
 Peak figures (bf16 dense, i.e. without 2:4 sparsity; HBM bandwidth), from the vendors' pages:
   v5e   197 TFLOP/s,   819 GB/s  https://cloud.google.com/tpu/docs/v5e
@@ -144,27 +147,37 @@ def projected_table(acc: Accelerator, tconfig: ModelConfig, dconfig: Optional[Mo
 def projection_rows(results: dict, configs: dict, acc: Accelerator, tconfig: ModelConfig,
                     dconfig: Optional[ModelConfig], context: int) -> tuple[LatencyTable, list]:
     """(the projected table, `cost_model.cost_rows` priced with it): each measured method's
-    counted forwards projected onto `acc`."""
-    from .cost_model import cost_rows, forward_sizes, prompt_bucket
+    counted forwards projected onto `acc`, METHOD@auto rows by the configs auto ran on this
+    CPU (a projection of what ran here, not of what auto would choose there)."""
+    from .cost_model import cost_rows, forward_size_sets, prompt_bucket
 
-    ts, ds = {1}, set()
-    for label, r in results["methods"].items():
-        if r.get("kind") != "oj" or label not in configs:
-            continue
-        try:
-            nt, ns, ns1 = forward_sizes(r["method"], configs[label])
-        except (ValueError, AttributeError):
-            continue
-        ts.add(nt)
-        ds.update(n for n in (ns, ns1) if n)
+    ts, ds, ds1 = forward_size_sets(results, configs)
     van = results["methods"].get("vanilla") or {}
     buckets = {prompt_bucket(c["prompt_tokens"]) for c in van.get("per_call", [])}
-    table = projected_table(acc, tconfig, dconfig, ts, ds, context, buckets)
+    # no first-draft timings on a roofline: a round's first draft forward is priced as any
+    table = projected_table(acc, tconfig, dconfig, ts, ds | ds1, context, buckets)
     return table, cost_rows(results, table, configs)
 
 
+def with_cpu_validation(prows: list, cpu_rows: list) -> list:
+    """Projection rows with their CPU validation beside them: each row's CPU-model price of
+    the same counted forwards (`cpu_predicted_seconds`), the measured time
+    (`cpu_measured_seconds`), the relative error and whether it is within cost_check's
+    tolerance (None where the CPU rows lack the row)."""
+    cpu = {r["method"]: r for r in cpu_rows}
+    out = []
+    for r in prows:
+        c = cpu.get(r["method"], {})
+        out.append({**r, "cpu_predicted_seconds": c.get("predicted_seconds"),
+                    "cpu_measured_seconds": c.get("measured_seconds"),
+                    "cpu_error": c.get("cpu_error"),
+                    "cpu_within_tolerance": c.get("within_tolerance")})
+    return out
+
+
 def configs_of(results: dict) -> dict:
-    """{method label: its config object} of a saved bench results dict (as run)."""
+    """{method label: its config object} of a saved bench results dict (as run); "auto" for a
+    METHOD@auto row (priced by what auto chose per call, bench/auto_rows.py)."""
     from ..decoding import METHODS
 
     out = {}
@@ -173,6 +186,9 @@ def configs_of(results: dict) -> dict:
         if r.get("kind") != "oj" or spec is None:
             continue
         cfg = r.get("config")
+        if cfg == {"auto": True}:
+            out[label] = "auto"
+            continue
         out[label] = (spec.config_type(**cfg) if isinstance(cfg, dict) and "repr" not in cfg
                       else None)
     return out
@@ -184,7 +200,10 @@ def main(argv=None) -> list:
         python -m ouroboros_jax.bench.accelerator runs/bench/results.json \\
             --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --project h100
 
-    The counts (target forwards, draft forwards, their sizes, the prompts) are the saved run's;
+    METHOD@auto rows are priced by the configs auto ran in that run's calls (their
+    `per_call` choices), named after them; the run's own CPU validation error is printed
+    beside each row. The counts (target forwards, draft forwards, their sizes, the prompts)
+    are the saved run's;
     the shapes are the presets' (`models/presets.py`): what the same counts would cost on that
     pair, a projection twice over (the counts belong to the pair that ran)."""
     import argparse
@@ -206,33 +225,35 @@ def main(argv=None) -> list:
         ap.error(str(e))
     with open(a.results) as f:
         results = json.load(f)
-    # METHOD@auto runs chose their config per call: no one config to price their counts by
-    results = {**results, "methods": {k: v for k, v in results["methods"].items()
-                                      if v.get("config") != {"auto": True}}}
     context = a.context if a.context is not None else int(
         (results.get("cost_model") or {}).get("latency", {}).get("context", 512))
     configs = configs_of(results)
     configs["vanilla"] = None
+    # the saved run's own CPU validation (its latency table's price vs its measured time)
+    cpu = (results.get("cost_model") or {}).get("rows") or []
     rows = []
     for acc in devices:
         _, prows = projection_rows(results, configs, acc, PRESETS[a.target],
                                    PRESETS[a.draft] if a.draft else None, context)
-        for r in prows:
-            rows.append({"device": acc.name, "method": r["method"],
-                         "target_calls": r["target_calls"],
+        for r in with_cpu_validation(prows, cpu):
+            rows.append({"device": acc.name, "method": r["method"], "ran": r["ran"],
+                         "ran_parts": r["ran_parts"], "target_calls": r["target_calls"],
                          "draft_forwards": r["draft_forwards"], "n_target": r["n_target"],
                          "n_draft": r["n_draft"], "measured_speedup": r["measured_speedup"],
-                         "projected_speedup": r["predicted_speedup"]})
+                         "projected_speedup": r["predicted_speedup"],
+                         "cpu_error": r["cpu_error"]})
     print(f"PROJECTION (not a measurement): counts of {a.results}, shapes {a.target}"
           + (f" / {a.draft}" if a.draft else "") + f", {context} cached tokens")
-    print("| device | method | target calls | draft forwards | n_T | n_S | measured speedup "
-          "(the run's own) | projected speedup |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| device | method (config it ran) | target calls | draft forwards | n_T | n_S | "
+          "measured speedup (the run's own) | the run's CPU model error | projected speedup |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ms = r["measured_speedup"]
-        print(f"| {r['device']} | {r['method']} | {r['target_calls']} | {r['draft_forwards']} "
-              f"| {r['n_target']} | {r['n_draft']} | "
-              f"{'–' if ms is None else f'{ms:.3g}×'} | {r['projected_speedup']:.3g}× |")
+        ms, err = r["measured_speedup"], r["cpu_error"]
+        ms = "–" if ms is None else f"{ms:.3g}×"
+        err = "–" if err is None else f"{err:+.1%}"
+        print(f"| {r['device']} | {r['ran']} | {r['target_calls']} | {r['draft_forwards']} "
+              f"| {r['n_target']} | {r['n_draft']} | {ms} | {err} "
+              f"| {r['projected_speedup']:.3g}× |")
     return rows
 
 

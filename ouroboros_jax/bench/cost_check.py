@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional
 
 import numpy as np
 
@@ -28,9 +29,33 @@ from ..request import cache_slots
 from .cost_model import (LatencyTable, context_mix, first_draft_timer, forward_sizes,
                          forward_timer, predict_seconds, prompt_bucket)
 
+# The validation's bound: the cost model must predict a run's measured time within 10%.
+TOLERANCE = 0.10
+
 # The small trees of the README's CPU bench.
 CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
            "ouroboros": {"gamma": 2, "window": 4, "ngram": 3, "guesses": 4, "suffixes": 2}}
+
+
+def relative_error(measured: float, predicted: float) -> Optional[float]:
+    """measured / predicted - 1: how far the counted forwards' price is from the measured time
+    (+0.05: the run took 5% longer than its forwards cost); None without both."""
+    return measured / predicted - 1.0 if measured and predicted else None
+
+
+def validate(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
+    """Marks each cost-model row (`cost_model.cost_rows`, priced with this CPU's latency table)
+    with `cpu_error` (`relative_error` of its measured and predicted seconds) and
+    `within_tolerance`; returns {"tolerance", "within", "rows", "summary"}."""
+    n = 0
+    for r in rows:
+        r["cpu_error"] = relative_error(r.get("measured_seconds"), r.get("predicted_seconds"))
+        r["within_tolerance"] = r["cpu_error"] is not None and abs(r["cpu_error"]) <= tolerance
+        n += r["within_tolerance"]
+    return {"tolerance": tolerance, "within": n, "rows": len(rows),
+            "summary": f"CPU validation: {n} of {len(rows)} rows within {tolerance:.0%} "
+                       "(measured time vs the cost model's price of the row's counted forwards "
+                       "with this CPU's timed forwards)"}
 
 
 def main(argv=None):
@@ -118,6 +143,8 @@ def main(argv=None):
         v = ratios[m]
         print(f"| {m} | {detail[m][0]['target_calls']} | {detail[m][0]['draft_forwards']} | "
               f"{np.median(v):.3f} | {min(v):.3f}-{max(v):.3f} |")
+    print(validate([{"measured_seconds": float(np.median(ratios[m])), "predicted_seconds": 1.0}
+                    for m in methods])["summary"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"ratios": ratios, "detail": detail, "contexts": mix}, f, indent=2)

@@ -236,30 +236,75 @@ def measure_latency(target, draft, target_sizes, draft_sizes, context: int = 128
                              + (f", {slots} cache slots" if slots else ""))
 
 
+def forward_size_sets(results: dict, configs: dict) -> tuple[set, set, set]:
+    """(target sizes, draft sizes, first-draft sizes) of every forward the bench's rows ran,
+    METHOD@auto rows by what auto chose per call (`auto_rows.row_parts`): the sizes a
+    latency table must hold to price them."""
+    from .auto_rows import row_parts
+
+    ts, ds, ds1 = {1}, set(), set()
+    for label, r in results["methods"].items():
+        if r.get("kind") != "oj" or label not in configs:
+            continue
+        for part in row_parts(r, configs[label]):
+            try:
+                nt, ns, ns1 = forward_sizes(part.method, part.config)
+            except (ValueError, AttributeError):
+                continue
+            ts.add(nt)
+            ds.update(n for n in (ns,) if n)
+            ds1.update(n for n in (ns1,) if n)
+    return ts, ds, ds1
+
+
+def _priced_row(label: str, r: dict, config, table: LatencyTable) -> Optional[dict]:
+    """One row's prediction: each part of it (`auto_rows.row_parts`: the whole row, or one per
+    config auto chose) priced with its own forward sizes, summed; None for a row without
+    known forward sizes."""
+    from .auto_rows import is_auto, ran_label, row_parts
+
+    parts = row_parts(r, config)
+    priced = []
+    for p in parts:
+        spec = METHODS.get(p.method)
+        if spec is None or spec.forward_sizes is None:
+            return None
+        priced.append((p, forward_sizes(p.method, p.config)))
+    pre = secs = 0.0
+    for p, (n_t, n_s, n_s1) in priced:
+        p_pre = table.prefill_seconds(p.prompt_tokens, n_s > 0)
+        pre += p_pre
+        secs += predict_seconds(p.target_calls, p.draft_forwards, n_t, n_s, table, n_s1, p_pre)
+    n_t, n_s, n_s1 = max(priced, key=lambda ps: ps[0].calls)[1]  # the most calls' sizes
+    return {"method": label, "ran": ran_label(label, parts, is_auto(r, config)),
+            "ran_parts": [{"method": p.method, "config": p.recipe, "calls": p.calls}
+                          for p, _ in priced],
+            "n_target": n_t, "n_draft": n_s, "n_draft_first": n_s1, "prefill_seconds": pre,
+            "predicted_seconds": secs, "measured_seconds": r["seconds"],
+            "target_calls": r["target_calls"], "draft_forwards": r["draft_forwards"]}
+
+
 def cost_rows(results: dict, table: LatencyTable, configs: dict) -> list[dict]:
-    """Predicted vs measured speedup for every method of a bench result (see runner)."""
+    """Predicted vs measured time and speedup for every method of a bench result (see
+    runner), METHOD@auto rows priced by the configs auto ran (configs[label] == "auto", or
+    the saved row's config {"auto": True})."""
     van = results["methods"].get("vanilla")
     if van is None:
         return []
+    van_pre = table.prefill_seconds([c["prompt_tokens"] for c in van["per_call"]], False)
+    base = van_pre + van["target_calls"] * (table.t_target(1) + table.round_overhead)
     rows = []
     for label, r in results["methods"].items():
-        method = r.get("method")
-        spec = METHODS.get(method)
-        if r.get("kind") != "oj" or spec is None or spec.forward_sizes is None:
+        if r.get("kind") != "oj":
             continue
-        n_t, n_s, n_s1 = forward_sizes(method, configs.get(label))
-        pre = table.prefill_seconds([c["prompt_tokens"] for c in r["per_call"]], n_s > 0)
-        van_pre = table.prefill_seconds([c["prompt_tokens"] for c in van["per_call"]], False)
-        pred = predict_speedup(van["target_calls"], r["target_calls"], r["draft_forwards"],
-                               n_t, n_s, table, n_s1, van_pre, pre)
-        rows.append({"method": label, "n_target": n_t, "n_draft": n_s, "n_draft_first": n_s1,
-                     "prefill_seconds": pre, "predicted_seconds": predict_seconds(
-                         r["target_calls"], r["draft_forwards"], n_t, n_s, table, n_s1, pre),
-                     "measured_seconds": r["seconds"],
-                     "target_calls": r["target_calls"], "draft_forwards": r["draft_forwards"],
-                     "predicted_speedup": pred, "measured_speedup": r.get("speedup"),
-                     "ratio_measured_to_predicted":
-                         (r["speedup"] / pred) if r.get("speedup") and pred else None})
+        row = _priced_row(label, r, configs.get(label), table)
+        if row is None:
+            continue
+        pred = base / row["predicted_seconds"]
+        row.update(predicted_speedup=pred, measured_speedup=r.get("speedup"),
+                   ratio_measured_to_predicted=(r["speedup"] / pred) if r.get("speedup")
+                   and pred else None)
+        rows.append(row)
     return rows
 
 

@@ -86,7 +86,7 @@ def markdown(results: dict) -> str:
         for r in cm["rows"]:
             ratio = (r["measured_seconds"] / r["predicted_seconds"]
                      if r.get("measured_seconds") and r.get("predicted_seconds") else None)
-            lines.append(f"| {r['method']} | {r['n_target']} | {r['n_draft']} | "
+            lines.append(f"| {r.get('ran', r['method'])} | {r['n_target']} | {r['n_draft']} | "
                          f"{r['target_calls']} | {r['draft_forwards']} | "
                          f"{_f(r.get('predicted_seconds'), '{:.3f}')} | "
                          f"{_f(r.get('measured_seconds'), '{:.3f}')} | {_f(ratio, '{:.3f}')} | "
@@ -100,25 +100,10 @@ def markdown(results: dict) -> str:
                          "bytes whatever its input size (draft/target = "
                          f"{cm['weights_bound']['latency']['draft'].get('1', 0):.3f}); "
                          "prefill and per-round work left out. A prediction, not a measurement.")
+        if cm.get("validation"):
+            lines += ["", cm["validation"]["summary"] + "."]
         for name, pj in (cm.get("projections") or {}).items():
-            lat = pj["latency"]
-            lines.append("")
-            lines.append(f"Projection onto {name.upper()} ({lat['note']}; figures: "
-                         f"{pj['source']}). ms per bf16 forward by input tokens — target "
-                         f"{fmt(lat['target'])}" + (f"; draft {fmt(lat['draft'])}"
-                                                    if lat.get("draft") else "") + ".")
-            lines.append("")
-            lines.append(f"| method | measured CPU speedup | CPU model: measured / predicted s "
-                         f"| projected {name.upper()} speedup |")
-            lines.append("|---|---:|---:|---:|")
-            cpu = {r["method"]: r for r in cm["rows"]}
-            for r in pj["rows"]:
-                c = cpu.get(r["method"], {})
-                ratio = (c["measured_seconds"] / c["predicted_seconds"]
-                         if c.get("measured_seconds") and c.get("predicted_seconds") else None)
-                lines.append(f"| {r['method']} | {_f(r.get('measured_speedup'), '{:.3g}×')} | "
-                             f"{_f(ratio, '{:.3f}')} | "
-                             f"{_f(r['predicted_speedup'], '{:.3g}×')} (projection) |")
+            lines += projection_lines(name, pj, cm.get("validation"), fmt)
     for name, sw in (results.get("sweeps") or {}).items():
         lines.append("")
         lines.append(f"Sweep `{name}`:")
@@ -138,6 +123,38 @@ def markdown(results: dict) -> str:
                  "over this project's vanilla on the same prompts in the same run; η = tokens "
                  "per target forward; c = draft tokens per draft forward.")
     return "\n".join(lines) + "\n"
+
+
+def projection_lines(name: str, pj: dict, validation: Optional[dict], fmt) -> list[str]:
+    """The projection onto one device, every row beside its CPU validation: the config it ran
+    (METHOD@auto: what auto chose), its counts, its measured CPU time against the CPU cost
+    model's price of the same counts and the relative error, the measured CPU speedup and the
+    projected one; then how many rows the CPU model predicts within the tolerance."""
+    lat = pj["latency"]
+    up = name.upper()
+    lines = ["", f"Projection onto {up} ({lat['note']}; figures: {pj['source']}). ms per bf16 "
+             f"forward by input tokens — target {fmt(lat['target'])}"
+             + (f"; draft {fmt(lat['draft'])}" if lat.get("draft") else "") + ".", "",
+             "| method (config it ran) | target calls | draft forwards | measured CPU s | "
+             "CPU model s | CPU model error | measured CPU speedup | "
+             f"projected {up} speedup |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in pj["rows"]:
+        lines.append(f"| {r.get('ran', r['method'])} | {r['target_calls']} | "
+                     f"{r['draft_forwards']} | {_f(r.get('cpu_measured_seconds'), '{:.3f}')} | "
+                     f"{_f(r.get('cpu_predicted_seconds'), '{:.3f}')} | "
+                     f"{_f(r.get('cpu_error'), '{:+.1%}')} | "
+                     f"{_f(r.get('measured_speedup'), '{:.3g}×')} | "
+                     f"{_f(r['predicted_speedup'], '{:.3g}×')} (projection) |")
+    lines.append("")
+    lines.append(f"{up} column: a PROJECTION of the counted forwards, not a measurement. CPU "
+                 "model s: the same counts priced with this CPU's timed forwards "
+                 "(bench/cost_model.py); CPU model error: measured / predicted - 1, the "
+                 "projection's validation where it can be checked. METHOD@auto rows are "
+                 "priced by the configs auto ran, and their measured time includes what auto "
+                 "compiled or probed during the calls.")
+    if validation:
+        lines.append(validation["summary"] + ".")
+    return lines
 
 
 def projected_speedups(results: dict) -> dict:

@@ -354,6 +354,16 @@ def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats:
     return _summarize(run, calls, compile_s, len(warm)), calls
 
 
+def summed_histograms(histograms) -> list:
+    """Element-wise sum of per-call acceptance histograms, shorter ones padded with zeros:
+    config="auto" may size each call differently (gamma 3, then 4, or vanilla's 2 bins)."""
+    hs = [np.asarray(h) for h in histograms]
+    out = np.zeros(max(len(h) for h in hs), dtype=np.int64)
+    for h in hs:
+        out[:len(h)] += h.astype(np.int64)
+    return out.tolist()
+
+
 def _summarize(run: MethodRun, calls: list[_Call], compile_s: float, n_warm: int) -> dict:
     new = sum(len(c.tokens) for c in calls)
     secs = sum(c.seconds for c in calls)
@@ -374,13 +384,10 @@ def _summarize(run: MethodRun, calls: list[_Call], compile_s: float, n_warm: int
         dc = sum(c.stats["draft_calls"] for c in calls)
         df = sum(c.stats.get("draft_forwards", c.stats["draft_calls"]) for c in calls)
         dtok = sum(c.stats["c"] * c.stats["draft_calls"] for c in calls)
-        hist = None
-        for c in calls:
-            h = np.asarray(c.stats["acceptance_histogram"])
-            hist = h if hist is None else hist + h
+        hist = summed_histograms([c.stats["acceptance_histogram"] for c in calls])
         s.update(target_calls=tc, draft_calls=dc, draft_forwards=df,
                  eta=new / tc if tc else None, c=dtok / dc if dc else None,
-                 acceptance_histogram=hist.tolist())
+                 acceptance_histogram=hist)
         if "pool_hit_rate" in calls[0].stats:
             hits = sum(c.stats.get("pool_hits", 0) for c in calls)
             rounds = sum(c.stats["target_calls"] for c in calls)
@@ -390,10 +397,10 @@ def _summarize(run: MethodRun, calls: list[_Call], compile_s: float, n_warm: int
             s["pool_bytes"] = calls[-1].stats.get("pool_bytes")
         for k in ("suffix_tokens_accepted", "guess_tokens_accepted"):
             if k in calls[0].stats:
-                s[k] = sum(int(c.stats[k]) for c in calls)
-        if "match_vs_accept" in calls[0].stats:
-            mva = np.mean([c.stats["match_vs_accept"] for c in calls], axis=0)
-            s["match_vs_accept"] = [float(x) for x in mva]
+                s[k] = sum(int(c.stats.get(k, 0)) for c in calls)
+        mvas = [c.stats["match_vs_accept"] for c in calls if "match_vs_accept" in c.stats]
+        if "match_vs_accept" in calls[0].stats and len({len(m) for m in mvas}) == 1:
+            s["match_vs_accept"] = [float(x) for x in np.mean(mvas, axis=0)]
     else:
         s.update(target_calls=None, draft_calls=None, draft_forwards=None,
                  eta=1.0 if run.method == "hf-greedy" else None, c=None,

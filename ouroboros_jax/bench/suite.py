@@ -36,74 +36,82 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
     results = run_bench(target, draft, prompts, methods, repeats=repeats, ignore_eos=ignore_eos,
                         progress=progress, log=log, settle=settle)
     if cost_model or latency_json or project:
-        from .cost_model import (LatencyTable, cost_rows, forward_sizes, measure_latency,
-                                 weights_bound_table)
-
-        configs = {r.label: r.config for r in methods}
-        configs["vanilla"] = None
-        # config="auto" picks per call: no one config's forward sizes to price its counts by
-        priced = {**results, "methods": {k: v for k, v in results["methods"].items()
-                                         if configs.get(k) != "auto"}}
-        # forwards timed (and projected) after a cache as long as the workload's median context
-        from .runner import encode
-
-        ctx = [len(encode(target, p.turns[0])) + p.max_new_tokens // 2 for p in prompts]
-        context = sorted(ctx)[len(ctx) // 2]
-        if latency_json:
-            table = LatencyTable.from_json(latency_json)
-        else:
-            ts, ds, ds1 = {1}, set(), set()
-            for r in methods:
-                if r.kind == "oj" and r.label in priced["methods"]:
-                    try:
-                        nt, ns, ns1 = forward_sizes(r.method, r.config)
-                    except (ValueError, AttributeError):
-                        continue
-                    ts.add(nt)
-                    ds.update(n for n in (ns,) if n)
-                    ds1.update(n for n in (ns1,) if n)
-            context = int(min(context, target.config.max_position_embeddings - max(ts) - 1))
-            from .cost_model import prompt_bucket
-
-            buckets = {prompt_bucket(c["prompt_tokens"])
-                       for c in results["methods"]["vanilla"]["per_call"]}
-            # and in a cache as large as the runs' (attention reads every slot): generate's
-            # slots for the median prompt
-            from ..request import cache_slots
-
-            plen = sorted(c["prompt_tokens"] for c in results["methods"]["vanilla"]["per_call"])
-            slots = cache_slots(prompt_bucket(plen[len(plen) // 2]),
-                                max(p.max_new_tokens for p in prompts), 1)
-            table = measure_latency(target, draft, ts, ds, context=context,
-                                    reps=7 if quick else 20, prefill_sizes=buckets, slots=slots,
-                                    draft_first_sizes=ds1)
-        st = results["settings"]
-        wb = weights_bound_table(st["target"]["params"], (st.get("draft") or {}).get("params"))
-        results["cost_model"] = {"latency": table.to_json(),
-                                 "rows": cost_rows(priced, table, configs),
-                                 "weights_bound": {"latency": wb.to_json(),
-                                                   "rows": cost_rows(priced, wb, configs)},
-                                 "formula": "vanilla_target_calls*t_T(1) / (target_calls*"
-                                            "t_T(n_T) + draft_forwards*t_S(n_S)); prefill "
-                                            "excluded"}
-        if project:
-            from .accelerator import accelerator, projection_rows
-
-            results["cost_model"]["projections"] = {}
-            for name in project:
-                acc = accelerator(name)
-                ptable, prows = projection_rows(priced, configs, acc, target.config,
-                                                None if draft is None else draft.config,
-                                                int(context))
-                results["cost_model"]["projections"][acc.name] = {
-                    "latency": ptable.to_json(), "rows": prows, "source": acc.source,
-                    "note": "a projection from the counted forwards, not a measurement"}
+        results["cost_model"] = cost_model_section(results, target, draft, methods, prompts,
+                                                   latency_json=latency_json, quick=quick,
+                                                   project=project)
     if sweeps:
         sample = limit_per_task(prompts, sweep_prompts) if sweep_prompts else prompts
         results["sweeps"] = run_sweeps(target, draft, sample, sweeps, quick=quick,
                                        overrides=overrides, ignore_eos=ignore_eos,
                                        vanilla=results["methods"]["vanilla"], log=log)
     return results
+
+
+def _latency_table(results: dict, target, draft, prompts, configs: dict, context: int,
+                   quick: bool):
+    """This CPU's latency table for the run: the forwards of every size the rows ran (auto
+    rows: the sizes auto chose), timed after `context` cached tokens in a cache as large as
+    the runs' (attention reads every slot: generate's slots for the median prompt), and the
+    prefills of the prompts' buckets -> (table, context)."""
+    from ..request import cache_slots
+    from .cost_model import forward_size_sets, measure_latency, prompt_bucket
+
+    ts, ds, ds1 = forward_size_sets(results, configs)
+    context = int(min(context, target.config.max_position_embeddings - max(ts) - 1))
+    per_call = results["methods"]["vanilla"]["per_call"]
+    buckets = {prompt_bucket(c["prompt_tokens"]) for c in per_call}
+    plen = sorted(c["prompt_tokens"] for c in per_call)
+    slots = cache_slots(prompt_bucket(plen[len(plen) // 2]),
+                        max(p.max_new_tokens for p in prompts), 1)
+    table = measure_latency(target, draft, ts, ds, context=context, reps=7 if quick else 20,
+                            prefill_sizes=buckets, slots=slots, draft_first_sizes=ds1)
+    return table, context
+
+
+def cost_model_section(results: dict, target, draft, methods: list[MethodRun], prompts, *,
+                       latency_json: Optional[str] = None, quick: bool = False,
+                       project=()) -> dict:
+    """results["cost_model"]: every row's counted forwards priced with this CPU's latency table
+    (or `latency_json`'s) and validated against its measured time (cost_check.validate), with
+    flat latencies, and on each `project` accelerator (a projection). METHOD@auto rows are
+    priced by the configs auto ran (bench/auto_rows.py)."""
+    from .cost_check import validate
+    from .cost_model import LatencyTable, cost_rows, weights_bound_table
+    from .runner import encode
+
+    configs = {r.label: r.config for r in methods}
+    configs["vanilla"] = None
+    # forwards timed (and projected) after a cache as long as the workload's median context
+    ctx = [len(encode(target, p.turns[0])) + p.max_new_tokens // 2 for p in prompts]
+    context = sorted(ctx)[len(ctx) // 2]
+    if latency_json:
+        table = LatencyTable.from_json(latency_json)
+    else:
+        table, context = _latency_table(results, target, draft, prompts, configs, context,
+                                        quick)
+    st = results["settings"]
+    wb = weights_bound_table(st["target"]["params"], (st.get("draft") or {}).get("params"))
+    rows = cost_rows(results, table, configs)
+    section = {"latency": table.to_json(), "rows": rows,
+               "validation": validate(rows) if not latency_json else None,
+               "weights_bound": {"latency": wb.to_json(),
+                                 "rows": cost_rows(results, wb, configs)},
+               "formula": "vanilla_target_calls*t_T(1) / (target_calls*t_T(n_T) + "
+                          "draft_forwards*t_S(n_S)); prefill excluded"}
+    if project:
+        from .accelerator import accelerator, projection_rows, with_cpu_validation
+
+        section["projections"] = {}
+        for name in project:
+            acc = accelerator(name)
+            ptable, prows = projection_rows(results, configs, acc, target.config,
+                                            None if draft is None else draft.config,
+                                            int(context))
+            section["projections"][acc.name] = {
+                "latency": ptable.to_json(), "rows": with_cpu_validation(prows, rows),
+                "source": acc.source,
+                "note": "a projection from the counted forwards, not a measurement"}
+    return section
 
 
 # -- the CLI layer: argparse flags in, plain arguments out -----------------------------------
@@ -174,10 +182,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="time forwards here and predict speedups from the counted forwards")
     p.add_argument("--latency-json", help="latency table from another machine (cost model)")
     p.add_argument("--project", action="append", metavar="DEVICE",
-                   help="also print each method's speedup projected onto DEVICE (v5e, v5p, "
+                   help="also print each row's speedup projected onto DEVICE (v5e, v5p, "
                         "a100, h100, h200; repeatable) from its counted forwards and a bf16 "
-                        "roofline of the models (bench/accelerator.py): a projection, not a "
-                        "measurement; implies --cost-model, its CPU validation")
+                        "roofline of the models (bench/accelerator.py; METHOD@auto rows: the "
+                        "configs auto ran): a projection, not a measurement; beside it the "
+                        "CPU validation (the cost model's CPU time of the same forwards vs "
+                        "the measured time, within 10%%); implies --cost-model")
     p.add_argument("--sweep", action="append", default=[],
                    help="k, gamma, pool, history, length, confidence, or all (repeatable)")
     p.add_argument("--sweep-prompts", type=int, help="prompts per task in sweeps")
