@@ -62,11 +62,13 @@ class ProcessLost(RuntimeError):
 
 def initialize_kwargs(heartbeat_timeout: int) -> dict:
     """What `jax.distributed.initialize` needs for the above: recoverable mode on (set before
-    the service starts) and the heartbeat timeout (JAX's and ours)."""
+    the service starts). heartbeat_timeout is ours (`lost`); JAX's own stays its default, as
+    nothing here waits for it, and a shorter one makes its client abort sooner on a slow
+    network."""
     global HEARTBEAT_TIMEOUT_S
     HEARTBEAT_TIMEOUT_S = int(heartbeat_timeout)
     jax.config.update("jax_enable_recoverability", True)
-    return {"heartbeat_timeout_seconds": int(heartbeat_timeout)}
+    return {}
 
 
 def _client():
@@ -115,10 +117,11 @@ def _at_exit() -> None:
     done.set()
     t.join(5.0)
     if jax.process_index() == 0:
-        c, n = _client(), jax.process_count()
-        # returns once every other process has disconnected or died (it blocks until each
-        # live one calls it too, which followers never do); on a thread, to bound the wait
-        left = threading.Thread(target=lambda: c.get_live_nodes(list(range(n))), daemon=True)
+        c, dead = _client(), set(lost())
+        live = [i for i in range(jax.process_count()) if i not in dead]
+        # returns once every other live process has disconnected (it blocks until each one
+        # calls it too, which followers never do); on a thread, to bound the wait
+        left = threading.Thread(target=lambda: c.get_live_nodes(live), daemon=True)
         left.start()
         left.join(EXIT_WAIT_S)
 
@@ -160,9 +163,9 @@ def lost() -> list[int]:
 
 
 def explain(cause: BaseException, timeout: Optional[float] = None) -> BaseException:
-    """A failed collective's error -> ProcessLost naming the dead processes, once the service
-    has noticed them (waiting up to timeout, default HEARTBEAT_TIMEOUT_S + MARGIN_S), else
-    cause itself (the collective failed for another reason)."""
+    """A failed collective's error -> ProcessLost naming the dead processes, once their beats
+    have stopped long enough (waiting up to timeout, default HEARTBEAT_TIMEOUT_S + MARGIN_S),
+    else cause itself (the collective failed for another reason)."""
     if isinstance(cause, ProcessLost) or jax.process_count() == 1 or \
             _state["beater"] is None:
         return cause

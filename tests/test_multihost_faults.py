@@ -6,7 +6,8 @@ The kill test starts `ouroboros-jax serve` twice, joined by `jax.distributed` on
 request, SIGKILLs process 1 after the first tokens, and checks what the leader does: it names
 the dead process (its id, host and pid), fails the open request with an error instead of
 leaving it hanging, and exits with a clear error and status 1, not aborted by JAX's runtime
-(134 / -6, SIGABRT, as before `liveness`).
+(134 / -6, SIGABRT, as before `liveness`). `liveness.lost`'s rule (dead once a beat has not
+moved for the timeout) is checked on its own against a fake key-value store.
 """
 
 import json
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import ouroboros_jax as oj
@@ -141,3 +143,42 @@ def test_a_stopped_single_process_engine_starts_again_and_is_built_again(mh_pair
             engine.stop()
             assert engine.fault is None
     assert got == [want] * 4
+
+
+class _FakeClient:
+    """The key-value store of a coordination service, as `liveness` uses it."""
+
+    def __init__(self):
+        self.store, self.gone = {}, False
+
+    def key_value_try_get(self, key):
+        if self.gone:
+            raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
+        if key not in self.store:
+            raise RuntimeError(f"NOT_FOUND: {key} not found")
+        return self.store[key]
+
+
+def test_a_process_counts_dead_once_its_beat_stops_moving(monkeypatch):
+    from ouroboros_jax import liveness
+
+    client, now = _FakeClient(), [100.0]
+    monkeypatch.setattr(liveness, "_client", lambda: client)
+    monkeypatch.setattr(liveness.jax, "process_count", lambda: 3)
+    monkeypatch.setattr(liveness.jax, "process_index", lambda: 0)
+    monkeypatch.setitem(liveness._state, "beater", "on")
+    monkeypatch.setattr(liveness, "_seen", {})
+    monkeypatch.setattr(liveness, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    client.store.update({"ouroboros_jax/beat/1": "1", "ouroboros_jax/beat/2": "1",
+                         "ouroboros_jax/process/2": "host h2, pid 7"})
+    assert liveness.lost() == []
+    now[0] += 6
+    client.store["ouroboros_jax/beat/1"] = "2"  # process 1 beats on, process 2 stopped
+    assert liveness.lost() == []  # 6 s without a beat: not yet
+    now[0] += liveness.HEARTBEAT_TIMEOUT_S - 6 + 1
+    assert liveness.lost() == [2]  # process 1's beat moved 5 s ago: alive
+    err = liveness.ProcessLost([2])
+    assert str(err).startswith("process 2 (host h2, pid 7) of 3 died or stopped answering")
+    assert str(liveness.ProcessLost([1])).startswith("process 1 of 3")  # never announced
+    client.gone = True  # no service any more: process 0, which held it, is gone
+    assert liveness.lost() == [0]

@@ -10,8 +10,8 @@ broadcast: `lead` runs the call.
 
 A failed collective leaves the processes out of step: no further call is safe, so the
 protocol is then broken for good (`broken`) and every later call raises. When a process died,
-`broken` is a `liveness.ProcessLost` naming it: the failed collective waits for the
-coordination service to name it (about `liveness.HEARTBEAT_TIMEOUT_S`), and on process 0 a
+`broken` is a `liveness.ProcessLost` naming it: the failed collective waits for its beats to
+have stopped (about `liveness.HEARTBEAT_TIMEOUT_S`), and on process 0 a
 `liveness.Watchdog` notices a death even while no collective runs (or one hangs), marks the
 protocol broken and calls `on_lost` (the engine fails its requests).
 """
