@@ -317,6 +317,7 @@ def _cmd_serve(a):
     mesh = _serve_mesh(a, multi)
     target, draft = _serve_models(a, mesh)
     plan = _serve_plan(a, target, draft, spec, config)
+    from .liveness import ProcessLost
     from .serving.engine import Engine
 
     t0 = time.perf_counter()
@@ -330,7 +331,10 @@ def _cmd_serve(a):
     _say(dataclasses.replace(plan, cache_tokens=engine.cache_slots).describe())
     if multi and procs[2] != 0:
         _say(f"process {procs[2]} of {procs[1]} follows process 0")
-        n = engine.follow()
+        try:
+            n = engine.follow()
+        except ProcessLost as e:  # the leader (or a peer) died: said by name, exit non-zero
+            raise SystemExit(f"ouroboros-jax serve: error: {e}") from None
         _say(f"process {procs[2]}: process 0 stopped after {n} device calls")
         return
     _serve_http(a, engine, procs if multi else None, gate)
@@ -349,9 +353,14 @@ def _serve_http(a, engine, procs, gate: dict) -> None:
         where = f", {procs[1]} processes" if procs else ""
         _say(f"{name} ({engine.method}, {engine.slots} slots{where}) on "
              f"http://{a.host}:{a.port}/v1")
-        serve(app, a.host, a.port, drain_timeout=a.drain_timeout)
+        # a dead process (or a failed collective) stops the engine for good: stop serving
+        serve(app, a.host, a.port, drain_timeout=a.drain_timeout,
+              stop_when=lambda: getattr(engine, "fault", None) is not None)
     finally:  # the followers return even when serving never started (a port in use)
         engine.stop(cancel=True, timeout=a.drain_timeout)
+    fault = getattr(engine, "fault", None)
+    if fault is not None:  # exit non-zero, naming the process that died
+        raise SystemExit(f"ouroboros-jax serve: error: the engine stopped: {fault}")
 
 
 def _parse_mesh(s: str):

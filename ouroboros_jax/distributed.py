@@ -27,26 +27,40 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from . import liveness
+
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                local_device_ids: Optional[list[int]] = None,
-               initialization_timeout: int = 300) -> None:
+               initialization_timeout: int = 300,
+               heartbeat_timeout: int = liveness.HEARTBEAT_TIMEOUT_S) -> None:
     """`jax.distributed.initialize` with the arguments checked by name; call it once per
     process before any other JAX call. On a TPU pod slice or a SLURM/Open MPI cluster JAX finds
-    all three itself: call `jax.distributed.initialize()` with no arguments there instead."""
+    all three itself: call `jax.distributed.initialize()` with no arguments there instead.
+
+    heartbeat_timeout: seconds after which a silent process counts as dead. A dead process
+    is then reported by name and its peers fail what they were doing, instead of being
+    aborted by JAX's runtime (`liveness`); `jax.distributed.initialize` called directly keeps
+    JAX's default (the survivors abort once the timeout, 100 s, has passed)."""
     if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
         raise ValueError("coordinator_address must be 'host:port' of process 0, got "
                          f"{coordinator_address!r}")
     for name, v, lo in (("num_processes", num_processes, 1), ("process_id", process_id, 0)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int) \
+            or heartbeat_timeout < 1:
+        raise ValueError(f"heartbeat_timeout must be an integer >= 1 (seconds), got "
+                         f"{heartbeat_timeout!r}")
     if process_id >= num_processes:
         raise ValueError(f"process_id must be below num_processes ({num_processes}), got "
                          f"{process_id}")
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=int(num_processes), process_id=int(process_id),
                                local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout)
+                               initialization_timeout=initialization_timeout,
+                               **liveness.initialize_kwargs(heartbeat_timeout))
+    liveness.start_beating()
 
 
 def spans_processes(mesh) -> bool:

@@ -3,7 +3,8 @@
     python tests/multihost_worker.py SPEC.json PROCESS_ID
 
 SPEC.json: {"port", "num_processes", "target", "draft", "out_dir", "mode", "mesh": [data, model],
-"load_mesh": [data, model]}. The process joins the others through `jax.distributed` on
+"load_mesh": [data, model]}; mode "restart" only builds, serves with and stops two engines in
+turn (`restart`). The process joins the others through `jax.distributed` on
 localhost, loads both models straight onto the mesh (each process reading only its slices;
 the bytes it reads are counted by wrapping safetensors' reader, outside the code under test),
 runs the calls `CALLS` lists, then serves `SERVE_REQUESTS` with one `serving.Engine` over
@@ -167,6 +168,29 @@ def serve(target, draft, mesh, pid: int) -> dict:
     return out
 
 
+def restart(target, mesh, pid: int) -> dict:
+    """Two engines, one after the other, over the same models in the same processes: each
+    serves SERVE_REQUESTS (greedy, vanilla) and is stopped, process 1 following each in turn.
+    -> the tokens of each engine (process 0) or the device calls each ran (process 1)."""
+    from ouroboros_jax.serving import Engine, RequestParams
+
+    out = {"tokens": [], "device_calls": []}
+    for _ in range(2):
+        engine = Engine(target, method="vanilla", config=None, mesh=mesh, **SERVE_KW)
+        if pid != 0:
+            out["device_calls"].append(engine.follow())
+            continue
+        engine.start()
+        hs = [engine.submit(PROMPTS[i], RequestParams(max_tokens=n)) for i, n in SERVE_REQUESTS]
+        out["tokens"].append([h.result().token_ids for h in hs])
+        engine.stop()
+        try:  # the same multi-process engine refuses to start again, saying what to do
+            engine.start()
+        except RuntimeError as e:
+            out["again"] = str(e)
+    return out
+
+
 def main(spec_path: str, pid: int) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -185,6 +209,12 @@ def main(spec_path: str, pid: int) -> None:
 
     import time
 
+    if spec["mode"] == "restart":
+        mesh = make_mesh(*spec["mesh"])
+        out["restart"] = restart(load_sharded(spec["target"], mesh, dtype="float32"), mesh, pid)
+        with open(os.path.join(spec["out_dir"], f"process_{pid}.json"), "w") as f:
+            json.dump(out, f)
+        return
     t0 = time.perf_counter()
     counter = {"bytes": 0}
     _count_reads(counter)

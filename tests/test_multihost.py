@@ -61,6 +61,15 @@ def _worker_xla_flags() -> str:
     return " ".join(f"--{k}={v}" for k, v in flags.items())
 
 
+def worker_env(tmp: str) -> dict:
+    """A worker's environment: CPU devices (`_worker_xla_flags`), this checkout's package, and
+    the auto cache under tmp."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
+                XLA_FLAGS=_worker_xla_flags(),
+                OUROBOROS_JAX_CACHE=os.path.join(tmp, "auto_cache"),
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def run_workers(spec: dict, num_processes: int = 2, timeout: float = 900.0, during=None
                 ) -> list[dict]:
     """Runs the workers to the end and returns each one's output; the first to fail (or the
@@ -72,10 +81,7 @@ def run_workers(spec: dict, num_processes: int = 2, timeout: float = 900.0, duri
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
-                   XLA_FLAGS=_worker_xla_flags(),
-                   OUROBOROS_JAX_CACHE=os.path.join(tmp, "auto_cache"),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = worker_env(tmp)
         procs, logs = [], []
         try:
             for i in range(num_processes):

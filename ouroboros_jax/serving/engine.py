@@ -146,7 +146,7 @@ class Engine:
                                   self.rounds * (self._hist - 1), self.vocab,
                                   shared_pool or pool0 is None,
                                   self._blank(pair, spec, base, pool0))
-        self._lockstep = Lockstep(self._apply, multi)
+        self._lockstep = Lockstep(self._apply, multi, on_lost=self._fail_all)
         self._sched = Scheduler(self.slots, self.max_queue, self.levels)
         self._counters = EngineCounters(self._hist, spec.sources, spec.keeps_pool)
         self._lock = threading.RLock()
@@ -334,7 +334,8 @@ class Engine:
         self._leader_only("start")
         if self._lockstep.closed:
             raise RuntimeError("a multi-process engine cannot start again after stop(): its "
-                               "followers have returned")
+                               "followers have returned (build a new Engine on every "
+                               "process instead)")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -367,11 +368,15 @@ class Engine:
                 inflight = None
                 self._fail_all(e)
 
-    def _fail_all(self, err: Exception) -> None:
+    def _fail_all(self, err: BaseException) -> None:
+        """Fails the requests in flight with err; once the processes are out of step (a peer
+        died) the waiting ones too, which no device call can serve any more."""
         with self._lock:
             for i in self._sched.busy:
                 self._end(self._sched.running[i], "cancelled", error=err)
                 self._sched.free(i)
+            while self._lockstep.broken is not None and self._sched.waiting:
+                self._end(self._sched.waiting.popleft(), "cancelled", error=err)
 
     def stop(self, cancel: bool = False, timeout: Optional[float] = None) -> None:
         """Stops the thread: finishes in-flight requests (or cancels them with cancel=True,
@@ -412,6 +417,12 @@ class Engine:
         """False once a multi-process engine can run no more device calls (stopped, or a call
         failed, e.g. a peer process died): the server's /health then answers 503."""
         return self._lockstep.running
+
+    @property
+    def fault(self) -> Optional[BaseException]:
+        """What stopped a multi-process engine for good (`liveness.ProcessLost` naming a dead
+        process, or a device call's error), None while it runs or after a plain stop()."""
+        return self._lockstep.broken
 
     @property
     def pool(self) -> Optional[PhrasePool]:

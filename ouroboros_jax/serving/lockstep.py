@@ -9,7 +9,11 @@ run the same call, repeat until the "stop" record. An idle leader sends an "idle
 broadcast: `lead` runs the call.
 
 A failed collective leaves the processes out of step: no further call is safe, so the
-protocol is then broken for good (`broken`) and every later call raises.
+protocol is then broken for good (`broken`) and every later call raises. When a process died,
+`broken` is a `liveness.ProcessLost` naming it: the failed collective waits for its beats to
+have stopped (about `liveness.HEARTBEAT_TIMEOUT_S`), and on process 0 a
+`liveness.Watchdog` notices a death even while no collective runs (or one hangs), marks the
+protocol broken and calls `on_lost` (the engine fails its requests).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..distributed import broadcast
+from ..distributed import broadcast, is_leader
+from ..liveness import ProcessLost, Watchdog, explain
 
 # seconds an idle multi-process leader lets pass between records: a follower waits for the
 # next one inside a collective, and a bounded wait stays clear of whatever timeout a backend's
@@ -54,13 +59,23 @@ class Lockstep:
     """Runs device calls (`apply(op)`) on every process in one order; `lock` serializes them
     (each donates the device state)."""
 
-    def __init__(self, apply: Callable[[Op], Any], multi: bool):
+    def __init__(self, apply: Callable[[Op], Any], multi: bool,
+                 on_lost: Optional[Callable[[ProcessLost], None]] = None):
         self.apply = apply
         self.multi = multi
         self.lock = threading.Lock()
         self.closed = False  # the followers were sent "stop"
         self.broken: Optional[BaseException] = None  # a device call failed midway
         self.last = time.monotonic()
+        self.on_lost = on_lost
+        self._watchdog = Watchdog(self._lost) if multi and is_leader() else None
+
+    def _lost(self, err: ProcessLost) -> None:
+        """The watchdog's news: a process died. Nothing may wait on it any more."""
+        if self.broken is None:
+            self.broken = err
+        if self.on_lost is not None:
+            self.on_lost(self.broken)
 
     @property
     def running(self) -> bool:
@@ -70,14 +85,12 @@ class Lockstep:
     def lead(self, op: Op):
         """Runs op's call here; on several processes op is first broadcast, so every follower
         runs the same call."""
-        with self.lock:
-            if not self.multi:
+        if not self.multi:
+            with self.lock:
                 return self.apply(op)
-            if self.closed:
-                raise RuntimeError("the engine has stopped: its followers have returned")
-            if self.broken is not None:
-                raise RuntimeError(f"the engine's processes may be out of step after an "
-                                   f"error: {self.broken!r}") from self.broken
+        self._check()  # before the lock too: a call stuck in a dead collective may hold it
+        with self.lock:
+            self._check()
             try:
                 broadcast(op)
                 self.last = time.monotonic()
@@ -86,21 +99,37 @@ class Lockstep:
                     return None
                 return self.apply(op)
             except Exception as e:  # a collective failed midway: no further call is safe
-                self.broken = e
-                raise
+                if self.broken is None:
+                    self.broken = explain(e)  # a dead process named, once it is known
+                if self.broken is e:
+                    raise
+                raise self.broken from e
+
+    def _check(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine has stopped: its followers have returned")
+        if self.broken is not None:
+            raise RuntimeError(f"the engine's processes may be out of step after an "
+                               f"error: {self.broken}") from self.broken
 
     def follow(self) -> int:
         """On every process but 0: runs the calls process 0 broadcasts, in its order, until
-        its "stop"; returns how many ran. A leader that dies ends the wait with an error
-        (jax.distributed notices the lost peer)."""
+        its "stop"; returns how many ran. A leader (or another follower) that dies ends the
+        wait with `ProcessLost` naming it (once the coordination service has noticed)."""
         n = 0
         while True:
-            op = broadcast(None)
-            if op.kind == "stop":
-                self.closed = True
-                return n
-            with self.lock:
-                self.apply(op)
+            try:
+                op = broadcast(None)
+                if op.kind == "stop":
+                    self.closed = True
+                    return n
+                with self.lock:
+                    self.apply(op)
+            except Exception as e:
+                self.broken = explain(e)
+                if self.broken is e:
+                    raise
+                raise self.broken from e
             n += op.kind != "idle"
 
     def heartbeat(self) -> None:
@@ -111,5 +140,7 @@ class Lockstep:
     def release(self) -> None:
         """The "stop" record, once; not after an error (the followers have failed with it,
         and a collective now might never return)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self.multi and self.running:
             self.lead(Op("stop"))

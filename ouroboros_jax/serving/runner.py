@@ -16,16 +16,23 @@ import asyncio
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 SHUTDOWN_GRACE = 10.0  # seconds past the drain time before uvicorn cancels the handlers
 
 
-def _server(app, host: str, port: int, log_level: str, drain_timeout: Optional[float]):
-    """A uvicorn.Server whose shutdown tells the app's Service (see the module docstring)."""
+def _server(app, host: str, port: int, log_level: str, drain_timeout: Optional[float],
+            stop_when: Optional[Callable[[], bool]] = None):
+    """A uvicorn.Server whose shutdown tells the app's Service (see the module docstring) and
+    that shuts down by itself once stop_when() is true (checked every tick, 0.1 s)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            if stop_when is not None and stop_when():
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         async def shutdown(self, sockets=None):
             svc = getattr(getattr(app, "state", None), "ouroboros", None)  # create_app's
             timer = None
@@ -45,16 +52,18 @@ def _server(app, host: str, port: int, log_level: str, drain_timeout: Optional[f
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          drain_timeout: Optional[float] = 30.0) -> None:
-    """Runs the app in the foreground until Ctrl-C / SIGTERM, then returns. In-flight requests
-    get up to drain_timeout seconds to finish; what is left is then cancelled (streams get an
-    error event and [DONE], clients waiting on non-streamed requests a JSON 503)."""
+          drain_timeout: Optional[float] = 30.0,
+          stop_when: Optional[Callable[[], bool]] = None) -> None:
+    """Runs the app in the foreground until Ctrl-C / SIGTERM (or until stop_when() is true:
+    the engine broke), then returns. In-flight requests get up to drain_timeout seconds to
+    finish; what is left is then cancelled (streams get an error event and [DONE], clients
+    waiting on non-streamed requests a JSON 503)."""
     # uvicorn re-raises the signal it handled once its shutdown is done: SIGTERM's default
     # would kill the process there (before the caller's cleanup, exit status -15)
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
     try:
-        _server(app, host, port, log_level, drain_timeout).run()
+        _server(app, host, port, log_level, drain_timeout, stop_when).run()
     except KeyboardInterrupt:  # SIGINT or SIGTERM, re-raised after the shutdown
         pass
     finally:
