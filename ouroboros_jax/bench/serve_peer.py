@@ -11,7 +11,8 @@ Each server runs alone, one after the other: ours once per method (`ouroboros-ja
 URL of a server already up, or a command the bench starts (`{port}` becomes a free port) and
 stops when its levels are done. Every server gets the same closed-loop load: at concurrency c,
 max(requests, c) streamed /v1/chat/completions requests (greedy, a fixed max_tokens, one user
-turn each) with c in flight at all times, after a warm-up that sends every prompt once.
+turn each) with c in flight at all times, after a warm-up that sends every prompt once
+(16 tokens each, at the highest concurrency).
 
 Each row: completion tokens/s over the level's wall time, req/s, and the client's time to first
 token and end-to-end latency at p50/p95. Completion tokens are the usage chunk's
@@ -40,6 +41,7 @@ from .serve import percentile
 CONCURRENCY = (1, 4, 16)
 QUANTILES = (50, 95)
 START_TIMEOUT_S = 900.0
+WARMUP_TOKENS = 16
 
 
 @dataclass
@@ -239,7 +241,9 @@ def bench_server(server: Server, texts: list[str], *, concurrency, requests: int
     res = {"name": server.name, "kind": server.kind, "url": server.url,
            "command": server.command, "startup_s": time.perf_counter() - t0, "levels": []}
     try:
-        asyncio.run(closed_loop(server.url, model, texts, max(concurrency), max_tokens))
+        # every prompt once at the busiest level: compiles (ours) and page-ins happen here
+        asyncio.run(closed_loop(server.url, model, texts, max(concurrency),
+                                min(max_tokens, WARMUP_TOKENS)))
         lines = startup_lines(server)
         res["startup"] = lines
         res["method"] = method_ran(lines) if server.kind == "ours" else None
