@@ -352,7 +352,10 @@ def serve_main(a, target, draft, prompts, names, log) -> dict:
     quick = a.quick
     ids = [encode(target, p.turns[0]) for p in prompts]
     lens = [p.max_new_tokens for p in prompts]
-    conc = (1, 2) if quick else CONCURRENCY
+    from .serve_peer import parse_concurrency
+
+    conc = parse_concurrency(a.serve_concurrency) if a.serve_concurrency else (
+        (1, 2) if quick else CONCURRENCY)
     n_req = a.serve_requests or (4 if quick else 32)
     if n_req < 1:
         raise ValueError(f"--serve-requests must be >= 1, got {n_req}")

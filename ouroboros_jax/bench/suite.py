@@ -201,6 +201,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-requests", type=int, help="requests per load level (--serve; "
                                                       "default 32, --quick 4)")
     p.add_argument("--serve-slots", type=int, help="engine slots (--serve; default 8, --quick 4)")
+    p.add_argument("--serve-concurrency", metavar="C1,C2,...",
+                   help="closed-loop concurrency levels (--serve; default 1,2,4,8,16, --quick "
+                        "1,2; with --peer 1,4,16)")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL|COMMAND",
+                   help="with --serve: instead of the in-process bench, our `serve` (one "
+                        "process per --methods entry, default vanilla,prompt_lookup,lookahead, "
+                        "on --model) then this OpenAI-compatible server, one at a time, under "
+                        "the same streamed chat load; a URL of a running server or a command "
+                        "with {port} that the bench starts and stops (repeatable; "
+                        "bench/serve_peer.py)")
     p.add_argument("--out", default=None, help="output directory (default runs/bench[-quick])")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -248,6 +258,14 @@ def bench_main(a) -> dict:
     quick = a.quick
     workload = workload_of_args(a)  # flag errors before any model loads
     check_bench_flags(a)
+    if a.peer:
+        if not a.serve:
+            raise ValueError("--peer goes with --serve (the server load bench)")
+        from .serve_peer import peer_main
+
+        # servers in their own processes: nothing loads here
+        names = [n.strip() for n in a.methods.split(",") if n.strip()]
+        return peer_main(a, None if a.methods == DEFAULT_METHODS else names, log)
     project = _project_names(a)
     overrides = _parse_overrides(a.config)
     if a.torch_threads:
