@@ -47,6 +47,20 @@ def method_engine_args(name: str) -> dict:
     return dict(method=name)
 
 
+def concurrency_levels(text: Optional[str], default: tuple) -> tuple:
+    """--serve-concurrency "1,4,16" -> (1, 4, 16); None -> default."""
+    if text is None:
+        return default
+    try:
+        cs = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        cs = ()
+    if not cs or min(cs) < 1:
+        raise ValueError(f"--serve-concurrency must be comma-separated integers >= 1, e.g. "
+                         f"1,4,16; got {text!r}")
+    return cs
+
+
 def percentile(xs: list[float], q: float) -> Optional[float]:
     """The q-th percentile (0-100) with linear interpolation; None for no data."""
     if not xs:
@@ -352,10 +366,7 @@ def serve_main(a, target, draft, prompts, names, log) -> dict:
     quick = a.quick
     ids = [encode(target, p.turns[0]) for p in prompts]
     lens = [p.max_new_tokens for p in prompts]
-    from .serve_peer import parse_concurrency
-
-    conc = parse_concurrency(a.serve_concurrency) if a.serve_concurrency else (
-        (1, 2) if quick else CONCURRENCY)
+    conc = concurrency_levels(a.serve_concurrency, (1, 2) if quick else CONCURRENCY)
     n_req = a.serve_requests or (4 if quick else 32)
     if n_req < 1:
         raise ValueError(f"--serve-requests must be >= 1, got {n_req}")

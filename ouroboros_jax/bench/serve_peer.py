@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .serve import percentile
+from .serve import concurrency_levels, percentile
 
 CONCURRENCY = (1, 4, 16)
 QUANTILES = (50, 95)
@@ -381,17 +381,8 @@ def plot_peer(results: dict, path: str) -> str:
 
 
 def parse_concurrency(text: Optional[str]) -> tuple:
-    """--serve-concurrency "1,4,16" -> (1, 4, 16); None -> CONCURRENCY."""
-    if text is None:
-        return CONCURRENCY
-    try:
-        cs = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        cs = ()
-    if not cs or min(cs) < 1:
-        raise ValueError(f"--serve-concurrency must be comma-separated integers >= 1, e.g. "
-                         f"1,4,16; got {text!r}")
-    return cs
+    """--serve-concurrency "1,4,16" -> (1, 4, 16); None -> CONCURRENCY (this bench's)."""
+    return concurrency_levels(text, CONCURRENCY)
 
 
 def peer_servers(a, names: Optional[list]) -> list[Server]:
@@ -432,10 +423,10 @@ def _machine() -> dict:
             "loadavg_at_start": list(os.getloadavg())}
 
 
-def peer_main(a, names: Optional[list], log) -> dict:
+def peer_main(a, names: Optional[list], log, workload) -> dict:
     """`bench --serve --peer ...`: flags -> run_peer_bench -> JSON, markdown, plot. names: the
-    methods asked for, None for the default (the methods that need no draft)."""
-    from .suite import workload_of_args
+    methods asked for, None for the default (the methods that need no draft); workload: the
+    suite's WorkloadSpec of the flags (`suite.workload_of_args`)."""
     from .workloads import load_workload
 
     servers = peer_servers(a, names)
@@ -444,7 +435,7 @@ def peer_main(a, names: Optional[list], log) -> dict:
     if requests < 1:
         raise ValueError(f"--serve-requests must be >= 1, got {requests}")
     max_tokens = a.max_new_tokens or 96
-    prompts = load_workload(workload_of_args(a), a.quick)
+    prompts = load_workload(workload, a.quick)
     texts = [p.turns[0] for p in prompts]
     if not all(isinstance(t, str) for t in texts):
         raise ValueError("--peer sends chat messages: give text prompts (--spec-bench, "

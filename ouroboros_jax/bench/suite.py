@@ -265,7 +265,7 @@ def bench_main(a) -> dict:
 
         # servers in their own processes: nothing loads here
         names = [n.strip() for n in a.methods.split(",") if n.strip()]
-        return peer_main(a, None if a.methods == DEFAULT_METHODS else names, log)
+        return peer_main(a, None if a.methods == DEFAULT_METHODS else names, log, workload)
     project = _project_names(a)
     overrides = _parse_overrides(a.config)
     if a.torch_threads:
