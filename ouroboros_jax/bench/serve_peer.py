@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .serve import concurrency_levels, percentile
+from .serve import _ms, _s, concurrency_levels, percentile  # one format for both tables
 
 CONCURRENCY = (1, 4, 16)
 QUANTILES = (50, 95)
@@ -299,14 +299,6 @@ def run_peer_bench(servers: list[Server], texts: list[str], *, concurrency=CONCU
         if on_server is not None:
             on_server(results)
     return results
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1e3:.0f}"
-
-
-def _s(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def _accepted(res: dict) -> str:
