@@ -26,6 +26,10 @@ One meaning of "config" too: `config` is a decoding method's config (`oj.Specula
 draft) inside decoding/, and `config` only inside models/, which never sees a method config.
 """
 
+from . import xla_cpu
+
+xla_cpu.apply()  # before JAX creates its CPU client: see xla_cpu.py for the measurement
+
 from .notices import silence_torch_advisory
 
 silence_torch_advisory()  # transformers' "PyTorch was not found" banner: the models here are JAX
