@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..models import causal_mask, forward
 from ..models.config import ModelConfig
-from ..models.kv_cache import KVCache, commit_prefix, init_cache
+from ..models.kv_cache import (PENDING_SLOTS, KVCache, commit_prefix, init_cache, settle,
+                               with_empty_pending)
 from ..models.layout import decode_params
 from ..sharding import cache_spec
 from ..pool import insert_context, pool_occupancy
@@ -126,17 +127,28 @@ def make_pair(target, draft=None) -> Pair:
 
 def empty_cache(pair: Pair, which: str, rows: int, slots: int) -> KVCache:
     """An empty KV cache for the pair's "target" or "draft" (B = rows, S = slots), in the
-    model's dtype. On a mesh it is placed as `sharding.cache_spec` says (rows over "data", kv
-    heads over "model"), so every method's caches are laid out like the K/V the sharded
-    forward computes instead of wherever XLA's propagation puts a buffer of zeros."""
+    model's dtype. The target's defers its writes (`kv_cache.settle`: its one commit a round
+    then comes before the next round's reads, and XLA updates it in place instead of copying
+    it); the draft's, committed between its forwards within a round, writes at once. On a
+    mesh it is placed as `sharding.cache_spec` says (rows over "data", kv heads over "model"),
+    so every method's caches are laid out like the K/V the sharded forward computes instead
+    of wherever XLA's propagation puts a buffer of zeros."""
     model_config, params = ((pair.tconfig, pair.tparams) if which == "target"
                             else (pair.dconfig, pair.dparams))
-    cache = init_cache(model_config, rows, slots, params["embed"].dtype)
+    cache = init_cache(model_config, rows, slots, params["embed"].dtype,
+                       PENDING_SLOTS if which == "target" else 0)
     if pair.mesh is None:
         return cache
-    place = NamedSharding(pair.mesh, cache_spec(model_config, rows, slots, pair.mesh))
-    return cache.replace(k=jax.lax.with_sharding_constraint(cache.k, place),
-                         v=jax.lax.with_sharding_constraint(cache.v, place))
+
+    def placed(x):  # x [L, B, S or pending slots, K, D]
+        spec = cache_spec(model_config, rows, x.shape[2], pair.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(pair.mesh, spec))
+
+    cache = cache.replace(k=placed(cache.k), v=placed(cache.v))
+    if cache.pending is None:
+        return cache
+    return cache.replace(pending=cache.pending.replace(k=placed(cache.pending.k),
+                                                       v=placed(cache.pending.v)))
 
 
 def init_sequences(prompt: jax.Array, prompt_lengths: jax.Array, slots: int) -> Sequences:
@@ -170,9 +182,12 @@ def insert_sequences(seq: Sequences, rows: jax.Array, prompt: jax.Array,
 
 
 def set_cache_rows(cache: KVCache, rows: jax.Array, fresh: KVCache) -> KVCache:
-    """cache [L, B, S, ...] with rows int32[R] replaced by fresh [L, R, S, ...]."""
-    return KVCache(k=cache.k.at[:, rows].set(fresh.k), v=cache.v.at[:, rows].set(fresh.v),
-                   lengths=cache.lengths.at[rows].set(fresh.lengths))
+    """cache [L, B, S, ...] with rows int32[R] replaced by fresh [L, R, S, ...] (a settled
+    cache: the other rows' pending writes are written first)."""
+    cache = settle(cache)
+    return with_empty_pending(cache.replace(
+        k=cache.k.at[:, rows].set(fresh.k), v=cache.v.at[:, rows].set(fresh.v),
+        lengths=cache.lengths.at[rows].set(fresh.lengths)))
 
 
 def prefill_rows(params, model_config, cache: KVCache, rows: jax.Array, prompt: jax.Array,
@@ -417,6 +432,7 @@ def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequ
     pending KV. -> (seq, cache, live bool[B] before the step, kept int32[B])."""
     B = seq.tokens.shape[0]
     pos = (seq.lengths - 1)[:, None]
+    cache = settle(cache)
     logits, new = forward(params, model_config, seq.last[:, None], pos,
                           jnp.ones((B, 1, 1), bool), cache)
     tok = choose_tokens(logits, pos + 1, sp, greedy)
@@ -433,6 +449,7 @@ def follow_draft(params, model_config, seq_before: Sequences, cache: KVCache, ke
     token at its cache length. Its lag behind the pending token, which each method's first
     draft forward of a round catches up on, is then unchanged."""
     B, S = seq_before.tokens.shape
+    cache = settle(cache)
     pos = cache.lengths[:, None]
     tok = jnp.take_along_axis(seq_before.tokens, jnp.minimum(pos, S - 1), 1)
     _, new = forward(params, model_config, tok, pos, jnp.ones((B, 1, 1), bool), cache,

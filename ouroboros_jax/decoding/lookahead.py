@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, settle
 from ..pool import PhrasePool, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
@@ -152,13 +152,14 @@ def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingP
     seq = state.seq
     live = ~seq.done
     choose = lambda logits, pos: choose_tokens(logits, pos, sp, greedy)
-    res = jacobi_step(pair.tparams, pair.tconfig, layout, state.cache, state.window,
+    cache = settle(state.cache)
+    res = jacobi_step(pair.tparams, pair.tconfig, layout, cache, state.window,
                       state.pool, seq.last, live, choose, key_offset=state.key_offset,
                       with_logits=wanted(sp), propose=limits.speculate)
     lp = None if res.walk_logits is None else token_logprobs(res.walk_logits, res.acc.tokens,
                                                              sp, greedy)
     seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits, lp)
-    cache = commit_with_prefix(state.cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
+    cache = commit_with_prefix(cache, res.new, 0, jnp.zeros_like(kept), res.acc.path, kept)
     # the best guess offered N-1 tokens when the key had a phrase
     stats = count_round(state.stats, live, kept, jnp.where(res.guess_found, cfg.ngram - 1, 0),
                         (res.acc.path, source_labels(layout.size,

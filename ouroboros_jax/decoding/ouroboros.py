@@ -53,7 +53,7 @@ from flax import struct
 
 from ..models import forward
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, settle
 from ..pool import PhrasePool, insert_many, lookup, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, jacobi_tree, tree_mask
@@ -357,14 +357,14 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         tokens, valid = chain, chain_valid
 
     # -- one target forward, accept, commit
-    pos = state.tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
-    logits, new = forward(tparams, tconfig, tokens, pos, tree_mask(lay.parents, valid),
-                          state.tcache)
+    tcache = settle(state.tcache)
+    pos = tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
+    logits, new = forward(tparams, tconfig, tokens, pos, tree_mask(lay.parents, valid), tcache)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     seq, kept = emit(seq, acc.tokens, acc.count, limits,
                      walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
-    tcache = commit_path(state.tcache, new, acc, kept)
+    tcache = commit_path(tcache, new, acc, kept)
 
     # -- the draft keeps only what the target confirmed (rollback = a length)
     matched = jnp.minimum(acc.count - 1, gamma)  # chain draft tokens accepted

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ..models import forward
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, settle
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import chain_with_branches, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, counter,
@@ -195,15 +195,16 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     cvalid = proposing(limits, cvalid)  # rows with speculation off offer none
     tokens = jnp.concatenate([seq.last[:, None], cand.reshape(B, X * M)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), cvalid.reshape(B, X * M)], axis=1)
-    pos = state.cache.lengths[:, None] + jnp.asarray(lay.depths)[None]
+    cache = settle(state.cache)
+    pos = cache.lengths[:, None] + jnp.asarray(lay.depths)[None]
     logits, new = forward(pair.tparams, pair.tconfig, tokens, pos, tree_mask(lay.parents, valid),
-                          state.cache)
+                          cache)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     live = ~seq.done
     seq, kept = emit(seq, acc.tokens, acc.count, limits,
                      walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
-    cache = commit_path(state.cache, new, acc, kept)
+    cache = commit_path(cache, new, acc, kept)
     # the best candidate's tokens are what a row offers to be accepted in a row
     stats = count_round(state.stats, live, kept, jnp.sum(cvalid[:, 0], axis=1, dtype=jnp.int32),
                         (acc.path, source_labels(len(lay.parents),

@@ -45,7 +45,7 @@ from flax import struct
 
 from ..bounds import MAX_TREE_TOKENS
 from ..models import forward
-from ..models.kv_cache import KVCache, commit_prefix, rollback
+from ..models.kv_cache import KVCache, commit_prefix, rollback, settle
 from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys,
                         token_probability)
 from ..tree import chain_parents, tree_depths, tree_mask
@@ -280,7 +280,8 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
-    logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, state.tcache)
+    tcache = settle(state.tcache)
+    logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, tcache)
 
     def walk():
         choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -301,7 +302,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     live = ~seq.done
     lp = walk_logprobs(logits, acc.path, acc.tokens, sp, greedy)
     seq, kept = emit(seq, acc.tokens, acc.count, limits, lp)
-    tcache = commit_path(state.tcache, new, acc, kept)
+    tcache = commit_path(tcache, new, acc, kept)
     # The draft processed positions < n-1+γ, all equal to accepted tokens up to the first
     # rejected one, which is never before the new pending token: keep up to n'-1.
     dcache = rollback(dcache, seq.lengths - 1)

@@ -273,6 +273,9 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     hidden states go through the LM head (prefill needs only the last one).
     Returns (logits float32[B,T,V] or [B,Q,V], NewKV with k, v [L,B,T,K,D]).
     """
+    if cache is not None and cache.pending is not None:
+        raise ValueError("the cache has writes pending: pass kv_cache.settle(cache), and keep "
+                         "the settled cache for the commit that follows")
     inv_freq = layer_inv_freq(config)
     x = embed_tokens(params, config, tokens)
 

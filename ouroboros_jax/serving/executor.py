@@ -121,9 +121,13 @@ def dev_placements(mesh, dev: DeviceState):
         return jax.sharding.NamedSharding(mesh, spec)
 
     def one(x):
-        if isinstance(x, KVCache):
-            return KVCache(k=at(LOGICAL_AXES["cache"], x.k), v=at(LOGICAL_AXES["cache"], x.v),
-                           lengths=at(("batch",), x.lengths))
+        if isinstance(x, KVCache):  # k, v (and pending k, v) [L, B, S or A, K, D]
+            kv = lambda y: at(LOGICAL_AXES["cache"], y)
+            pending = None if x.pending is None else x.pending.replace(
+                k=kv(x.pending.k), v=kv(x.pending.v), at=at(("batch",), x.pending.at),
+                count=at(("batch",), x.pending.count))
+            return x.replace(k=kv(x.k), v=kv(x.v), lengths=at(("batch",), x.lengths),
+                             pending=pending)
         return at(("batch",) if len(x.shape) and x.shape[0] == B else (), x)
 
     return jax.tree_util.tree_map(one, dev, is_leaf=lambda x: isinstance(x, KVCache))
