@@ -14,8 +14,8 @@ then keeps the appended tokens' K/V in a small `Pending` buffer and `settle` wri
 the cache, so a decoding loop's round writes the cache first and reads it afterwards. Why:
 XLA:CPU copies a buffer that a while loop (attention's loop over cache blocks) reads and a
 scatter then updates in place; with the round's reads first and its commit last, every round
-copied the whole cache twice (measured: SmolLM2 at 8 slots x 2048 slots, 4 full copies of K or
-V per 4-round step, 216 ms a token; with the write first, none, 75 ms). `lengths` count the
+copied the whole cache twice, K and V each (measured: SmolLM2 at 8 slots x 2048 slots, 216 ms
+a token; with the write first, no copies, 75 ms). `lengths` count the
 pending tokens too, so positions, rollback and visibility read as before; a forward refuses a
 cache with writes pending (the kernels would read stale slots), so every reader settles first.
 """
