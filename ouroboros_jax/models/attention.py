@@ -89,8 +89,9 @@ def dense_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cache_le
         p = jax.nn.softmax(s_new, axis=-1)
         out = jnp.einsum("bkjto,bokd->btkjd", p.astype(v_new.dtype), v_new)
         return out.reshape(B, T, H, D)
-    ck = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
-    cv = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+    # rows [0, B): the cache may hold more (a `kv_cache.head_rows` view)
+    ck = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)[:B]
+    cv = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)[:B]
     S = ck.shape[1]
     vis = _cache_visibility(positions, cache_len, jnp.arange(S), window)
     s_cache = jnp.where(vis[:, None, None], _scores(qg, ck, scale, softcap), _NEG)
@@ -146,7 +147,7 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
 
     def body(i, carry):
         start = i * Z
-        idx = (layer, 0, start, 0, 0)
+        idx = (layer, 0, start, 0, 0)  # rows [0, B) of a cache that may hold more
         kb = jax.lax.dynamic_slice(cache_k, idx, (1, B, Z, K, D))[0]
         vb = jax.lax.dynamic_slice(cache_v, idx, (1, B, Z, K, D))[0]
         vis = _cache_visibility(positions, cache_len, start + jnp.arange(Z), window)

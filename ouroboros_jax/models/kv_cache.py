@@ -54,8 +54,12 @@ class Pending:
 class KVCache:
     """A model's committed keys and values.
 
+    k / v may hold more rows than `lengths` (a `head_rows` view, what the engine's step runs
+    on while only its first slots are busy): rows [0, B) of them are this cache's, B =
+    lengths.shape[0], and the rest pass through untouched.
+
     Attributes:
-        k: [L, B, S, K, D] keys, slot s = position s; garbage at s >= lengths.
+        k: [L, B, S, K, D] keys, slot s = position s; garbage at s >= lengths (B or more rows).
         v: [L, B, S, K, D] values, likewise.
         lengths: int32[B], committed tokens per row (pending ones included).
         pending: None (settled) or the `Pending` appends not yet written into k / v.
@@ -103,7 +107,8 @@ def with_empty_pending(cache: KVCache) -> KVCache:
     its writes (so its pytree is the same before and after a round's commit)."""
     if cache.pending_slots == 0 or cache.pending is not None:
         return cache
-    L, B, _, K, D = cache.k.shape
+    L, _, _, K, D = cache.k.shape
+    B = cache.lengths.shape[0]
     z = jnp.zeros((L, B, cache.pending_slots, K, D), cache.k.dtype)
     zi = jnp.zeros((B,), jnp.int32)
     return cache.replace(pending=Pending(k=z, v=z, at=zi, count=zi))
@@ -173,6 +178,29 @@ def commit_prefix(cache: KVCache, new: NewKV, counts: jax.Array) -> KVCache:
     B, T = new.k.shape[1], new.k.shape[2]
     idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
     return commit(cache, new, idx, counts)
+
+
+def head_rows(cache: KVCache, b: int) -> KVCache:
+    """The cache of rows [0, b) (static b): lengths and pending writes sliced, k / v kept
+    whole, so a forward reads and a commit writes those rows where they lie (no copy of the
+    cache). `put_head_rows` merges it back."""
+    p = cache.pending
+    pending = None if p is None else p.replace(k=p.k[:, :b], v=p.v[:, :b], at=p.at[:b],
+                                               count=p.count[:b])
+    return cache.replace(lengths=cache.lengths[:b], pending=pending)
+
+
+def put_head_rows(cache: KVCache, head: KVCache) -> KVCache:
+    """cache with rows [0, b) as head (`head_rows`' view after its rounds) has them: head's
+    k / v (every row, the others untouched), its lengths and pending writes over the first b."""
+    put = lambda full, part, axis: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis)
+    pending = None
+    if cache.pending is not None:
+        p, q = cache.pending, head.pending
+        pending = p.replace(k=put(p.k, q.k, 1), v=put(p.v, q.v, 1), at=put(p.at, q.at, 0),
+                            count=put(p.count, q.count, 0))
+    return cache.replace(k=head.k, v=head.v, lengths=put(cache.lengths, head.lengths, 0),
+                         pending=pending)
 
 
 def rollback(cache: KVCache, lengths: jax.Array) -> KVCache:

@@ -57,6 +57,7 @@ from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
 from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401  (re-exported)
 from .lockstep import Lockstep, Op
 from .metrics import EngineCounters
+from .row_buckets import buckets
 from .scheduler import Plan, Scheduler, auto_levels, check_family, load_levels
 from .warmup import Progress, compile_programs
 
@@ -147,7 +148,8 @@ class Engine:
                                   shared_pool or pool0 is None,
                                   self._blank(pair, spec, base, pool0))
         self._lockstep = Lockstep(self._apply, multi, on_lost=self._fail_all)
-        self._sched = Scheduler(self.slots, self.max_queue, self.levels)
+        self.row_sizes = buckets(self.slots, sharded=pair.mesh is not None)
+        self._sched = Scheduler(self.slots, self.max_queue, self.levels, self.row_sizes)
         self._counters = EngineCounters(self._hist, spec.sources, spec.keeps_pool)
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
@@ -227,7 +229,8 @@ class Engine:
         """The device call op stands for, on this process (the lockstep serializes them)."""
         ex = self._executor
         calls = {"insert": lambda: ex.insert(op.packed),
-                 "step": lambda: ex.step(op.level, op.greedy, op.stop_rows, op.logprobs),
+                 "step": lambda: ex.step(op.level, op.greedy, op.stop_rows, op.logprobs,
+                                         op.rows),
                  "pool": ex.pool_copy, "save_pool": ex.save_pool,
                  "restore_pool": ex.restore_pool, "idle": lambda: None}
         if op.kind not in calls:
@@ -260,7 +263,8 @@ class Engine:
         if plan is None:
             return None
         return plan, self._lockstep.lead(Op("step", level=plan.level, greedy=plan.greedy,
-                                             stop_rows=plan.stop_rows, logprobs=plan.logprobs))
+                                             stop_rows=plan.stop_rows, logprobs=plan.logprobs,
+                                             rows=plan.rows))
 
     def _process(self, plan: Plan, packed: jax.Array) -> None:
         """A step's outputs on the host (waiting for the device): tokens streamed to their
@@ -326,7 +330,8 @@ class Engine:
                 raise RuntimeError("warmup() needs an idle engine")
             compile_programs(self._lockstep.lead, slots=self.slots, limit=self.limit,
                              eos=self._default_eos, levels=self.levels,
-                             prompt_widths=prompt_widths, progress=progress)
+                             prompt_widths=prompt_widths, progress=progress,
+                             row_sizes=self.row_sizes)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:

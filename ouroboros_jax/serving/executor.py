@@ -1,8 +1,9 @@
 """The engine's device side: its state over all slots, where that state lives on the mesh, and
 the jitted calls that change it (a prompt into a slot, a step of k rounds on every slot).
 
-Compiled programs: one device step per (load-level config, sampling mode) and one insert per
-prompt-width bucket, all at fixed shapes (slots, cache size); requests arriving and leaving
+Compiled programs: one device step per (load-level config, sampling mode, row bucket: the
+step computes slots [0, b) only, `row_buckets`) and one insert per prompt-width bucket, all at
+fixed shapes (slots, cache size); requests arriving and leaving
 never recompile. An insert's host data (slot, prompt, knobs, stop ids) travels as one int32
 array (`pack_insert`), one upload; a step's as one bool[B] (slots freed since the last step),
 and its outputs come back as one int32 array (`StepOutput`), one download. A step computes
@@ -34,6 +35,7 @@ from ..pool import clear_keys
 from ..request import EOS_BUCKET, MAX_TOP_LOGPROBS, ValidRequest, bucket
 from ..sampling import SamplingParams
 from ..sharding import LOGICAL_AXES, spec_for
+from .row_buckets import pad_rows, put_head, take_head
 
 OFF = "off"  # a load level without speculation
 # the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
@@ -171,26 +173,34 @@ def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
                                     set_rows(dev.limits, rows, limits)))
 
 
-@partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs"),
-         donate_argnums=(1,))
+@partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs",
+                                   "rows"), donate_argnums=(1,))
 def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
-                width: int, logprobs: bool = False):
+                width: int, logprobs: bool = False, rows: Optional[int] = None):
     """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
     the step's outputs as one int32 array, `StepOutput.pack`: one download). logprobs: the
-    rounds compute the emitted tokens' logprobs, and the outputs carry them."""
+    rounds compute the emitted tokens' logprobs, and the outputs carry them. rows: the rounds
+    run on slots [0, rows) only (`row_buckets`; every slot past them must be free), None:
+    on all B; the outputs cover all B either way."""
+    B = dev.limits.max_new_tokens.shape[0]
     st = dev.state
     st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
     since = st.seq.lengths
-    sp = dev.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
     by_source = st.stats.by_source
-    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, dev.limits),
-                                      rounds, st)
+    full = dev.replace(state=st)
+    part = full if rows is None or rows == B else take_head(full, B, rows)
+    sp = part.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
+    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, part.limits),
+                                      rounds, part.state)
+    if part is not full:
+        st = put_head(full, part.replace(state=st), B).state
+        kept, live, prop = (pad_rows(x, B) for x in (kept, live, prop))
     toks, counts = read_emitted(st.seq, since, width)
     hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
     lp = lpm.read(st.seq, since, width) if logprobs else None
     out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits,
                           st.stats.by_source - by_source, lp)
-    return pinned(pair, dev.replace(state=st)), replicated(pair, out)
+    return pinned(pair, full.replace(state=st)), replicated(pair, out)
 
 
 @dataclasses.dataclass
@@ -278,16 +288,18 @@ class Executor:
                                  shared=self.shared)
 
     def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
-             logprobs: bool = False) -> jax.Array:
-        """k rounds on every slot under load level `level` -> the outputs packed on the device
-        (`StepOutput.pack`, with logprobs when asked; not waited for: `read` them)."""
+             logprobs: bool = False, rows: Optional[int] = None) -> jax.Array:
+        """k rounds on every slot (on slots [0, rows) when rows is set: the rest must be free)
+        under load level `level` -> the outputs packed on the device (`StepOutput.pack`, with
+        logprobs when asked; not waited for: `read` them)."""
         cfg = self.levels[level][1]
         round_fn, cfg = (self.spec.plain_round, self.base) if cfg is OFF else (self.spec.round,
                                                                                 cfg)
         self.dev, out = device_step(self.pair, self.dev, jnp.asarray(stop_rows),
                                     round_fn=round_fn, cfg=cfg, greedy=greedy,
                                     rounds=self.rounds, width=self.width,
-                                    logprobs=bool(logprobs))
+                                    logprobs=bool(logprobs),
+                                    rows=None if rows is None else int(rows))
         return out
 
     def read(self, flat: np.ndarray, logprobs: bool = False) -> StepOutput:

@@ -10,6 +10,9 @@ Speculation fitted to the load: `levels` maps busy-slot counts to configs, e.g.
 [(1, OuroborosConfig(...)), (4, OFF)]; the level with the largest threshold <= busy slots runs
 (`level`). "off" runs the method's plain round. config="auto" asks `decoding.auto` once per
 load level (1, 2, 4, .. slots); levels must share a state layout (`MethodSpec.family`).
+
+Each step computes only the slots up to the highest busy one, rounded up to a row bucket
+(`row_buckets`): with lowest-free-slot admission, one request runs a one-row step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..decoding import PLAIN
 from ..request import cache_slots, is_int
 from .executor import OFF
 from .handle import QueueFull
+from .row_buckets import rows_for
 
 
 # ---------------------------------------------------------------------------- load levels
@@ -93,7 +97,7 @@ def check_family(method: str, spec, cfgs: list) -> None:
 class Plan:
     """One step as the scheduler decided it: the busy slots and their handles, the load level
     (an index into levels), whether every busy slot is greedy, the slots to end, whether a
-    busy slot asks for logprobs."""
+    busy slot asks for logprobs, and the rows the step computes (slots [0, rows))."""
 
     busy: list
     handles: list
@@ -101,13 +105,17 @@ class Plan:
     greedy: bool
     stop_rows: np.ndarray
     logprobs: bool = False
+    rows: Optional[int] = None
 
 
 class Scheduler:
-    """The waiting queue and the slots (the caller holds the engine's lock)."""
+    """The waiting queue and the slots (the caller holds the engine's lock). row_sizes: the
+    row buckets steps compile for (`row_buckets.buckets`; None: every step runs all slots)."""
 
-    def __init__(self, slots: int, max_queue: int, levels: list):
+    def __init__(self, slots: int, max_queue: int, levels: list,
+                 row_sizes: Optional[tuple] = None):
         self.slots, self.max_queue, self.levels = slots, max_queue, levels
+        self.row_sizes = row_sizes
         self.waiting: collections.deque = collections.deque()
         self.running: list = [None] * slots
         self.stop_rows = np.zeros((slots,), bool)
@@ -166,6 +174,7 @@ class Scheduler:
         handles = [self.running[i] for i in busy]
         plan = Plan(busy, handles, self.level(len(busy)),
                     all(h.params.temperature == 0 for h in handles), self.stop_rows.copy(),
-                    any(h.params.logprobs is not None for h in handles))
+                    any(h.params.logprobs is not None for h in handles),
+                    None if self.row_sizes is None else rows_for(busy, self.row_sizes))
         self.stop_rows[:] = False
         return plan

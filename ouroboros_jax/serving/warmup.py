@@ -3,7 +3,7 @@ each reported with what it is and how long it took: a server that prints one lin
 nothing for a minute looks hung.
 
 Programs: the insert of each prompt-width bucket (a prompt of that width into slot 0) and the
-device step of every load level in both sampling modes. The dummy rows end before any round
+device step of every load level in both sampling modes, for each row bucket (`row_buckets`). The dummy rows end before any round
 (`stop_rows`), and the dummy prompts' n-grams leave the pool as they came (save/restore).
 """
 
@@ -18,6 +18,7 @@ from ..distributed import fetch
 from ..request import RequestParams, ValidRequest, bucket
 from .executor import OFF, pack_insert
 from .lockstep import Op
+from .row_buckets import describe
 
 # progress(name, None) as a program starts compiling, progress(name, seconds) when it is done
 Progress = Callable[[str, Optional[float]], None]
@@ -34,11 +35,11 @@ def default_widths(limit: int, largest: int = 256) -> tuple:
     return tuple(widths)
 
 
-def level_name(threshold: int, cfg, greedy: bool) -> str:
-    """A step program as progress names it."""
+def level_name(threshold: int, cfg, greedy: bool, rows: str = "") -> str:
+    """A step program as progress names it (rows: `row_buckets.describe`'s words)."""
     mode = "greedy" if greedy else "sampling"
     what = "speculation off" if cfg is OFF else ("plain" if cfg is None else type(cfg).__name__)
-    return f"step ({threshold}+ busy slots, {what}, {mode})"
+    return f"step ({threshold}+ busy slots, {what}, {mode}{rows})"
 
 
 def _timed(progress: Optional[Progress], name: str, run: Callable[[], object]) -> None:
@@ -53,10 +54,12 @@ def _timed(progress: Optional[Progress], name: str, run: Callable[[], object]) -
 
 def compile_programs(lead: Callable[[Op], object], *, slots: int, limit: int, eos: np.ndarray,
                      levels: list, prompt_widths: Sequence[int],
-                     progress: Optional[Progress] = None) -> None:
+                     progress: Optional[Progress] = None,
+                     row_sizes: Optional[Sequence[int]] = None) -> None:
     """Runs once every program the engine's requests will need, so none waits for a compile.
     lead: the engine's device-call dispatch (`Lockstep.lead`); slots, limit (a request's
-    prompt + max_tokens cap), eos (default stop ids) and levels as the engine has them."""
+    prompt + max_tokens cap), eos (default stop ids), levels and row buckets as the engine has
+    them."""
     lead(Op("save_pool"))  # the dummy prompts' n-grams (context phrases) must not stay
     stop = np.zeros((slots,), bool)
     for w in sorted({bucket(int(w)) for w in prompt_widths}):
@@ -65,9 +68,14 @@ def compile_programs(lead: Callable[[Op], object], *, slots: int, limit: int, eo
                lambda req=req: lead(Op("insert", packed=pack_insert(0, req))))
         stop[0] = True  # the dummy row ends before any round
     for level, (threshold, cfg) in enumerate(levels):
-        for greedy in (True, False):
-            rows = stop.copy()
-            _timed(progress, level_name(threshold, cfg, greedy),
-                   lambda: lead(Op("step", level=level, greedy=greedy, stop_rows=rows)))
-            stop[0] = False
+        # a level runs with at least `threshold` busy slots: no bucket of fewer rows
+        sizes = [None] if row_sizes is None else [b for b in row_sizes if b >= threshold] \
+            or [max(row_sizes)]
+        for b in sizes:
+            for greedy in (True, False):
+                ends = stop.copy()
+                _timed(progress, level_name(threshold, cfg, greedy, describe(row_sizes or (), b)),
+                       lambda: lead(Op("step", level=level, greedy=greedy, stop_rows=ends,
+                                       rows=b)))
+                stop[0] = False
     lead(Op("restore_pool"))
