@@ -63,9 +63,10 @@ def test_a_forward_refuses_a_cache_with_writes_pending(tiny_target):
     assert logits.shape == (1, 1, m.config.vocab_size)
 
 
-def _step_cache_copies(monkeypatch, method: str, pending: int) -> int:
-    """Copies of a whole target-cache-shaped buffer in the engine's compiled step (a tiny
-    random model in the packed layout decoding uses on a CPU, 2 slots x 256)."""
+def _step_cache_copies(monkeypatch, method: str, pending: int) -> dict:
+    """{rows: copies of a whole target-cache-shaped buffer} in the engine's compiled steps, one
+    per row bucket (a tiny random model in the packed layout decoding uses on a CPU, 2 slots x
+    256: steps of 1 and of 2 rows)."""
     import ouroboros_jax.decoding.common as common
     from ouroboros_jax import serving
     from ouroboros_jax.bench.device.probe import random_model
@@ -85,22 +86,26 @@ def _step_cache_copies(monkeypatch, method: str, pending: int) -> int:
     real = _DEVICE_STEP
 
     def spy(pair, dev, stop, **kw):
-        seen["args"] = (pair, dev, stop, kw)
+        if kw["greedy"]:
+            seen[kw["rows"]] = (pair, dev, stop, kw)
         return real(pair, dev, stop, **kw)
 
     monkeypatch.setattr(executor, "device_step", spy)
     eng.warmup(prompt_widths=(16,))
-    pair, dev, stop, kw = seen["args"]
-    txt = real.lower(pair, dev, stop, **kw).compile().as_text()
     shape = "f32[2,2,256,2,16]"  # [L, B, S, K, D]
-    return sum(1 for line in txt.splitlines()
-               if " copy(" in line and line.split("=", 1)[-1].strip().startswith(shape))
+    out = {}
+    for rows, (pair, dev, stop, kw) in seen.items():
+        txt = real.lower(pair, dev, stop, **kw).compile().as_text()
+        out[rows] = sum(1 for line in txt.splitlines()
+                        if " copy(" in line and line.split("=", 1)[-1].strip().startswith(shape))
+    return out
 
 
 @pytest.mark.parametrize("method", ["vanilla"])
 def test_the_engine_step_updates_the_target_cache_in_place(monkeypatch, method):
-    """With the target's commits deferred no round copies its cache; written at once
-    (pending slots 0, the control), XLA:CPU copies it every round."""
-    assert _step_cache_copies(monkeypatch, method, 0) > 0
+    """With the target's commits deferred no round copies its cache, in the step of every row
+    bucket (a one-row step reads and writes its row where it lies); written at once (pending
+    slots 0, the control), XLA:CPU copies it every round."""
+    assert max(_step_cache_copies(monkeypatch, method, 0).values()) > 0
     jax.clear_caches()
-    assert _step_cache_copies(monkeypatch, method, 16) == 0
+    assert _step_cache_copies(monkeypatch, method, 16) == {1: 0, 2: 0}
