@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Optional
 
+from . import compile_cache
+
 
 def _generate_prompts(a) -> list:
     """--prompt texts and --chat messages (each one conversation, after --system if given)."""
@@ -110,6 +112,7 @@ def _cmd_generate(a):
 
     # every flag checked before anything loads
     prompts = _generate_prompts(a)
+    compile_cache.enable(a.compile_cache)
     _positive("--max-new-tokens", a.max_new_tokens)
     _check_draft_flag(a, a.method)
     config = _method_config(a.method, _config_fields(a.config))
@@ -302,6 +305,7 @@ def _cmd_serve(a):
     from .serving.sizing import check_flags
 
     check_flags(a.memory_fraction, a.max_model_len, a.max_cache_len)
+    compile_cache.enable(a.compile_cache)
     method = _serve_method(a)
     _check_draft_flag(a, method)
     config = _method_config(method, _config_fields(a.config))
@@ -461,6 +465,13 @@ def _command(sub, name: str, text: str, models: Optional[tuple] = None):
     return p
 
 
+def _add_compile_cache_arg(p) -> None:
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="keep compiled programs here, so the next start reads them back; "
+                        f"'off' keeps none (default: ${compile_cache.ENV}, else "
+                        "~/.cache/ouroboros-jax/xla)")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["distill"]:  # its own parser (training/distill.py), so -h shows all its flags
@@ -498,6 +509,7 @@ def main(argv=None):
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
+    _add_compile_cache_arg(g)
     g.add_argument("--stats", action="store_true", help="print compile time, decode speed and "
                                                         "every stat (JSON) on stderr")
     g.set_defaults(fn=_cmd_generate)
@@ -535,6 +547,7 @@ def main(argv=None):
                    help="seconds requests in flight get to finish on Ctrl-C or SIGTERM before "
                         "they are cancelled (default: %(default)s)")
     _add_serve_gate_args(s)
+    _add_compile_cache_arg(s)
     s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
                                   "process; processes x local devices over several)")
     s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "
