@@ -76,6 +76,23 @@ def test_incremental_detokenizer_equals_full_decode(make, text):
         assert not any("\ufffd" in p for p in parts)
 
 
+@pytest.mark.parametrize("cleanup", [False, True])
+@pytest.mark.parametrize("make", [byte_tokenizer, metaspace_tokenizer])
+def test_the_fast_decoder_equals_the_tokenizers_decode(make, cleanup):
+    """`output.decoder` gives tokenizer.decode(ids, skip_special_tokens=True), special tokens
+    and spaces before punctuation included, whether the tokenizer cleans up spaces (then
+    through transformers) or not (then through its Rust backend directly)."""
+    from ouroboros_jax.serving.output import decoder
+
+    tok = make()
+    tok.clean_up_tokenization_spaces = cleanup
+    dec = decoder(tok)
+    for text in TEXTS + ["the cat . sat , on"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ids = [tok.bos_token_id] + ids + [tok.eos_token_id]
+        assert dec(ids) == tok.decode(ids, skip_special_tokens=True), text
+
+
 def test_a_split_character_waits_for_its_last_byte():
     tok = byte_tokenizer()
     ids = tok("a🐍", add_special_tokens=False)["input_ids"]
@@ -424,11 +441,14 @@ def test_warmup_reports_each_program_with_its_time(tiny_target):
     eng = Engine(tiny_target, method="vanilla", config=None, slots=2, max_cache_len=64)
     seen = []
     eng.warmup((16, 20), progress=lambda name, s: seen.append((name, s)))
+    # slots 2: row buckets of 1 and 2 (all) rows
     names = ["insert (prompt width 16)", "insert (prompt width 32)",
+             "step (1+ busy slots, plain, greedy, 1 row)",
+             "step (1+ busy slots, plain, sampling, 1 row)",
              "step (1+ busy slots, plain, greedy)", "step (1+ busy slots, plain, sampling)"]
     # each program announced, then timed
     assert [n for n, _ in seen] == [n for n in names for _ in range(2)]
-    assert [s is None for _, s in seen] == [True, False] * 4
+    assert [s is None for _, s in seen] == [True, False] * 6
     assert all(s >= 0 for _, s in seen[1::2])
     h = eng.submit([5, 6, 7], RequestParams(max_tokens=3, stop_token_ids=()))
     while eng.step():

@@ -295,7 +295,9 @@ class Executor:
         cfg = self.levels[level][1]
         round_fn, cfg = (self.spec.plain_round, self.base) if cfg is OFF else (self.spec.round,
                                                                                 cfg)
-        self.dev, out = device_step(self.pair, self.dev, jnp.asarray(stop_rows),
+        # a numpy argument: jit uploads it with the call (jnp.asarray would be a dispatch of
+        # its own)
+        self.dev, out = device_step(self.pair, self.dev, np.asarray(stop_rows, bool),
                                     round_fn=round_fn, cfg=cfg, greedy=greedy,
                                     rounds=self.rounds, width=self.width,
                                     logprobs=bool(logprobs),
