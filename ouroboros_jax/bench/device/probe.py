@@ -13,8 +13,14 @@ measure, in one run of a few minutes, with nothing downloaded.
    target forwards, a fixed number of new tokens (EOS ignored). Random weights agree on
    nothing, so η is about 1 here: the round's cost is what is measured, not its yield.
 3. Vanilla tokens/s against the HBM-bandwidth bound (weight bytes / bandwidth per token).
+4. The shipped demo pair on the device (bench/device/demo_pair.py): every method's greedy tokens
+   against vanilla's in fp32 and bf16, and tokens/s and eta with a real draft's acceptance.
+5. t(T) of further pairs' shapes (`--pairs`, default the real Qwen2.5-Coder 1.5B/0.5B pair),
+   each written as a latency table of its own: `bench --latency-json latency-PAIR.json` prices
+   that pair's counted CPU forwards with the device's measured latencies.
 
-Written under --out: device.json (everything, with a `latency` table in the cost model's
+Stages run in the order 1, 3, 4, 5, 2 (the per-round stage compiles the most and is the first
+cut by the budget). Written under --out: device.json (everything, with a `latency` table in the cost model's
 format: `ouroboros-jax bench --latency-json device.json` prices a CPU run's counted forwards
 with it, replacing the roofline projection by the device's measured latencies) and
 device.png (t(T)/t(1) per model, measured and roofline). Every stage is timed against
@@ -52,6 +58,30 @@ def full_configs():
     from ...models.presets import PRESETS
 
     return PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"]
+
+
+DEFAULT_PAIRS = "qwen2.5-coder-1.5b:qwen2.5-coder-0.5b"
+
+
+def parse_pairs(text: str, tiny: bool) -> dict:
+    """{name: (target ModelConfig, draft ModelConfig)} from "TARGET:DRAFT,..." preset names
+    (models/presets.py); --tiny measures each pair at the tiny shapes (the same code path).
+    Raises ValueError naming --pairs on an unknown preset or a malformed entry."""
+    from ...models.presets import PRESETS
+
+    out = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        names = item.split(":")
+        if len(names) != 2 or not all(names):
+            raise ValueError(f"--pairs: expected TARGET:DRAFT, got {item!r}")
+        bad = [n for n in names if n not in PRESETS]
+        if bad:
+            raise ValueError(f"--pairs: unknown preset {', '.join(bad)}; known: "
+                             f"{', '.join(sorted(PRESETS))}")
+        out[names[0]] = tiny_configs() if tiny else (PRESETS[names[0]], PRESETS[names[1]])
+    return out
 
 
 def random_model(config, dtype: str, seed: int):
@@ -144,6 +174,63 @@ def bandwidth_bound(model, acc) -> dict:
             "tokens_per_second_bound": None if acc is None else acc.hbm_gbps * 1e9 / w}
 
 
+def software() -> dict:
+    """Versions that decide what ran: jax and its backend, and the default matmul precision
+    (on NVIDIA GPUs JAX's default lets fp32 dots use TF32)."""
+    import jax
+    import jaxlib
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(),
+            "default_matmul_precision": str(jax.config.jax_default_matmul_precision)}
+
+
+def write_latency(path: str, target: dict, draft: dict, context: int, note: str) -> str:
+    """One pair's t(T) as the cost model's latency table (`LatencyTable.from_json` reads it)."""
+    with open(path, "w") as f:
+        json.dump({"target": target, "draft": draft, "context": context, "note": note}, f,
+                  indent=1)
+    return path
+
+
+def summary(result: dict) -> str:
+    """A short text digest of device.json for the end of the log: t(T)/t(1) at a few T per
+    model, the demo pair's rows, the per-round rows and vanilla against its bound."""
+    get = lambda d, x: d.get(str(x), d.get(x))  # noqa: E731
+    lines = []
+    tables = [(f"{w} (main pair)", t) for w, t in result["t_of_T"].items()]
+    for name, e in result.get("pairs", {}).items():
+        tables += [(f"{w} ({name} pair)", e[w]) for w in ("target", "draft") if w in e]
+    for label, t in tables:
+        if not t:
+            continue
+        t1 = get(t, 1)
+        cells = " ".join(f"T{n}={get(t, n) / t1:.2f}" for n in (2, 4, 8, 16, 32, 64, 128, 256)
+                         if get(t, n) is not None)
+        lines.append(f"t(T) {label}: t(1)={t1 * 1e3:.2f} ms; t(T)/t(1): {cells}")
+    for r in result.get("demo_pair", []):
+        if "skipped" in r:
+            lines.append(f"demo {r['dtype']} {r['method']}@{r['config']}: skipped")
+            continue
+        lines.append(f"demo {r['dtype']} {r['method']}@{r['config']} (ran {r['ran']}): "
+                     f"{r['tokens_per_second']:.1f} tok/s, eta {r['eta']:.2f}, identical "
+                     f"{r['identical']}/{r['prompts']}, first call {r['first_call_seconds']:.1f}"
+                     f" s, first difference {r['first_difference']}")
+    for r in result.get("rounds", []):
+        if "skipped" in r:
+            lines.append(f"round {r['method']}@{r['config']}: skipped")
+            continue
+        lines.append(f"round {r['method']}@{r['config']}: {r['round_seconds'] * 1e3:.2f} ms/round,"
+                     f" {r['tokens_per_second']:.1f} tok/s, first call "
+                     f"{r['first_call_seconds']:.1f} s, chosen {r['chosen']}")
+    b = result.get("vanilla_bound") or {}
+    if b.get("tokens_per_second_bound"):
+        lines.append(f"vanilla: {b.get('tokens_per_second_measured') or 0:.1f} tok/s measured, "
+                     f"{b['tokens_per_second_at_t1']:.1f} at t(1), bound "
+                     f"{b['tokens_per_second_bound']:.1f}")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> str:
     import matplotlib
 
@@ -186,6 +273,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="tokens per generate call (default 64, --tiny 4)")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS,
+                    help="further TARGET:DRAFT preset pairs whose t(T) is measured and written "
+                         f"as latency-TARGET.json ('' for none; default {DEFAULT_PAIRS})")
+    ap.add_argument("--demo-dtypes", default=None,
+                    help="dtypes of the demo-pair stage ('' skips it; default "
+                         "float32,bfloat16, --tiny float32)")
+    ap.add_argument("--demo-prompts", type=int, default=None,
+                    help="demo prompts per method (default 4, --tiny 1)")
+    ap.add_argument("--demo-tokens", type=int, default=None,
+                    help="new tokens per demo prompt (default 96, --tiny 8)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds after which remaining stages are skipped (recorded)")
     a = ap.parse_args(argv)
@@ -193,13 +290,25 @@ def main(argv=None) -> dict:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
-    for name in ("context", "reps", "new_tokens"):
+    try:
+        pairs = parse_pairs(a.pairs, a.tiny)
+    except ValueError as e:
+        ap.error(str(e))
+    demo_dtypes = [d.strip() for d in (a.demo_dtypes if a.demo_dtypes is not None
+                                       else "float32" if a.tiny else "float32,bfloat16"
+                                       ).split(",") if d.strip()]
+    bad = [d for d in demo_dtypes if d not in ("float32", "bfloat16")]
+    if bad:
+        ap.error(f"--demo-dtypes: unknown {', '.join(bad)}; choose from float32, bfloat16")
+    for name in ("context", "reps", "new_tokens", "demo_prompts", "demo_tokens"):
         v = getattr(a, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     context = a.context or (16 if a.tiny else 512)
     reps = a.reps or (3 if a.tiny else 10)
     new_tokens = a.new_tokens or (4 if a.tiny else 64)
+    demo_prompts = a.demo_prompts or (1 if a.tiny else 4)
+    demo_tokens = a.demo_tokens or (8 if a.tiny else 96)
     sizes = TINY_SIZES if a.tiny else SIZES
     os.makedirs(a.out, exist_ok=True)
 
@@ -216,9 +325,12 @@ def main(argv=None) -> dict:
                                "projection_entry": None if acc is None else acc.name},
                     "settings": {"tiny": a.tiny, "dtype": a.dtype, "context": context,
                                  "reps": reps, "new_tokens": new_tokens, "sizes": list(sizes),
-                                 "target": repr(tcfg), "draft": repr(dcfg)},
+                                 "target": repr(tcfg), "draft": repr(dcfg),
+                                 "pairs": sorted(pairs), "demo_dtypes": demo_dtypes,
+                                 "demo_prompts": demo_prompts, "demo_tokens": demo_tokens},
+                    "software": software(),
                     "t_of_T": {}, "roofline": {}, "rounds": [], "vanilla_bound": None,
-                    "stages": {}}
+                    "demo_pair": [], "pairs": {}, "stages": {}}
     json_path = os.path.join(a.out, "device.json")
 
     def save():
@@ -264,9 +376,33 @@ def main(argv=None) -> dict:
 
     stage("vanilla bandwidth bound", vanilla_bound)
 
+    in_budget = lambda: time.perf_counter() - t0 < a.budget_s  # noqa: E731
+
+    def demo():
+        from .demo_pair import demo_rows
+
+        for row in demo_rows(methods, demo_dtypes, demo_prompts, demo_tokens, in_budget):
+            result["demo_pair"].append(row)
+            save()
+
+    if demo_dtypes:
+        stage("demo pair: exactness and speed", demo)
+    for name, (pt, pd) in pairs.items():
+        def pair(name=name, pt=pt, pd=pd):
+            entry = result["pairs"][name] = {"target": repr(pt), "draft": repr(pd)}
+            for who, cfg, seed in (("target", pt, 2), ("draft", pd, 3)):
+                model = random_model(cfg, a.dtype, seed)
+                entry[who] = time_forwards(model, sizes, context, reps)
+                del model
+            entry["file"] = write_latency(os.path.join(a.out, f"latency-{name}.json"),
+                                          entry["target"], entry["draft"], context,
+                                          f"{name} shapes measured on {dev.device_kind} by "
+                                          f"the device script, random {a.dtype} weights, "
+                                          f"batch 1")
+        stage(f"t(T) pair {name}", pair)
+
     def rounds():
         prompt_len = min(128, tcfg.max_position_embeddings // 4)
-        in_budget = lambda: time.perf_counter() - t0 < a.budget_s  # noqa: E731
         for row in round_times(models["target"], models["draft"], prompt_len, new_tokens,
                                methods, in_budget):
             result["rounds"].append(row)
@@ -291,6 +427,7 @@ def main(argv=None) -> dict:
     result["seconds"] = time.perf_counter() - t0
     save()
     print(json.dumps({k: result[k] for k in ("device", "stages", "seconds")}, default=str))
+    print(summary(result))
     return result
 
 
