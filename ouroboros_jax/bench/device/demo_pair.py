@@ -40,11 +40,16 @@ def first_difference(a: list, b: list) -> int:
     return min(len(a), len(b))
 
 
-def demo_rows(methods, dtypes, num_prompts: int, new_tokens: int, in_budget=None):
+PAPER_AND_AUTO = (("paper", None), ("auto", "auto"))
+
+
+def demo_rows(methods, dtypes, num_prompts: int, new_tokens: int, in_budget=None,
+              configs=PAPER_AND_AUTO):
     """Yields one row per (dtype, method, config label): first-call seconds, tokens/s and eta
     over `num_prompts` prompts (calls after the first), and, against vanilla in the same dtype,
     how many prompts gave identical tokens and where the first difference fell. EOS is honoured
-    (real text); `in_budget()` False: the rest are yielded as skipped."""
+    (real text); `in_budget()` False: the rest are yielded as skipped. configs: (label,
+    config) pairs run per method (vanilla runs its first only)."""
     from ... import generate
     from ...decoding import METHODS as SPECS
 
@@ -53,9 +58,7 @@ def demo_rows(methods, dtypes, num_prompts: int, new_tokens: int, in_budget=None
         prompts = texts[:num_prompts]
         ref = None
         for m in ("vanilla", *[m for m in methods if m != "vanilla"]):
-            for label, config in (("paper", None), ("auto", "auto")):
-                if m == "vanilla" and label == "auto":
-                    continue
+            for label, config in configs[:1] if m == "vanilla" else configs:
                 if in_budget is not None and not in_budget():
                     yield {"dtype": dtype, "method": m, "config": label, "skipped": "budget"}
                     continue
