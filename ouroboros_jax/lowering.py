@@ -16,8 +16,9 @@ A `Call` is one jitted function with its abstract arguments:
     placement_call `load_sharded`'s placement: the checkpoint's (unplaced) weights onto the
                    mesh's `sharding.param_shardings`, the shardings every loop's params carry.
 
-Params are given in the canonical (stacked) layout: the one decoding runs on an accelerator
-(`layout.decode_params` packs on a CPU only). `host_callbacks` and `f32_weight_copies` read a
+Params are given in the canonical (stacked) layout: the one decoding runs on a mesh and on a
+TPU (`layout.decode_params` packs on one CPU or GPU; the packed forward's ops are the stacked
+one's, unrolled). `host_callbacks` and `f32_weight_copies` read a
 lowered module's text. Letters as in the package glossary.
 """
 

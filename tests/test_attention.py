@@ -57,6 +57,14 @@ def test_blocks_past_the_longest_row_are_never_read():
 
 def test_kernel_seam():
     assert kernel_for_backend("cpu") is blockwise_attention
+    assert kernel_for_backend("tpu") is blockwise_attention
+    # a GPU's while loop returns to the host every iteration: dense there (measured, BY_BACKEND)
+    assert kernel_for_backend("gpu") is dense_attention
+    set_kernel("blockwise")
+    try:
+        assert kernel_for_backend("gpu") is blockwise_attention
+    finally:
+        set_kernel(None)
     set_kernel("dense")
     try:
         assert kernel_for_backend("gpu") is dense_attention

@@ -1,6 +1,7 @@
-"""The packed layout decoding runs on a CPU (models/layout.py): the same tokens as the stacked
-layout for every method, packed only where it pays, never for sharded params, counted by the
-memory planner. (Logits against transformers in both layouts: test_model.py.)"""
+"""The packed layout decoding runs on one CPU or GPU (models/layout.py): the same tokens as the
+stacked layout for every method, packed only where it pays, never for sharded params, counted by
+the memory planner; the GPU's default program (packed layers, dense attention) run here. (Logits
+against transformers in both layouts: test_model.py.)"""
 
 import dataclasses
 
@@ -93,3 +94,73 @@ def test_sharded_params_are_never_packed(tiny_target, packing):
     packing(None)
     assert out.tokens == oj.generate(tiny_target, [[5, 6, 7]], max_new_tokens=6,
                                      eos_token_id=-1).tokens
+
+
+class _Device:
+    """A device as `gpu_has_room` reads it: its allocator's stats, or none."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def test_a_gpu_packs_when_the_copy_fits_with_as_much_to_spare():
+    gb = 2**30
+    dev = _Device({"bytes_limit": 10 * gb, "bytes_in_use": 2 * gb})  # 8 GiB free
+    assert layout.gpu_has_room(dev, 4 * gb)  # the copy, and as much again
+    assert not layout.gpu_has_room(dev, 4 * gb + 1)
+    assert not layout.gpu_has_room(_Device(None), 1)  # no stats: not packed
+    assert not layout.gpu_has_room(_Device(RuntimeError("no stats")), 1)
+
+
+def test_a_gpu_keeps_the_copy_it_made(tiny_pair, packing, monkeypatch):
+    """Asked again, a GPU would count its own copy against its room: once made, the copy is
+    kept, so the layout (and the compiled program) does not change between calls."""
+    target, _, _ = tiny_pair
+    model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
+    room = {"free": True}
+    gpu = _Device(None)
+    gpu.platform = "gpu"
+    monkeypatch.setattr(layout, "params_devices", lambda params: {gpu})
+    monkeypatch.setattr(layout, "gpu_has_room", lambda device, n: room["free"])
+    packed = make_pair(model).tparams
+    assert layout.is_packed(packed)
+    room["free"] = False  # the copy now takes the room it was measured against
+    assert make_pair(model).tparams is packed
+    assert not layout.wants_packing(model.params)  # a model with no copy would not pack now
+    packing(False)
+    assert make_pair(model).tparams is model.params
+
+
+@pytest.mark.parametrize("method, cfg", CALLS[1:], ids=[m for m, _ in CALLS[1:]])
+def test_the_gpu_default_program_is_exact(tiny_pair, random_prompts, packing, monkeypatch,
+                                          method, cfg):
+    """Packed layers and dense attention, what a GPU runs by default, here on the CPU: every
+    method's greedy tokens equal vanilla's under the same program, and the stacked blockwise
+    program's. The kernel is read at trace time: caches are cleared around the switch, and the
+    dense kernel is seen being traced."""
+    from ouroboros_jax.models import attention
+
+    target, draft, _ = tiny_pair
+    prompts = random_prompts[:3]
+    kw = dict(max_new_tokens=16, eos_token_id=-1)
+    ref = oj.generate(target, prompts, **kw).tokens
+    traced = []
+    dense = attention.KERNELS["dense"]
+    monkeypatch.setitem(attention.KERNELS, "dense",
+                        lambda *a, **k: traced.append(1) or dense(*a, **k))
+    packing(True)
+    attention.set_kernel("dense")
+    jax.clear_caches()
+    try:
+        assert oj.generate(target, prompts, **kw).tokens == ref
+        got = oj.generate(target, prompts, method=method, config=cfg, draft=draft, **kw)
+    finally:
+        attention.set_kernel(None)
+        jax.clear_caches()
+    assert traced
+    assert got.tokens == ref

@@ -14,7 +14,8 @@ slicing (copying) all S slots of every layer.
   blocks of Z slots, visiting only blocks below the longest live row (a `fori_loop` whose trip
   count is a traced value), then over the new tokens. Its cost follows the live length, not the
   padded cache size, so a large `max_new_tokens` that is never reached costs nothing.
-- `dense`: softmax over all S slots at once (the reference; reads every padded slot).
+- `dense`: softmax over all S slots at once (the reference; reads every padded slot). The GPU
+  default: there a `while` loop's every iteration is a round trip to the host (`BY_BACKEND`).
 
 `kernel_for_backend` is the seam: an accelerator kernel (`jax.nn.dot_product_attention` with a
 cuDNN backend, a Pallas flash/paged kernel) registers in `KERNELS` under a name and is returned
@@ -166,7 +167,13 @@ def blockwise_attention(q, k_new, v_new, positions, mask, cache_k, cache_v, cach
 KERNELS: dict[str, Callable] = {"blockwise": blockwise_attention, "dense": dense_attention}
 # backend -> kernel name; a backend not listed gets "blockwise". An accelerator kernel goes here
 # (e.g. "gpu": "cudnn") once it is registered in KERNELS and tested against "dense".
-BY_BACKEND: dict[str, str] = {}
+# GPU: "dense". A `while` loop on a GPU sends its predicate to the host every iteration, so the
+# blockwise loop costs a round trip per cache block per layer. Measured on an H200 (bf16, random
+# weights, 512 cached tokens, bench/device/variants.py, docs/bench/device-h200): one forward of
+# a Llama-3.1-8B / 3.2-1B / Qwen2.5-0.5B shape, stacked layers, 16.5 / 4.3 / 4.6 ms blockwise,
+# 12.5 / 2.5 / 2.0 ms dense; packed layers 8.4 / 3.3 / 3.7 ms blockwise, 5.5 / 1.6 / 1.3 dense.
+# Dense reads every padded slot, which the GPU's bandwidth makes cheap next to a round trip.
+BY_BACKEND: dict[str, str] = {"gpu": "dense"}
 _override: Optional[str] = None
 
 
@@ -181,7 +188,7 @@ def set_kernel(name: Optional[str]) -> None:
 def kernel_for_backend(backend: Optional[str] = None) -> Callable:
     """The attention kernel for a backend ("cpu", "gpu", "tpu"; default: jax's default).
 
-    Every backend gets `blockwise` today (BY_BACKEND is empty)."""
+    A GPU gets `dense`, every other backend `blockwise` (`BY_BACKEND`)."""
     if _override is not None:
         return KERNELS[_override]
     return KERNELS[BY_BACKEND.get(backend or jax.default_backend(), "blockwise")]

@@ -1,4 +1,4 @@
-"""The packed layout: how the forward's weights are laid out for decoding on a CPU.
+"""The packed layout: how the forward's weights are laid out for decoding on one CPU or GPU.
 
 The canonical params (`params.LEAVES`) stack every layer's weights on a leading L axis, so the
 forward scans over layers and compile time does not grow with depth; sharding, loading,
@@ -18,8 +18,14 @@ gate/up fused into one matmul each (fewer, larger matrix-vector products), the h
 it is read. The same numbers in the same order of operations per output element: greedy
 decoding on either layout gives the same tokens (tested).
 
-`decode_params` packs when it pays: on a CPU backend, for params on one device (sharded params
-keep the canonical layout the mesh's shardings describe) of at least PACK_MIN_BYTES. The packed
+`decode_params` packs when it pays, for params on one device (sharded params keep the
+canonical layout the mesh's shardings describe): on a CPU for weights of at least
+PACK_MIN_BYTES; on a GPU whenever the copy fits with as much again to spare (`gpu_has_room`).
+On a GPU the scan's per-layer slice costs too, and the scan is a `while` loop whose predicate
+goes to the host every layer: measured on an H200 (bf16, bench/device/variants.py,
+docs/bench/device-h200), a Llama-3.1-8B-shaped forward took 12.5 ms stacked and 5.5 ms packed
+(dense attention; 3.3 ms is its weights over the HBM bandwidth), and vanilla decoding 13.1 ->
+5.7 ms per token. The packed
 copy is made once per model (about 0.15 s for SmolLM2-135M) and kept on the `Model` beside its
 canonical params, so the weights' memory doubles (the memory planner counts the copy before it
 is made). Letters as in the package glossary.
@@ -100,19 +106,41 @@ def weight_bytes(params: Params) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
-def wants_packing(params: Params) -> bool:
-    """The packed layout pays: a CPU backend, params on one device, weights of at least
-    PACK_MIN_BYTES (`set_packing` forces either way; sharded params are never packed)."""
-    leaf = params["embed"]
-    sharding = getattr(leaf, "sharding", None)
-    devices = getattr(sharding, "device_set", None)
-    on_one = devices is None or len(devices) == 1
-    if not on_one or _override[0] is False:
+def params_devices(params: Params) -> set:
+    """The devices params lie on (their embedding's sharding; the default device when
+    unplaced)."""
+    devices = getattr(getattr(params["embed"], "sharding", None), "device_set", None)
+    return set(devices) if devices else {jax.devices()[0]}
+
+
+def wants_packing(params: Params, held: bool = False) -> bool:
+    """The packed layout pays: params on one device, which is a CPU and the weights at least
+    PACK_MIN_BYTES, or a GPU with room for the copy (`set_packing` forces either way; sharded
+    params are never packed). held: a copy of these params is made already (a GPU keeps it:
+    counted against the room, it would switch layouts, and recompile, between calls)."""
+    devices = params_devices(params)
+    if len(devices) != 1 or _override[0] is False:
         return False
     if _override[0] is True:
         return True
-    platform = (next(iter(devices)).platform if devices else jax.default_backend())
-    return platform == "cpu" and weight_bytes(params) >= PACK_MIN_BYTES
+    device = next(iter(devices))
+    if device.platform == "gpu":
+        return held or gpu_has_room(device, weight_bytes(params))
+    return device.platform == "cpu" and weight_bytes(params) >= PACK_MIN_BYTES
+
+
+def gpu_has_room(device, nbytes: int) -> bool:
+    """Whether a GPU can hold a packed copy of `nbytes` of weights and keep as much again free
+    (for caches and activations): its allocator's limit minus what is in use. A device that
+    keeps no stats is not packed on."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends raise instead of returning None
+        stats = {}
+    if "bytes_limit" not in stats:
+        return False
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return 2 * nbytes <= free
 
 
 def decode_params(model) -> Params:
@@ -120,9 +148,11 @@ def decode_params(model) -> Params:
     (made once, by one jitted call, and kept on the model while its params stay the same
     object), else its params as they are."""
     params = model.params
-    if is_packed(params) or not wants_packing(params):
+    if is_packed(params):
         return params
     packed = _made(model)
+    if not wants_packing(params, held=packed is not None):
+        return params
     if packed is None:
         packed = _pack_jit(params, model.config)
         model._packed["params"] = (params, packed)
