@@ -129,3 +129,7 @@ def test_round_cost_fit_prices_sd_as_speculative():
     sd = [r for r in rows if r[0].startswith("Ouroboros SD")]
     assert len(sd) == 1 and sd[0][2] == pytest.approx(1.0) and sd[0][3] == pytest.approx(1.0)
     assert all(r[2] > 0 and r[3] > 0 for r in rows)
+    # flat latencies, a free draft: speculative's best gamma multiplies vanilla's rate by its
+    # tokens per round; a draft dearer than the target cannot pay
+    assert round_cost.speculative_vs_vanilla({1: 1.0}, {1: 1e-9}, 0.9) > 3
+    assert round_cost.speculative_vs_vanilla({1: 1.0}, {1: 2.0}, 0.9) < 1

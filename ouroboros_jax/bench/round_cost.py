@@ -153,6 +153,19 @@ def fit(tt: dict, td: dict, agreement: float, draft_ratio: float) -> list:
     return rows
 
 
+def speculative_vs_vanilla(tt: dict, td: dict, agreement: float) -> float:
+    """Speculative's best rate on the latency tables over vanilla's (a projection)."""
+    from ..decoding import METHODS
+    from ..decoding.cost import rate, vanilla_rate
+    from ..decoding.knobs import GAMMA
+    from ..decoding.speculative import SpeculativeConfig
+
+    spec = METHODS["speculative"]
+    best = max(rate(spec.forward_sizes(c), spec.round_model(c, agreement), tt, td)
+               for c in (SpeculativeConfig(gamma=g) for g in GAMMA.auto))
+    return best / vanilla_rate(tt)
+
+
 def print_fit(rows: list, agreement: float) -> None:
     from ..decoding.knobs import recipe_of
 
@@ -198,6 +211,8 @@ def main(argv=None) -> int:
         if not 0 < a.agreement < 1:
             ap.error(f"--agreement must be in (0, 1), got {a.agreement}")
         print_fit(fit(tt, td, a.agreement, a.draft_ratio), a.agreement)
+        print(f"speculative's best here: {speculative_vs_vanilla(tt, td, a.agreement):.3f}x "
+              "vanilla (a row's 'vs speculative here' times this is its speed-up over vanilla)")
         return 0
     for name in ("prompts", "max_new_tokens", "reps"):
         if getattr(a, name) < 1:
