@@ -94,3 +94,58 @@ def test_every_method_at_the_recipe_and_at_auto(device_run):
     assert b["weight_bytes"] > 0 and b["tokens_per_second_measured"] > 0
     # on a CPU no HBM figure applies: no bound is claimed
     assert b["tokens_per_second_bound"] is None
+
+
+def test_the_demo_pair_on_the_device_is_exact(device_run):
+    """The shipped pair by each method in float32 (--tiny's dtype): on this CPU every output
+    equals vanilla's, so a row counting otherwise is the script miscounting."""
+    res, _, _ = device_run
+    rows = res["demo_pair"]
+    assert {(r["method"], r["config"]) for r in rows} == (
+        {(m, c) for m in METHODS for c in ("paper", "auto")} - {("vanilla", "auto")})
+    for r in rows:
+        assert r["dtype"] == "float32"
+        assert r["identical"] == r["prompts"] == 1 and r["first_difference"] == [-1]
+        assert r["tokens_per_second"] > 0 and r["eta"] >= 1.0
+    spec = next(r for r in rows if (r["method"], r["config"]) == ("speculative", "paper"))
+    assert spec["eta"] > 1.0  # a trained draft: accepted tokens, unlike random weights
+
+
+def test_each_further_pair_leaves_a_latency_table(device_run):
+    res, out, _ = device_run
+    (name,) = res["settings"]["pairs"]
+    entry = res["pairs"][name]
+    table = LatencyTable.from_json(str(out / f"latency-{name}.json"))
+    assert table.t_target(4) == entry["target"]["4"] and table.t_draft(1) == entry["draft"]["1"]
+    assert "software" in res and res["software"]["backend"] == "cpu"
+
+
+def test_the_first_difference():
+    from ouroboros_jax.bench.device.demo_pair import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) == -1
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # a prefix departs where it ends
+
+
+def test_pairs_flag_names_itself():
+    from ouroboros_jax.bench.device.probe import parse_pairs
+
+    assert set(parse_pairs("qwen2.5-coder-1.5b:qwen2.5-coder-0.5b", tiny=False)) == {
+        "qwen2.5-coder-1.5b"}
+    assert parse_pairs("", tiny=False) == {}
+    with pytest.raises(ValueError, match="--pairs: unknown preset nope"):
+        parse_pairs("nope:qwen2.5-coder-0.5b", tiny=False)
+    with pytest.raises(ValueError, match="--pairs: expected TARGET:DRAFT"):
+        parse_pairs("qwen2.5-coder-1.5b", tiny=False)
+
+
+def test_variants_table_reads_rows_and_errors():
+    from ouroboros_jax.bench.device.variants import VARIANTS, table
+
+    ok = {"layers": "packed", "attention": "dense", "t_of_T": {"m": {"1": 0.002, "16": 0.003}},
+          "calls": {"vanilla": {"seconds_per_token": 0.004}}}
+    bad = {"layers": "stacked", "attention": "blockwise", "error": "boom"}
+    text = table([ok, bad])
+    assert "m 2.00/3.00" in text and "vanilla 4.00 ms/tok" in text and "boom" in text
+    assert len(set(VARIANTS)) == 4  # every combination of the two switches
