@@ -19,7 +19,8 @@ A `Call` is one jitted function with its abstract arguments:
 Params are given in the canonical (stacked) layout: the one decoding runs on a mesh and on a
 TPU (`layout.decode_params` packs on one CPU or GPU; the packed forward's ops are the stacked
 one's, unrolled). `host_callbacks` and `f32_weight_copies` read a
-lowered module's text. Letters as in the package glossary.
+lowered module's text; `packed_pair` gives the layout one GPU runs on, and `while_loops` counts
+what a GPU would return to the host for. Letters as in the package glossary.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .decoding import METHODS
 from .decoding.common import Limits, Pair, make_runner
 from .models.config import ModelConfig
+from .models.layout import pack
 from .models.params import nest
 from .request import cache_slots
 from .sampling import SamplingParams
@@ -92,6 +94,26 @@ def abstract_pair(tconfig: ModelConfig, dconfig: Optional[ModelConfig] = None,
     return Pair(tparams=abstract_params(tconfig, dtype, mesh), tconfig=tconfig,
                 dparams=None if dconfig is None else abstract_params(dconfig, dtype, mesh),
                 dconfig=dconfig, mesh=mesh)
+
+
+def packed_pair(pair: Pair) -> Pair:
+    """The abstract pair in the packed layout, as `layout.decode_params` gives it on one GPU
+    (or a large model on a CPU): the layout a GPU's default program runs on, with the dense
+    attention kernel (`attention.BY_BACKEND["gpu"]`, set by the caller before tracing)."""
+    if pair.mesh is not None:
+        raise ValueError("packed_pair: sharded params are never packed (layout.wants_packing)")
+
+    def packed(params, config):
+        return None if params is None else jax.eval_shape(lambda p: pack(p, config), params)
+
+    return dataclasses.replace(pair, tparams=packed(pair.tparams, pair.tconfig),
+                               dparams=packed(pair.dparams, pair.dconfig))
+
+
+def while_loops(text: str) -> int:
+    """`stablehlo.while` ops in a lowered module's text: on a GPU each iteration of each sends
+    its predicate to the host (docs/bench/device-h200.md)."""
+    return len(re.findall(r"stablehlo\.while", text))
 
 
 def _knobs(rows: int, n_eos: int, mesh, greedy_rows: bool = False):
