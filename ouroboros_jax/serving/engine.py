@@ -140,6 +140,7 @@ class Engine:
                        batch_name="slots")
         check_family(method, spec, cfgs)
         self.levels, base, pool0 = self._loop_configs(spec, levels, cfgs[0], pool)
+        self._labels = ["off" if c is OFF else repr(c) for _, c in self.levels]  # per level
         self.cache_slots = cache_slots(0, 0, max(spec.margin(c) for c in cfgs), limit)
         self._hist = max(spec.max_emit(c) for c in cfgs) + 1
         pair = make_pair(target, draft)
@@ -276,17 +277,16 @@ class Engine:
         busy = plan.busy
         live, kept, prop = out.live[:, busy], out.kept[:, busy], out.proposed[:, busy]
         with self._lock:
-            self._counters.step(len(busy), "off" if cfg is OFF else repr(cfg), out.hits,
+            self._counters.step(len(busy), self._labels[plan.level], out.hits,
                                 int(live.sum()) if cfg is not OFF and self.spec.keeps_pool
                                 else 0)
             self._counters.rounds(kept, live, prop, out.sources[busy])
-            counts, done = out.counts.tolist(), out.done.tolist()
-            for j, (i, h) in enumerate(zip(busy, plan.handles)):
+            done = out.done.tolist()
+            rows = out.busy_rows(busy, self.spec.sources)
+            for i, h, (new, row_kept, offered, sources) in zip(busy, plan.handles, rows):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)
                     continue
-                new = out.tokens[i, :counts[i]].tolist()
-                h.record(kept[live[:, j], j].tolist(), int(prop[live[:, j], j].sum()),
-                         out.row_sources(i, self.spec.sources))
+                h.record(row_kept, offered, sources)
                 self._counters.c["generation_tokens"] += len(new)
                 reason = ("stop" if new and new[-1] in h.request.stop_ids else "length") \
                     if done[i] else None
@@ -314,8 +314,7 @@ class Engine:
         if not self._multi:
             raise RuntimeError("follow() is for an engine whose mesh spans processes")
         if is_leader():
-            raise RuntimeError("follow(): process 0 leads (submit, step, start); the other "
-                               "processes follow")
+            raise RuntimeError("follow(): process 0 leads (submit, step, start); the others follow")
         return self._lockstep.follow()
 
     def warmup(self, prompt_widths: Sequence[int] = (16,),
@@ -446,5 +445,5 @@ class Engine:
             m["slots"] = self.slots
             m["queue_length"] = len(self._sched.waiting)
             m["method"] = self.method
-            m["configs"] = {n: ("off" if c is OFF else repr(c)) for n, c in self.levels}
+            m["configs"] = {n: label for (n, _), label in zip(self.levels, self._labels)}
         return m

@@ -248,9 +248,21 @@ class StepOutput:
         return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
                    prop.reshape(k, B), done != 0, int(hits[0]), src.reshape(B, n), lp)
 
-    def row_sources(self, row: int, names: tuple) -> dict:
-        """Slot row's accepted draft tokens this step, {source: count} over names."""
-        return {s: int(self.sources[row, SOURCES.index(s)]) for s in names}
+    def busy_rows(self, busy: list, names: tuple) -> list[tuple]:
+        """Per busy slot row, in order: (its new tokens, tokens kept in each round it took
+        part in, draft tokens offered over those rounds, accepted draft tokens {source: n} over
+        names), as Python values from one conversion per field for all rows (a conversion per
+        row per field was most of a busy engine's host work per step)."""
+        counts = self.counts[busy].tolist()
+        tokens = self.tokens[busy].tolist()
+        live = self.live[:, busy]
+        kept, alive = self.kept[:, busy].T.tolist(), live.T.tolist()
+        offered = np.where(live, self.proposed[:, busy], 0).sum(axis=0).tolist()
+        cols = [SOURCES.index(s) for s in names]
+        by_source = self.sources[busy][:, cols].tolist() if cols else [[]] * len(busy)
+        return [(t[:c], [k for k, a in zip(ks, al) if a], o, dict(zip(names, src)))
+                for t, c, ks, al, o, src in zip(tokens, counts, kept, alive, offered,
+                                                by_source)]
 
     def row_logprobs(self, row: int, n: int, top: Optional[int]) -> Optional[list]:
         """The first n tokens' logprobs of slot row for a request that asked for `top` top
