@@ -9,6 +9,7 @@ itself is one jitted `lax.while_loop` per call (see `decoding/`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Optional, Sequence
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import auto_switch
 from .decoding import METHODS
 from .decoding.common import Stats
 from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
@@ -113,15 +115,17 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     # placed before auto: its probe must time (and key) the models as this call runs them
     target, draft = place_models(target, draft, mesh, multi)
     prompt_j, plens_j = _placed_batch(prompt, plens, mesh)
-    choice, auto_slots = None, None
+    choice, auto_slots, switch = None, None, None
+    greedy = temperature == 0.0
+    knobs = (eos, temperature, top_k, top_p, seed, V, n_top)
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
-        choice, auto_slots = _auto_choice(method, target, draft, prompt_j, plens_j,
-                                          max_new_tokens, max_cache_len, pool)
+        choice, auto_slots, switch = _auto_setup(method, target, draft, prompt_j, plens_j,
+                                                 max_new_tokens, max_cache_len, pool,
+                                                 greedy, knobs, multi)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
-    limits, sp = row_knobs(B, max_new_tokens, eos, temperature, top_k, top_p, seed, V, n_top)
-    greedy = temperature == 0.0
+    limits, sp = row_knobs(B, max_new_tokens, *knobs)
 
     if choice is not None:
         from .decoding.auto import compiles
@@ -140,13 +144,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     _learn(spec, cfg, stats, greedy, target, draft)
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
-        # the loop's time against its counted forwards' price: what the next choice is priced
-        # with (not from a call whose loop compiled: that time is the compiler's)
-        if compiles() == compiled and is_leader() and not multi:
-            from .decoding.auto import record_call
-
-            record_call(choice.method, cfg, target, draft, stats, seconds, B, P, auto_slots,
-                        choice.agreement)
+        _after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots,
+                    learn=compiles() == compiled and is_leader() and not multi)
     # everything the call did, auto's work and the host's included, so tokens_per_second is
     # what the caller's clock sees; decode_seconds is the loop's share (prefill to result)
     stats["decode_seconds"] = seconds
@@ -200,6 +199,56 @@ def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: 
     auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
     return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
                        pool_shape=shape), auto_slots
+
+
+def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
+                pool, greedy: bool, knobs: tuple, multi: bool):
+    """(the Choice this call runs, the cache slots auto sized for, the call's
+    `auto_switch.Switcher` or None): auto's choice, or, where its loop has not run yet and
+    another's has, that one while the new loop compiles in the background. Not for a call
+    that passes a pool, nor over processes (auto's choice is broadcast once there)."""
+    ask = functools.partial(_auto_choice, method, target, draft, prompt_j, plens_j,
+                            max_new_tokens, max_cache_len, pool)
+    choice, auto_slots = ask()
+    if pool is not None or multi:
+        return choice, auto_slots, None
+    switch = _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len,
+                       greedy, knobs)
+    return switch.runnable(choice), auto_slots, switch
+
+
+def _after_auto(choice, switch, target, draft, stats: dict, seconds: float, B: int, P: int,
+                auto_slots: int, learn: bool) -> None:
+    """After an auto call: its loop's time against its counted forwards' price kept, what the
+    next choice is priced with (learn: not from a call whose loop compiled, whose time is the
+    compiler's); the choice recorded as run (`auto_switch`)."""
+    if learn:
+        from .decoding.auto import record_call
+
+        record_call(choice.method, choice.config, target, draft, stats, seconds, B, P,
+                    auto_slots, choice.agreement)
+    if switch is not None:
+        switch.after(choice)
+
+
+def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
+              greedy: bool, knobs: tuple) -> "auto_switch.Switcher":
+    """This call's `auto_switch.Switcher`: a choice's loop compiled by running it on this
+    call's prompts with every row limited to one new token (the same shapes: the same
+    program)."""
+    B, P = prompt_j.shape
+
+    def warm(choice) -> None:
+        spec = METHODS[choice.method]
+        slots = cache_slots(P, max_new_tokens, spec.margin(choice.config), max_cache_len)
+        limits, sp = row_knobs(B, 1, *knobs)
+        seq, _, _ = spec.run(target, draft, prompt_j, plens_j, limits, sp, choice.config,
+                             greedy=greedy, slots=slots, pool=None)
+        jax.block_until_ready(seq)
+
+    sig = auto_switch.signature(target, draft, B, P, max_new_tokens, max_cache_len, greedy,
+                                knobs[-1])
+    return auto_switch.Switcher(sig, warm, lambda: ask()[0])
 
 
 def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:

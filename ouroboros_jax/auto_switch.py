@@ -1,0 +1,147 @@
+"""When `config="auto"` changes its mind: a choice's loop is compiled before a call runs it, so
+no call after the first of its kind waits for a compile.
+
+A call's compiled loop is decided by its signature: the models, batch rows, prompt bucket,
+generation length, cache limit, sampling mode and logprobs width (`signature`), and the
+method and config auto chose. Auto's choice moves as calls teach it (the agreement a pair
+realises, its loops' measured times), and a choice whose loop has not run in this process
+would compile inside the call that makes it: on the real Qwen pair that is 15-25 s charged to
+a user's second call (issue 28). So, per signature, this module keeps the choices whose loops
+have run, and:
+
+- the first auto call of a signature runs auto's choice (it compiles, as every first call
+  does); at its end `settle` asks auto again, now with what that call taught it, and if the
+  answer differs, compiles the new choice's loop there and then: the first call pays both
+  compiles, the second runs the loop auto settled on;
+- a later call whose choice has no compiled loop yet runs the last choice that has one
+  (`runnable`) and compiles the new one on a background thread; the first call after that
+  thread is done runs it.
+
+A loop is compiled by running it on the call's own inputs with every row limited to one new
+token (`warm` callables built by `generate`): the same shapes, so the same compiled program,
+and about one round of work. Nothing here touches the phrase pool a call passes, so
+`generate` uses it only for calls without one (and on one process: over several, auto's
+choice is broadcast once and kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Callable, Optional
+
+_LOCK = threading.Lock()
+_RAN: dict = {}  # signature -> {(method, config repr): choice} whose loops have run here
+_LAST: dict = {}  # signature -> the last choice run
+_WARMING: dict = {}  # (signature, method, config repr) -> background thread compiling it
+
+
+def signature(target, draft, batch: int, prompt_width: int, max_new_tokens: int,
+              max_cache_len, greedy: bool, logprobs: int) -> tuple:
+    """What, besides the method and config, decides which compiled loop a call runs: the
+    models' shapes, dtypes and placement (`auto.model_signature`: two `Model`s of one config
+    share their loops), and the call's sizes and modes."""
+    from .decoding.auto import model_signature
+
+    return (model_signature(target), None if draft is None else model_signature(draft), batch,
+            prompt_width, max_new_tokens, max_cache_len, bool(greedy), logprobs)
+
+
+def _key(choice) -> tuple:
+    return choice.method, repr(choice.config)
+
+
+def runnable(sig: tuple, choice, warm: Callable) -> tuple:
+    """(the choice to run now, whether it is auto's own): auto's `choice` when its loop has
+    run for this signature, or when nothing has (a first call compiles); else the last choice
+    run, with `choice`'s loop compiled on a background thread (`warm(choice)`) that a later call
+    switches to once it is done."""
+    with _LOCK:
+        ran = _RAN.get(sig)
+        if not ran or _key(choice) in ran:
+            return choice, True
+        last = _LAST[sig]
+        pending = (sig,) + _key(choice)
+        if pending not in _WARMING:
+            thread = threading.Thread(target=_warm_quietly, args=(sig, choice, warm),
+                                      name="ouroboros-auto-warm", daemon=True)
+            _WARMING[pending] = thread
+            thread.start()
+    why = (f"{last.reason.split(' (')[0]}; kept while {choice.config or choice.method} "
+           f"({choice.reason.split(' (')[0]}) compiles in the background")
+    return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
+
+
+def _warm_quietly(sig: tuple, choice, warm: Callable) -> None:
+    """warm(choice) on a background thread; its loop counted as run once it returns. A failure
+    leaves the choice uncompiled (calls keep the last choice) and says why once."""
+    try:
+        warm(choice)
+    except Exception as e:  # noqa: BLE001 (reported, and the running choice stays)
+        print(f"ouroboros_jax: compiling {choice.config or choice.method} in the background "
+              f"failed ({type(e).__name__}: {e}); config='auto' keeps its last choice",
+              file=sys.stderr)
+        return
+    with _LOCK:
+        _RAN.setdefault(sig, {})[_key(choice)] = choice
+
+
+def record(sig: tuple, choice) -> bool:
+    """After a call ran `choice`'s loop: kept as compiled and as the last choice -> whether it
+    was the first auto call of this signature."""
+    with _LOCK:
+        first = sig not in _RAN
+        _RAN.setdefault(sig, {})[_key(choice)] = choice
+        _LAST[sig] = choice
+        return first
+
+
+def settle(sig: tuple, again: Optional[object], warm: Callable) -> bool:
+    """At the end of a signature's first call: `again` (auto's choice asked anew) compiled now
+    when its loop has not run -> whether it compiled one."""
+    if again is None:
+        return False
+    with _LOCK:
+        if _key(again) in _RAN.get(sig, {}):
+            return False
+    warm(again)
+    with _LOCK:
+        _RAN.setdefault(sig, {})[_key(again)] = again
+    return True
+
+
+def wait_for_background(timeout: Optional[float] = None) -> None:
+    """Joins every background compile started so far (tests; a benchmark's clean state)."""
+    with _LOCK:
+        threads = list(_WARMING.values())
+    for t in threads:
+        t.join(timeout)
+
+
+def forget() -> None:
+    """Drops what this process knows of compiled choices (tests)."""
+    wait_for_background()
+    with _LOCK:
+        _RAN.clear()
+        _LAST.clear()
+        _WARMING.clear()
+
+
+@dataclasses.dataclass
+class Switcher:
+    """One generate call's side of the above: `warm(choice)` compiles a choice's loop for this
+    call's signature (one round on the call's inputs), `again()` asks auto anew."""
+
+    sig: tuple
+    warm: Callable
+    again: Callable
+
+    def runnable(self, choice):
+        return runnable(self.sig, choice, self.warm)[0]
+
+    def after(self, ran) -> None:
+        """After the call ran `ran`: recorded; on the signature's first call, auto asked
+        again and its new choice compiled now."""
+        if record(self.sig, ran):
+            settle(self.sig, self.again(), self.warm)

@@ -1,0 +1,103 @@
+"""When config="auto" changes its mind (ouroboros_jax/auto_switch.py): no call after a
+signature's first compiles its loop. The first call compiles auto's new choice at its end; a
+later change runs the last compiled choice while the new loop compiles on a background thread.
+Auto's choices are scripted here (generate's `_auto_choice` replaced), so each step is known;
+compiles are counted from jax's monitoring events (`decoding.auto.compiles`), and every output
+equals vanilla's."""
+
+import dataclasses
+import importlib
+
+import pytest
+
+import ouroboros_jax as oj
+from ouroboros_jax import auto_switch
+from ouroboros_jax.decoding.auto import Choice, compiles
+
+gen = importlib.import_module("ouroboros_jax.generate")  # the module (oj.generate is the function)
+
+
+def choice(gamma):
+    return Choice(method="speculative", config=oj.SpeculativeConfig(gamma=gamma),
+                  predicted_speedup=1.5, agreement=0.5, reason=f"scripted gamma {gamma}")
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Auto's answers, in order (the last repeats); the log of the choices asked for."""
+    answers, asked = [], []
+
+    def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool):
+        asked.append(answers[0] if len(answers) == 1 else answers.pop(0))
+        return asked[-1], 64
+
+    monkeypatch.setattr(gen, "_auto_choice", fake)
+    auto_switch.forget()
+    yield answers, asked
+    auto_switch.forget()
+
+
+def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
+    target, draft, _ = tiny_pair
+    answers, asked = scripted
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
+    ref = oj.generate(target, prompt, max_new_tokens=12, eos_token_id=-1).tokens
+
+    # call 1 runs gamma 2; asked again at its end, auto says gamma 3: compiled there
+    answers[:] = [choice(2), choice(3)]
+    first = oj.generate(target, prompt, **kw)
+    assert first.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
+    assert [c.config.gamma for c in asked] == [2, 3] and first.tokens == ref
+
+    # call 2 runs gamma 3 and compiles nothing
+    before = compiles()
+    second = oj.generate(target, prompt, **kw)
+    assert compiles() == before
+    assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
+    assert second.tokens == ref
+
+    # auto now prefers gamma 5, never compiled: call 3 runs gamma 3 while gamma 5 compiles in
+    # the background, and says so
+    answers[:] = [choice(5)]
+    third = oj.generate(target, prompt, **kw)
+    assert third.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
+    assert "compiles in the background" in third.stats["auto"]["reason"]
+    assert third.tokens == ref
+    auto_switch.wait_for_background()
+
+    # the background compile done, call 4 runs gamma 5 without compiling
+    before = compiles()
+    fourth = oj.generate(target, prompt, **kw)
+    assert compiles() == before
+    assert fourth.stats["auto"]["config"] == "SpeculativeConfig(gamma=5)"
+    assert fourth.tokens == ref
+
+
+def test_the_signature_follows_what_decides_the_loop(tiny_pair):
+    target, draft, _ = tiny_pair
+    sig = auto_switch.signature(target, draft, 1, 16, 32, None, True, -1)
+    # another Model object of the same shapes shares the compiled loops
+    assert auto_switch.signature(dataclasses.replace(target), draft, 1, 16, 32, None, True,
+                                 -1) == sig
+    for changed in [(2, 16, 32, None, True, -1), (1, 32, 32, None, True, -1),
+                    (1, 16, 64, None, True, -1), (1, 16, 32, 256, True, -1),
+                    (1, 16, 32, None, False, -1), (1, 16, 32, None, True, 5)]:
+        assert auto_switch.signature(target, draft, *changed) != sig
+
+
+def test_a_failed_background_compile_keeps_the_last_choice(capsys):
+    auto_switch.forget()
+    sig = ("s",)
+    auto_switch.record(sig, choice(2))
+
+    def broken(c):
+        raise RuntimeError("no memory")
+
+    ran, own = auto_switch.runnable(sig, choice(4), broken)
+    assert not own and ran.config.gamma == 2
+    auto_switch.wait_for_background()
+    assert "compiling SpeculativeConfig(gamma=4" in capsys.readouterr().err
+    ran, own = auto_switch.runnable(sig, choice(4), broken)
+    assert ran.config.gamma == 2  # still not compiled: still the last choice
+    auto_switch.forget()
