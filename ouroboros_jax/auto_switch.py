@@ -37,15 +37,16 @@ _LAST: dict = {}  # signature -> the last choice run
 _WARMING: dict = {}  # (signature, method, config repr) -> background thread compiling it
 
 
-def signature(target, draft, batch: int, prompt_width: int, max_new_tokens: int,
+def signature(method: str, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
               max_cache_len, greedy: bool, logprobs: int) -> tuple:
-    """What, besides the method and config, decides which compiled loop a call runs: the
-    models' shapes, dtypes and placement (`auto.model_signature`: two `Model`s of one config
-    share their loops), and the call's sizes and modes."""
+    """The asked method (each has its own choices) and what, besides the config, decides which
+    compiled loop a call runs: the models' shapes, dtypes and placement
+    (`auto.model_signature`: two `Model`s of one config share their loops), and the call's
+    sizes and modes."""
     from .decoding.auto import model_signature
 
-    return (model_signature(target), None if draft is None else model_signature(draft), batch,
-            prompt_width, max_new_tokens, max_cache_len, bool(greedy), logprobs)
+    return (method, model_signature(target), None if draft is None else model_signature(draft),
+            batch, prompt_width, max_new_tokens, max_cache_len, bool(greedy), logprobs)
 
 
 def _key(choice) -> tuple:

@@ -246,8 +246,8 @@ def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_ca
                              greedy=greedy, slots=slots, pool=None)
         jax.block_until_ready(seq)
 
-    sig = auto_switch.signature(target, draft, B, P, max_new_tokens, max_cache_len, greedy,
-                                knobs[-1])
+    sig = auto_switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
+                                max_cache_len, greedy, knobs[-1])
     return auto_switch.Switcher(sig, warm, lambda: ask()[0])
 
 

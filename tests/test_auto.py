@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ouroboros_jax as oj
+from ouroboros_jax import auto_switch
 from ouroboros_jax.decoding import auto, cost
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
@@ -171,6 +172,7 @@ def fresh_auto(tmp_path, monkeypatch):
     monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(auto, "_AGREED", set())
     monkeypatch.setattr(auto, "_CHOICES", {})
+    auto_switch.forget()  # no choice's loop known to have run
     return tmp_path
 
 
@@ -178,6 +180,7 @@ def _new_process(monkeypatch):
     """What a new process over the same store starts from: nothing in memory."""
     monkeypatch.setattr(auto, "_MEMO", {})
     monkeypatch.setattr(auto, "_CHOICES", {})
+    auto_switch.forget()
     monkeypatch.setattr(auto, "_AGREED", set())
 
 

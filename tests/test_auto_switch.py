@@ -76,14 +76,16 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
 
 def test_the_signature_follows_what_decides_the_loop(tiny_pair):
     target, draft, _ = tiny_pair
-    sig = auto_switch.signature(target, draft, 1, 16, 32, None, True, -1)
+    sig = auto_switch.signature("speculative", target, draft, 1, 16, 32, None, True, -1)
     # another Model object of the same shapes shares the compiled loops
-    assert auto_switch.signature(dataclasses.replace(target), draft, 1, 16, 32, None, True,
-                                 -1) == sig
+    assert auto_switch.signature("speculative", dataclasses.replace(target), draft, 1, 16, 32,
+                                 None, True, -1) == sig
+    # each asked method keeps its own choices
+    assert auto_switch.signature("ouroboros", target, draft, 1, 16, 32, None, True, -1) != sig
     for changed in [(2, 16, 32, None, True, -1), (1, 32, 32, None, True, -1),
                     (1, 16, 64, None, True, -1), (1, 16, 32, 256, True, -1),
                     (1, 16, 32, None, False, -1), (1, 16, 32, None, True, 5)]:
-        assert auto_switch.signature(target, draft, *changed) != sig
+        assert auto_switch.signature("speculative", target, draft, *changed) != sig
 
 
 def test_a_failed_background_compile_keeps_the_last_choice(capsys):

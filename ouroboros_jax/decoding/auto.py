@@ -101,7 +101,7 @@ def cache_path() -> Path:
 # In-process copy of what this process read or wrote, by cache path: no file reads per call.
 _MEMO: dict = {}
 _WARNED: set = set()  # (path, what) pairs already warned about in this process
-SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice")
+SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor")
 
 
 def _count(v) -> bool:
@@ -117,10 +117,13 @@ def _valid_entry(section: str, value) -> bool:
     seconds > 0; agreement [agreeing, positions] counts with agreeing <= positions; realised
     [sum of per-round agreements, rounds] with 0 <= sum <= rounds; device {"bandwidth",
     "flops"} finite and > 0; timing five finite sums (the two squares >= 0) and a count of
-    calls; choice {"method": name, "config": {field: int or bool} or None}."""
+    calls; choice {"method": name, "config": {field: int or bool} or None}; anchor a finite
+    ratio > 0."""
     if section == "device":
         return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
                 and all(_number(v) and v > 0 for v in value.values()))
+    if section == "anchor":
+        return _number(value) and value > 0
     if section == "timing":
         return (isinstance(value, list) and len(value) == 6 and all(_number(v) for v in value[:5])
                 and value[0] >= 0 and value[2] >= 0 and _count(value[5]))
@@ -468,7 +471,9 @@ def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
 # (prefill included): [x_T^2, x_T x_S, x_S^2, x_T y, x_S y, calls].
 def _timing_key(target, draft, batch: int) -> str:
     d = model_signature(draft) if draft is not None else "-"
-    return f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}"
+    # "anchored": sums of prices from anchored tables (`model_anchor`); older sums priced the
+    # bare shapes and would mis-scale these
+    return f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}|anchored"
 
 
 def solve_scales(sums) -> tuple[float, float, bool]:
@@ -539,7 +544,7 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
     if seconds <= 0 or not math.isfinite(seconds):
         return
     used_draft = method != "vanilla" and draft is not None and METHODS[method].needs_draft
-    tt, td = _base_tables(target, draft if used_draft else None, batch, slots, True)
+    tt, td, _ = _base_tables(target, draft if used_draft else None, batch, slots, True)
     x_t, x_s = call_parts(method, cfg, stats, prompt_len, tt, td, agreement)
     if x_t <= 0:
         return
@@ -549,16 +554,50 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
          (0.0, 0.0, 0.0, 0.0, 0.0, 0))
 
 
+def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: bool = True
+                 ) -> tuple[float, bool]:
+    """(this model's measured 1-token forward over its shape's price at `rates`, whether it was
+    measured by this call): from disk when this model's shape was timed on this device kind at
+    this batch bucket before, else timed now (one compile) and kept. Keyed without the cache
+    size, so a model is timed once per device, in its first call, whatever shapes follow.
+
+    Why: the shape prices weights and FLOPs, but a small model's fixed work per layer weighs
+    more than its bytes say, and a call's scale learned from one config cannot tell the
+    target's share from the draft's. On the real Qwen pair here the 0.5B draft's forward is
+    about 0.47 of the 1.5B's, where their shapes say 0.34: priced by shape, long drafts looked
+    cheap (auto chose gamma 12 where 6 ran 1.4x faster)."""
+    key = f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}"
+    if use_cache:
+        hit = _read_cache().get("anchor", {}).get(key)
+        if hit is not None:
+            return float(hit), False
+    B = batch_bucket(batch)
+    priced = shape_latency(model_shape(model), rates, B, slots // 2, (1,))[1]
+    ratio = _measure({1: _forward_seconds(model, B, 1, slots)}, 3)[1] / priced
+    if use_cache:
+        _put("anchor", key, ratio)
+    return ratio, True
+
+
 def _base_tables(target, draft, batch: int, slots: int, use_cache: bool
-                 ) -> tuple[dict, Optional[dict]]:
-    """The unscaled (target, draft) tables: `shape_table` at the calibrated rates."""
-    rates, _ = device_rates(target.params["embed"].dtype, use_cache)
-    tt = shape_table(target, batch, slots, TARGET_SIZES, rates)
-    td = None
-    if draft is not None:
-        drates, _ = device_rates(draft.params["embed"].dtype, use_cache)
-        td = shape_table(draft, batch, slots, DRAFT_SIZES, drates)
-    return tt, td
+                 ) -> tuple[dict, Optional[dict], list]:
+    """The unscaled (target, draft) tables and the anchors applied ([target's, draft's]):
+    `shape_table` at the calibrated rates, each scaled so its 1-token forward costs what the
+    model's measured one did (`model_anchor`; a table probed whole, `probe_latency`, is used
+    as measured: anchor 1)."""
+    tables, anchors = [], []
+    for model, sizes in ((target, TARGET_SIZES), (draft, DRAFT_SIZES)):
+        if model is None:
+            tables.append(None)
+            continue
+        rates, _ = device_rates(model.params["embed"].dtype, use_cache)
+        table = shape_table(model, batch, slots, sizes, rates)
+        anchor = 1.0
+        if _stored_latency(model, batch, slots, sizes) is None:
+            anchor = model_anchor(model, batch, slots, rates, use_cache)[0]
+        tables.append(scaled(table, anchor))
+        anchors.append(anchor)
+    return tables[0], tables[1], anchors
 
 
 def latency_tables(target, draft, batch: int, slots: int, use_cache: bool = True
@@ -567,11 +606,14 @@ def latency_tables(target, draft, batch: int, slots: int, use_cache: bool = True
     times the learned scales (`learned_scales`; none without use_cache), and notes = {"measured":
     [...], "assumed": [...]}: what stands behind them, for `stats["auto"]`."""
     rates, now = device_rates(target.params["embed"].dtype, use_cache)
-    tt, td = _base_tables(target, draft, batch, slots, use_cache)
+    tt, td, anchors = _base_tables(target, draft, batch, slots, use_cache)
     measured = [f"device: {rates.bandwidth / 1e9:.1f} GB/s, {rates.flops / 1e9:.0f} GFLOP/s "
-                f"(two matmuls, {'calibrated in this call' if now else 'stored'})"]
+                f"(two matmuls, {'calibrated in this call' if now else 'stored'})",
+                "each model's 1-token forward, timed once on this device: "
+                + ", ".join(f"{who} x{a:.2f}" for who, a in zip(("target", "draft"), anchors))
+                + " its shape's price"]
     assumed = ["each forward's t(T) shaped by its weight bytes and FLOPs at those rates, "
-               f"plus {rates.per_layer * 1e6:.0f} us per layer"]
+               f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its measured t(1)"]
     s_t, s_s, calls = 1.0, 1.0, 0
     if use_cache:
         s_t, s_s, calls, separated = learned_scales(target, draft, batch)
@@ -641,7 +683,9 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
     return agree / n, n
 
 
-MIN_REALISED_ROUNDS = 64  # speculative rounds before the realised agreement replaces the prompt's
+# speculative rounds before the realised agreement replaces the prompt's: one 64-token call at
+# gamma <= 1 realises 32 or more, so the end of a first call can plan with it (`auto_switch`)
+MIN_REALISED_ROUNDS = 32
 
 
 def record_realised(target, draft, a: float, rounds: int) -> None:
