@@ -61,6 +61,8 @@ def _usable(section, v) -> bool:
     if section == "latency":
         return (isinstance(v, dict) and bool(v) and all(k.isdigit() for k in v)
                 and all(num(t) and t > 0 for t in v.values()))
+    if section == "anchor":  # a model's measured 1-token forward over its shape's price
+        return num(v) and v > 0
     if not (isinstance(v, list) and len(v) == 2 and num(v[0]) and isinstance(v[1], int)):
         return False
     return 0 <= v[0] <= v[1] and (section == "realised" or isinstance(v[0], int))
@@ -70,7 +72,7 @@ def _file_is_valid(path) -> dict:
     """The cache file on disk parses and every entry of it is usable."""
     data = json.loads(path.read_text())
     assert isinstance(data, dict) and set(data) <= {"latency", "agreement", "realised", "device",
-                                                    "timing", "choice"}, data
+                                                    "timing", "choice", "anchor"}, data
     for section, entries in data.items():
         assert isinstance(entries, dict), (section, entries)
         assert all(_usable(section, v) for v in entries.values()), (section, entries)
@@ -79,7 +81,8 @@ def _file_is_valid(path) -> dict:
 
 # ------------------------------------------------------------------ 1. the auto cache is a hint
 @pytest.mark.parametrize("text", ["[]", "null", '{"latency": 5}', '"auto"', "{not json",
-                                  '{"realised": [1, 2]}', '{"agreement": {"k": "half"}}'])
+                                  '{"realised": [1, 2]}', '{"agreement": {"k": "half"}}',
+                                  '{"anchor": {"k": -1.5}}'])
 def test_structurally_wrong_cache_is_ignored_rewritten_and_warned_once(tiny_pair, cache_dir,
                                                                        text):
     target, draft, _ = tiny_pair
@@ -132,7 +135,8 @@ def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir
     assert out.tokens == oj.generate(target, [[5, 6, 7, 8]], **kw).tokens
     assert "nan" not in out.stats["auto"]["reason"]
     kept = _file_is_valid(_cache_file(cache_dir))
-    assert kept["device"] and kept["agreement"] and kept["choice"]  # what the call measured
+    # what the call measured
+    assert kept["device"] and kept["agreement"] and kept["choice"] and kept["anchor"]
 
 
 def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir):
