@@ -283,6 +283,9 @@ def main(argv=None) -> dict:
                     help="demo prompts per method (default 4, --tiny 1)")
     ap.add_argument("--demo-tokens", type=int, default=None,
                     help="new tokens per demo prompt (default 96, --tiny 8)")
+    ap.add_argument("--matmul-precision", choices=["default", "high", "highest"], default=None,
+                    help="jax_default_matmul_precision for the whole run (on a GPU, 'highest' "
+                         "keeps float32 dots out of TF32; default: jax's)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds after which remaining stages are skipped (recorded)")
     a = ap.parse_args(argv)
@@ -314,6 +317,8 @@ def main(argv=None) -> dict:
 
     import jax
 
+    if a.matmul_precision is not None:
+        jax.config.update("jax_default_matmul_precision", a.matmul_precision)
     from ..accelerator import forward_seconds
 
     t0 = time.perf_counter()
