@@ -65,8 +65,10 @@ def runnable(sig: tuple, choice, warm: Callable) -> tuple:
         last = _LAST[sig]
         pending = (sig,) + _key(choice)
         if pending not in _WARMING:
+            # not a daemon: a script that ends while it compiles waits for it (a daemon
+            # thread is stopped inside XLA at exit, and the process aborts)
             thread = threading.Thread(target=_warm_quietly, args=(sig, choice, warm),
-                                      name="ouroboros-auto-warm", daemon=True)
+                                      name="ouroboros-auto-warm", daemon=False)
             _WARMING[pending] = thread
             thread.start()
     why = (f"{last.reason.split(' (')[0]}; kept while {choice.config or choice.method} "

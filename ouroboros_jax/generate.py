@@ -189,16 +189,17 @@ def _placed_batch(prompt: np.ndarray, plens: np.ndarray, mesh):
 
 
 def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: int,
-                 max_cache_len, pool):
+                 max_cache_len, pool, greedy: bool):
     """`decoding.auto`'s choice for this call -> (Choice, the cache slots it sized for). A pool
-    passed in keeps its shape: auto chooses among the configs it can serve."""
+    passed in keeps its shape: auto chooses among the configs it can serve. A greedy call
+    teaches auto the pair's agreement, so it may draft deeper once (`auto.explore`)."""
     from .decoding.auto import auto_config
 
     shape = (None if pool is None or not hasattr(pool, "phrase_len")
              else (int(pool.guesses), int(pool.phrase_len)))
     auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
     return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
-                       pool_shape=shape), auto_slots
+                       pool_shape=shape, explore_depth=greedy), auto_slots
 
 
 def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
@@ -208,7 +209,7 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
     another's has, that one while the new loop compiles in the background. Not for a call
     that passes a pool, nor over processes (auto's choice is broadcast once there)."""
     ask = functools.partial(_auto_choice, method, target, draft, prompt_j, plens_j,
-                            max_new_tokens, max_cache_len, pool)
+                            max_new_tokens, max_cache_len, pool, greedy)
     choice, auto_slots = ask()
     if pool is not None or multi:
         return choice, auto_slots, None

@@ -27,7 +27,8 @@ def scripted(monkeypatch):
     """Auto's answers, in order (the last repeats); the log of the choices asked for."""
     answers, asked = [], []
 
-    def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool):
+    def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool,
+             greedy):
         asked.append(answers[0] if len(answers) == 1 else answers.pop(0))
         return asked[-1], 64
 
@@ -103,3 +104,54 @@ def test_a_failed_background_compile_keeps_the_last_choice(capsys):
     ran, own = auto_switch.runnable(sig, choice(4), broken)
     assert ran.config.gamma == 2  # still not compiled: still the last choice
     auto_switch.forget()
+
+
+EXIT_SCRIPT = """
+import atexit
+import importlib
+import sys
+import ouroboros_jax as oj
+gen = importlib.import_module("ouroboros_jax.generate")
+from ouroboros_jax.decoding.auto import Choice
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+target, draft = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
+answers = [2, 2, 5]
+gen._auto_choice = lambda *a: (Choice("speculative", SpeculativeConfig(gamma=answers.pop(0)),
+                                      1.5, 0.7, "scripted"), 64)
+kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
+oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2 (asked again at its end: 2)
+out = oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 5 starts compiling in the background
+print(out.stats["auto"]["reason"])
+
+
+def done():  # atexit runs after the interpreter has joined its non-daemon threads
+    from ouroboros_jax import auto_switch
+    ran = [k for r in auto_switch._RAN.values() for k in r]
+    print("gamma 5 compiled at exit:", ("speculative", "SpeculativeConfig(gamma=5, confidence=0.0)") in ran)
+
+
+atexit.register(done)
+"""
+
+
+def test_a_script_that_ends_while_a_compile_runs_exits_cleanly(tiny_pair, tmp_path):
+    """The process ends right after a call that started a background compile: it waits for
+    the compile and exits 0 (a daemon thread stopped inside XLA aborts the process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target, draft, _ = tiny_pair
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    r = subprocess.run([sys.executable, str(script), target.path, draft.path],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert "compiles in the background" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gamma 5 compiled at exit: True" in r.stdout, r.stdout
+    assert "terminate called" not in r.stderr

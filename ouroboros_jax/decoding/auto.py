@@ -69,9 +69,10 @@ from ..models import causal_mask, forward
 from ..models.timing import forward_timer, matmul_timer
 from ..pool.phrase_pool import shape_fits
 from . import METHODS
-from .cost import (VANILLA_OVERHEAD, DeviceRates, ModelShape, interpolate, loop_seconds, scaled,
-                   shape_latency, vanilla_rate)
+from .cost import (VANILLA_OVERHEAD, DepthAgreement, DeviceRates, ModelShape, interpolate,
+                   loop_seconds, scaled, shape_latency, vanilla_rate)
 from .knobs import recipe_of
+from .spec import chain_agreement
 
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
 # the last is extrapolated linearly from the last two.
@@ -101,7 +102,7 @@ def cache_path() -> Path:
 # In-process copy of what this process read or wrote, by cache path: no file reads per call.
 _MEMO: dict = {}
 _WARNED: set = set()  # (path, what) pairs already warned about in this process
-SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor")
+SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor", "depth")
 
 
 def _count(v) -> bool:
@@ -118,12 +119,16 @@ def _valid_entry(section: str, value) -> bool:
     [sum of per-round agreements, rounds] with 0 <= sum <= rounds; device {"bandwidth",
     "flops"} finite and > 0; timing five finite sums (the two squares >= 0) and a count of
     calls; choice {"method": name, "config": {field: int or bool} or None}; anchor a finite
-    ratio > 0."""
+    ratio > 0; depth 1 to MAX_DEPTH [reached, accepted] counts with accepted <= reached."""
     if section == "device":
         return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
                 and all(_number(v) and v > 0 for v in value.values()))
     if section == "anchor":
         return _number(value) and value > 0
+    if section == "depth":
+        return (isinstance(value, list) and 1 <= len(value) <= MAX_DEPTH and all(
+            isinstance(d, list) and len(d) == 2 and _count(d[0]) and _count(d[1])
+            and d[1] <= d[0] for d in value))
     if section == "timing":
         return (isinstance(value, list) and len(value) == 6 and all(_number(v) for v in value[:5])
                 and value[0] >= 0 and value[2] >= 0 and _count(value[5]))
@@ -528,7 +533,7 @@ def call_parts(method: str, cfg, stats: dict, prompt_len: int, tt: dict, td: Opt
     else:
         spec = METHODS[method]
         sizes = spec.forward_sizes(cfg)
-        overhead = spec.round_model(cfg, agreement).overhead
+        overhead = spec.round_model(cfg, chain_agreement(agreement, cfg)).overhead
         drafts = float(stats["draft_calls"])
     x_t, x_s = loop_seconds(sizes, overhead, float(stats["target_calls"]), drafts, tt, td)
     x_t += interpolate(tt, prompt_len)
@@ -642,10 +647,11 @@ def _steps(scale: float, step: float = 1.02) -> float:
 _AGREED: set = set()  # (store, pair) whose prompt agreement this process measured
 
 
-def known_agreement(target, draft) -> Optional[float]:
-    """The pair's agreement from disk without running anything: realised by speculative calls,
-    else the prompts' pooled counts; None when neither has been measured."""
-    a = realised_agreement(target, draft)
+def known_agreement(target, draft):
+    """The pair's agreement from disk without running anything: realised by speculative calls
+    (by depth where they measured it, `depth_agreement`), else the prompts' pooled counts;
+    None when neither has been measured."""
+    a = depth_agreement(target, draft) or realised_agreement(target, draft)
     if a is not None:
         return a
     agree, n = _read_cache().get("agreement", {}).get(
@@ -692,11 +698,79 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
 MIN_REALISED_ROUNDS = 32
 
 
-def record_realised(target, draft, a: float, rounds: int) -> None:
+def record_realised(target, draft, a: float, rounds: int, depth: Optional[list] = None
+                    ) -> None:
     """After a call: pool the agreement a it realised over `rounds` rounds (what its method's
-    `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk."""
+    `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk;
+    and its acceptance by depth (`cost.depth_counts`: [reached, accepted] per depth of its
+    chain) with theirs, depth by depth."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
     _add("realised", key, (a * rounds, rounds), (0.0, 0))
+    if not depth:
+        return
+
+    def change(data):
+        old = data.setdefault("depth", {}).get(key, [])
+        new = [list(d) for d in old] + [[0, 0]] * (min(len(depth), MAX_DEPTH) - len(old))
+        for k, (reached, accepted) in enumerate(depth[:MAX_DEPTH]):
+            new[k] = [new[k][0] + int(reached), new[k][1] + int(accepted)]
+        data["depth"][key] = new
+    _update_cache(change)
+
+
+# A depth of the chain is planned with its own measured agreement once this many rounds have
+# reached it; deeper ones with the pooled agreement of every depth past the first.
+MIN_DEPTH_ROUNDS = 16
+MAX_DEPTH = 64
+# A greedy call whose chosen chain is shorter than this, for a pair whose depths past the first
+# have not been measured, drafts this deep instead (`explore`): a 1-token chain measures the
+# first token's agreement only, which on pairs whose agreement comes in runs underprices every
+# longer chain. Not past EXPLORE_ROUNDS rounds of the pair (a pair that rarely passes its first
+# token is not explored for ever).
+EXPLORE_DEPTH = 4
+EXPLORE_ROUNDS = 128
+
+
+def _depth_counts(target, draft) -> list:
+    return _read_cache().get("depth", {}).get(
+        f"{model_signature(target)}|{model_signature(draft)}", [])
+
+
+def depth_agreement(target, draft) -> Optional[DepthAgreement]:
+    """The pair's agreement by depth from disk (`cost.DepthAgreement`): each depth from the
+    first on that MIN_DEPTH_ROUNDS rounds have reached, and past them the pooled agreement of
+    every depth past the first (the first's where they are not measured yet); None until the
+    first depth is measured."""
+    counts = _depth_counts(target, draft)
+    if not counts or counts[0][0] < MIN_DEPTH_ROUNDS:
+        return None
+    by_depth = []
+    for reached, accepted in counts:
+        if reached < MIN_DEPTH_ROUNDS:
+            break
+        by_depth.append(round(accepted / reached, 3))
+    deep_r, deep_a = (sum(c[i] for c in counts[1:]) for i in (0, 1))
+    beyond = round(deep_a / deep_r, 3) if deep_r >= MIN_DEPTH_ROUNDS else by_depth[-1]
+    return DepthAgreement(tuple(by_depth), beyond)
+
+
+def explore(choice: "Choice", target, draft) -> "Choice":
+    """The choice a greedy call that teaches auto runs: `choice`, or, where it drafts a chain
+    shorter than EXPLORE_DEPTH and the pair's depths past the first are not measured yet, the
+    same config with a chain of EXPLORE_DEPTH, so that the next choice is priced with the
+    agreement of every depth it weighs (a first call at gamma 1 would otherwise settle there)."""
+    cfg = choice.config
+    if (draft is None or cfg is None or METHODS[choice.method].learn is None
+            or getattr(cfg, "gamma", EXPLORE_DEPTH) >= EXPLORE_DEPTH):
+        return choice
+    counts = _depth_counts(target, draft)
+    if (sum(c[0] for c in counts[1:]) >= MIN_DEPTH_ROUNDS
+            or (counts and counts[0][0] >= EXPLORE_ROUNDS)):
+        return choice
+    return dataclasses.replace(
+        choice, config=dataclasses.replace(cfg, gamma=EXPLORE_DEPTH),
+        reason=choice.reason + f" (exploring: a chain of {EXPLORE_DEPTH} measures the pair's "
+        "agreement past the first token; later calls run the choice priced with it)")
 
 
 def realised_agreement(target, draft) -> Optional[float]:
@@ -722,7 +796,10 @@ class Choice:
         return {"asked": asked, "method": self.method,
                 "config": recipe_of(self.config) if self.config is not None else None,
                 "predicted_speedup": round(self.predicted_speedup, 3),
-                "agreement": None if self.agreement is None else round(self.agreement, 3),
+                "agreement": (None if self.agreement is None else
+                              round(chain_agreement(self.agreement, self.config), 3)),
+                "agreement_by_depth": (list(self.agreement.by_depth) + [self.agreement.beyond]
+                                       if isinstance(self.agreement, DepthAgreement) else None),
                 "reason": self.reason,
                 "measured": list(self.notes.get("measured", [])),
                 "assumed": list(self.notes.get("assumed", [])),
@@ -816,11 +893,12 @@ def _store_choice(key: str, choice: Choice) -> None:
 
 
 def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True,
-                pool_shape: Optional[tuple] = None) -> Choice:
+                pool_shape: Optional[tuple] = None, explore_depth: bool = False) -> Choice:
     """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
     earlier choice for the same shapes (this process's, else the store's) unless the new one
     is predicted STICKY_GAIN faster. pool_shape: (phrases per key, tokens per phrase) of a
-    pool the call passes, which the chosen config must fit (`fits_pool`)."""
+    pool the call passes, which the chosen config must fit (`fits_pool`). explore_depth: the
+    call is greedy and teaches auto, so it may draft deeper once (`explore`)."""
     t0 = time.perf_counter()
     B = int(prompt.shape[0])
     key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
@@ -837,12 +915,14 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
         if predicted_rate(new.method, new.config, tt, td, a) < STICKY_GAIN * keep:
-            base = old.reason.split(" (kept")[0]
+            base = old.reason.split(" (kept")[0].split(" (exploring")[0]
             out = dataclasses.replace(
                 new, method=old.method, config=old.config,
                 predicted_speedup=keep / vanilla_rate(tt),
                 reason=base + f" (kept: {new.reason.split(' (')[0]} for another setting is not "
                 f"{STICKY_GAIN:.2f}x better)")
+    if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
+        out = explore(out, target, draft)
     if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
         _store_choice(stored_key, out)
     _CHOICES[key] = out
@@ -879,7 +959,12 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     if with_draft:
         a = known_agreement(target, draft) if use_cache else None
         pair = (str(cache_path()), model_signature(target), model_signature(draft))
-        if use_cache and realised_agreement(target, draft) is not None:
+        if isinstance(a, DepthAgreement):
+            n = _read_cache()["depth"][f"{pair[1]}|{pair[2]}"][0][0]
+            notes["measured"].append(
+                f"agreement by depth {', '.join(f'{x:.3f}' for x in a.by_depth)}, then "
+                f"{a.beyond:.3f}: realised over {n} rounds of earlier calls")
+        elif use_cache and realised_agreement(target, draft) is not None:
             s, n = _read_cache()["realised"][f"{pair[1]}|{pair[2]}"]
             notes["measured"].append(f"agreement {a:.3f}: realised over {n} rounds of "
                                      "earlier calls")
@@ -896,7 +981,8 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
             a = DEFAULT_AGREEMENT
             notes["assumed"].append(f"agreement {a} (not measured)")
     # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
-    a = None if a is None else round(a, 3)
+    if a is not None and not isinstance(a, DepthAgreement):  # (by depth: rounded already)
+        a = round(a, 3)
     choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape)
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 

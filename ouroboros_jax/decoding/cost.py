@@ -24,7 +24,7 @@ c 1.25) and only shape the choice between tree sizes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -144,6 +144,49 @@ def agreement_from_eta(eta: float, gamma: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_tokens(mid, gamma) < eta else (lo, mid)
     return (lo + hi) / 2
+
+
+class DepthAgreement(NamedTuple):
+    """A pair's agreement by depth in a draft chain, as greedy chain calls realised it:
+    by_depth[k - 1] is the share of rounds whose k-th draft token was accepted among those that
+    accepted the first k - 1; beyond, the same past the measured depths. Agreement comes in
+    runs (an easy stretch accepts whole chains), so the deeper tokens of a chain are accepted
+    more often than the first: on the demo pair 0.58 / 0.75 / 0.77 / 0.9 at depths 1-4. One
+    number fitted to a 1-token chain prices a 4-token chain's tokens 12% low there."""
+
+    by_depth: tuple
+    beyond: float
+
+
+def chain_tokens(a: DepthAgreement, gamma: int) -> float:
+    """Tokens per round of a chain of gamma draft tokens under agreement by depth: 1 (the
+    target's own) plus, for each depth k, the chance that the first k draft tokens are all
+    accepted."""
+    tokens, p = 1.0, 1.0
+    for k in range(gamma):
+        p *= a.by_depth[k] if k < len(a.by_depth) else a.beyond
+        tokens += p
+    return tokens
+
+
+def agreement_for(a, gamma: int):
+    """The one per-token agreement a chain of gamma is priced with: a itself when it is a
+    number (or None), and for a DepthAgreement the a at which expected_tokens(a, gamma) equals
+    the chain's expected tokens (`chain_tokens`), so every round model keeps its one-number
+    form."""
+    if isinstance(a, DepthAgreement):
+        return agreement_from_eta(chain_tokens(a, gamma), gamma)
+    return a
+
+
+def depth_counts(histogram, gamma: int) -> list:
+    """[[reached, accepted]] for depths 1..gamma from a greedy chain call's acceptance
+    histogram (rounds by tokens kept: the accepted draft tokens plus the target's own): depth k
+    is reached by the rounds that accepted at least k - 1 draft tokens and passed by those that
+    accepted at least k. Its last bin may hold every longer round (`count_round` clips), which
+    only depths past gamma would tell apart."""
+    h = [int(x) for x in histogram]
+    return [[sum(h[k:]), sum(h[k + 1:])] for k in range(1, gamma + 1)]
 
 
 def phrase_gain(guesses: int, ngram: int) -> float:

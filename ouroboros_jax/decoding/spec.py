@@ -80,10 +80,11 @@ class MethodSpec:
         max_emit: config -> the most tokens one round gives a row.
         family: config -> hashable; configs of one family share a state layout, so the engine
             may switch between them from one step to the next (None: each config its own).
-        learn: (config, stats dict, greedy) -> (agreement, rounds) or None, called after
-            each `generate` call with a draft: the agreement the call realised, which
-            `config="auto"` stores for the pair and plans the next call with (None: the method
-            teaches auto nothing).
+        learn: (config, stats dict, greedy) -> (agreement, rounds, depth counts) or None,
+            called after each `generate` call with a draft: the agreement the call realised
+            and its acceptance by depth (`cost.depth_counts`), which `config="auto"` stores
+            for the pair and plans the next call with (None: the method teaches auto
+            nothing).
         forward_sizes: config -> (tokens per target forward, per draft forward, per first
             draft forward of a round), fixed shapes as compiled (masked slots cost as much
             as real ones); what the cost model prices. None: unknown.
@@ -151,8 +152,16 @@ class MethodSpec:
         return self.knobs.auto_grid(self.config_type, values)
 
     def rate(self, cfg, agreement, tt: dict, td: Optional[dict]) -> float:
-        """Predicted tokens/s of one config from latency tables (decoding/cost.py)."""
-        return cost.rate(self.forward_sizes(cfg), self.round_model(cfg, agreement), tt, td)
+        """Predicted tokens/s of one config from latency tables (decoding/cost.py); agreement
+        one number or a `cost.DepthAgreement` (priced at the config's chain length)."""
+        return cost.rate(self.forward_sizes(cfg), self.round_model(cfg, chain_agreement(
+            agreement, cfg)), tt, td)
+
+
+def chain_agreement(agreement, cfg):
+    """The one agreement cfg's round model takes: agreement by depth priced at cfg's chain
+    length (its gamma; 1 for a config without a draft chain)."""
+    return cost.agreement_for(agreement, getattr(cfg, "gamma", 1))
 
 
 class NoConfig:

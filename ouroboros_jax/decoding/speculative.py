@@ -54,7 +54,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, 
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows, source_labels)
 from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
-                   expected_tokens)
+                   depth_counts, expected_tokens)
 from .knobs import GAMMA, KnobSpace
 from .logprobs import walk_logprobs
 from .spec import MethodSpec
@@ -361,12 +361,14 @@ _RULE_RUNNERS: dict = {}
 
 def _learn(cfg: SpeculativeConfig, stats: dict, greedy: bool):
     """What `config="auto"` learns from a call: a greedy call drafting a fixed gamma realises
-    an agreement (the a whose expected tokens per round equal its eta) over its rounds ->
-    (agreement, rounds), or None when the call says nothing about it."""
+    an agreement (the a whose expected tokens per round equal its eta) over its rounds, and
+    its acceptance by depth (`cost.depth_counts`) -> (agreement, rounds, depth counts), or None
+    when the call says nothing about it."""
     rounds = int(stats.get("target_calls", 0))
     if not greedy or cfg.confidence != 0 or rounds <= 0 or not stats.get("new_tokens"):
         return None
-    return agreement_from_eta(float(stats["eta"]), cfg.gamma), rounds
+    return (agreement_from_eta(float(stats["eta"]), cfg.gamma), rounds,
+            depth_counts(stats["acceptance_histogram"], cfg.gamma))
 
 
 def _round_model(cfg: SpeculativeConfig, a: float) -> RoundModel:

@@ -1,0 +1,152 @@
+"""Agreement by depth (decoding/cost.py `DepthAgreement`, decoding/auto.py `depth_agreement`,
+`explore`): a pair whose agreement comes in runs accepts the deeper tokens of a chain more
+often than the first, so one agreement fitted to short chains underprices long ones. Calls
+record their acceptance by depth, auto prices each chain length with it, and a greedy first
+call at a short chain drafts deeper once so that the depths past the first are measured."""
+
+import json
+
+import numpy as np
+import pytest
+
+import ouroboros_jax as oj
+from ouroboros_jax import auto_switch
+from ouroboros_jax.decoding import auto, cost
+from ouroboros_jax.decoding.cost import DepthAgreement
+from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+SIZES = (1, 4, 8, 16, 64)
+# 2-core CPU, demo pair (as in test_auto.py): each extra token costs the target about 5%
+CPU_T = {n: 3.7e-3 * (1 + 0.05 * (n - 1)) for n in SIZES}
+CPU_D = {n: 0.47e-3 * (1 + 0.06 * (n - 1)) for n in SIZES}
+
+
+def _markov_rounds(first: float, later: float, gamma: int, n: int, seed: int = 0):
+    """Accepted draft tokens per round of n simulated rounds: the first token accepted with
+    `first`, each later one (after an acceptance) with `later`."""
+    rs = np.random.RandomState(seed)
+    p = np.array([first] + [later] * (gamma - 1))
+    ok = rs.rand(n, gamma) < p
+    return np.argmin(np.concatenate([ok, np.zeros((n, 1), bool)], 1), axis=1)
+
+
+def test_depth_counts_read_a_histogram():
+    # gamma 3: rounds kept 1, 2, 3, 4 tokens (accepted 0..3) 10, 6, 3, 1 times
+    assert cost.depth_counts([0, 10, 6, 3, 1], 3) == [[20, 10], [10, 4], [4, 1]]
+    # the conditional agreements recovered from simulated runs are the simulated ones
+    acc = _markov_rounds(0.55, 0.85, 4, 200000)
+    hist = np.bincount(acc + 1, minlength=6)
+    counts = cost.depth_counts(hist, 4)
+    rates = [a / r for r, a in counts]
+    assert rates[0] == pytest.approx(0.55, abs=0.01)
+    assert rates[1:] == pytest.approx([0.85] * 3, abs=0.01)
+
+
+def test_chain_tokens_match_simulated_runs():
+    a = DepthAgreement((0.55,), 0.85)
+    for gamma in (1, 2, 4, 8):
+        acc = _markov_rounds(0.55, 0.85, gamma, 200000, seed=gamma)
+        assert np.mean(acc + 1) == pytest.approx(cost.chain_tokens(a, gamma), rel=0.01)
+
+
+def test_one_agreement_at_every_depth_is_one_number():
+    for a in (0.3, 0.6, 0.9):
+        same = DepthAgreement((a, a), a)
+        for gamma in (1, 3, 6):
+            assert cost.agreement_for(same, gamma) == pytest.approx(a, abs=1e-6)
+    assert cost.agreement_for(0.7, 5) == 0.7 and cost.agreement_for(None, 5) is None
+    # runs: the longer the chain, the higher the one number that prices it
+    runs = DepthAgreement((0.55, 0.75, 0.8), 0.85)
+    priced = [cost.agreement_for(runs, g) for g in (1, 2, 4, 8)]
+    assert priced == sorted(priced) and priced[0] == pytest.approx(0.55, abs=1e-6)
+
+
+def test_runs_of_agreement_lengthen_the_chosen_chain():
+    """Priced with the first token's agreement alone, the demo pair's CPU tables give a short
+    chain; with the deeper tokens' (measured on that pair: about 0.58, then 0.75-0.9) a longer
+    one, and the stats say by depth what the choice was priced with."""
+    flat = auto.choose("speculative", CPU_T, CPU_D, 0.58)
+    runs = auto.choose("speculative", CPU_T, CPU_D, DepthAgreement((0.58, 0.75, 0.77), 0.8))
+    assert runs.config.gamma > flat.config.gamma
+    assert runs.predicted_speedup > flat.predicted_speedup
+    s = runs.as_stats("speculative")
+    assert s["agreement_by_depth"] == [0.58, 0.75, 0.77, 0.8]
+    assert s["agreement"] == pytest.approx(cost.agreement_for(runs.agreement, runs.config.gamma),
+                                           abs=1e-3)
+    json.dumps(s)
+
+
+@pytest.fixture
+def fresh_auto(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(auto, "_AGREED", set())
+    monkeypatch.setattr(auto, "_CHOICES", {})
+    auto_switch.forget()
+    return tmp_path
+
+
+def test_the_store_pools_depths_and_drops_bad_entries(tiny_pair, fresh_auto):
+    target, draft, _ = tiny_pair
+    assert auto.depth_agreement(target, draft) is None
+    auto.record_realised(target, draft, 0.6, 10, [[10, 6]])
+    assert auto.depth_agreement(target, draft) is None  # 10 rounds < MIN_DEPTH_ROUNDS
+    auto.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8]])
+    store = json.loads((fresh_auto / "auto.json").read_text())
+    assert list(store["depth"].values()) == [[[30, 18], [12, 9], [9, 8]]]
+    a = auto.depth_agreement(target, draft)
+    # depth 1 measured (30 rounds); depth 2 (12) not on its own; past it the pooled 17/21
+    assert a == DepthAgreement((0.6,), round(17 / 21, 3))
+    assert auto.known_agreement(target, draft) == a
+    assert auto._valid_entry("depth", [[30, 18], [12, 9]])
+    for bad in ([[3, 4]], [], [[1, 1, 1]], [[-1, 0]], [[2.5, 1]], {"1": 2}):
+        assert not auto._valid_entry("depth", bad), bad
+
+
+def test_explore_drafts_deeper_once(tiny_pair, fresh_auto):
+    target, draft, _ = tiny_pair
+    short = auto.Choice("speculative", SpeculativeConfig(gamma=1), 1.3, 0.6, "predicted")
+    out = auto.explore(short, target, draft)
+    assert out.config == SpeculativeConfig(gamma=auto.EXPLORE_DEPTH) and "exploring" in out.reason
+    long = auto.Choice("speculative", SpeculativeConfig(gamma=6), 1.3, 0.6, "predicted")
+    off = auto.Choice("vanilla", None, 1.0, 0.2, "off")
+    ouro = auto.Choice("ouroboros", OuroborosConfig(gamma=1), 1.3, 0.6, "predicted")
+    for c in (long, off, ouro):  # already deep, nothing to draft, or a method that learns nothing
+        assert auto.explore(c, target, draft) is c
+    auto.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8], [8, 4]])
+    assert auto.explore(short, target, draft) is short  # depths past the first measured
+    _, draft2, _ = tiny_pair
+    cold = auto.Choice("speculative", SpeculativeConfig(gamma=2), 1.3, 0.1, "predicted")
+    auto._put("depth", f"{auto.model_signature(target)}|{auto.model_signature(target)}",
+              [[auto.EXPLORE_ROUNDS, 5], [5, 1]])
+    assert auto.explore(cold, target, target) is cold  # a pair that rarely passes token 1
+
+
+def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, monkeypatch):
+    """A first greedy call whose choice drafts 1 token drafts EXPLORE_DEPTH instead and records
+    its acceptance at every depth; the next call runs the choice. Tokens equal vanilla's in
+    both (the target is its own draft here: every token accepted, so depths fill at once;
+    auto's own choice is fixed, so what is tested is what a call does with it)."""
+    t = tiny_target
+    # at agreement 0.3 a chain of 1 is clearly faster than one of 4 (past the sticky rule)
+    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: auto.Choice(
+        "speculative", SpeculativeConfig(gamma=1), 1.3, 0.3, "predicted", (CPU_T, CPU_D)))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
+    # a sampled call teaches auto nothing (`MethodSpec.learn` is greedy only): no exploring
+    sampled = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=8,
+                          temperature=1.0, seed=3)
+    assert sampled.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
+    assert "exploring" not in sampled.stats["auto"]["reason"]
+    first = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
+                        eos_token_id=-1)
+    assert first.tokens == ref.tokens
+    assert first.stats["auto"]["config"] == f"SpeculativeConfig(gamma={auto.EXPLORE_DEPTH})"
+    assert "exploring" in first.stats["auto"]["reason"]
+    counts = list(json.loads((fresh_auto / "auto.json").read_text())["depth"].values())[0]
+    assert len(counts) == auto.EXPLORE_DEPTH and all(r == a > 0 for r, a in counts)
+    assert counts[0][0] == sum(first.stats["acceptance_histogram"])  # every round reached 1
+    second = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
+                         eos_token_id=-1)
+    assert second.tokens == ref.tokens
+    assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
