@@ -127,10 +127,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
     limits, sp = row_knobs(B, max_new_tokens, *knobs)
 
-    if choice is not None:
-        from .decoding.auto import compiles
+    from .decoding.auto import compiles
 
-        compiled = compiles()
+    compiled = compiles()
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
@@ -146,6 +145,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
         stats["auto"] = choice.as_stats(method)
         _after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots,
                     learn=compiles() == compiled and is_leader() and not multi)
+    elif compiles() == compiled and is_leader() and not multi:
+        _learn_prices(method, cfg, target, draft, stats, seconds, B, P,
+                      cache_slots(P, max_new_tokens, 0, max_cache_len))
     # everything the call did, auto's work and the host's included, so tokens_per_second is
     # what the caller's clock sees; decode_seconds is the loop's share (prefill to result)
     stats["decode_seconds"] = seconds
@@ -250,6 +252,24 @@ def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_ca
     sig = auto_switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
                                 max_cache_len, greedy, knobs[-1])
     return auto_switch.Switcher(sig, warm, lambda: ask()[0])
+
+
+def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: int, P: int,
+                  slots: int) -> None:
+    """A call with an explicit config that compiled nothing teaches auto its loop's prices as
+    an auto call does (`auto.record_call`): calls of other configs tell the draft's share of
+    a round from the target's, which calls of one config cannot. Only where everything the
+    price needs is on disk (`auto.prices_known`): such a call never measures anything."""
+    from .decoding import auto
+
+    spec = METHODS.get(method) if isinstance(method, str) else None
+    if spec is None or (method != "vanilla" and spec.round_model is None):
+        return
+    used = draft if spec.needs_draft else None
+    if not auto.prices_known(target, used, B):
+        return
+    a = (auto.known_agreement(target, used) if used is not None else None) or auto.DEFAULT_AGREEMENT
+    auto.record_call(method, cfg, target, used, stats, seconds, B, P, slots, a)
 
 
 def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:

@@ -96,7 +96,7 @@ def test_the_store_pools_depths_and_drops_bad_entries(tiny_pair, fresh_auto):
     assert list(store["depth"].values()) == [[[30, 18], [12, 9], [9, 8]]]
     a = auto.depth_agreement(target, draft)
     # depth 1 measured (30 rounds); depth 2 (12) not on its own; past it the pooled 17/21
-    assert a == DepthAgreement((0.6,), round(17 / 21, 3))
+    assert a == DepthAgreement((0.6,), round(17 / 21, 2))
     assert auto.known_agreement(target, draft) == a
     assert auto._valid_entry("depth", [[30, 18], [12, 9]])
     for bad in ([[3, 4]], [], [[1, 1, 1]], [[-1, 0]], [[2.5, 1]], {"1": 2}):
@@ -150,3 +150,30 @@ def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, mo
                          eos_token_id=-1)
     assert second.tokens == ref.tokens
     assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
+
+
+def test_calls_with_explicit_configs_teach_the_draft_share(tiny_pair, random_prompts,
+                                                           fresh_auto, monkeypatch):
+    """A call with an explicit config that compiled nothing teaches auto its loop's prices,
+    once the device and the models are priced on disk (never measuring anything itself);
+    calls of two chain lengths tell the draft's share from the target's, which calls of one
+    config cannot."""
+    target, draft, _ = tiny_pair
+    prompts = random_prompts[:1]
+    timing = lambda: sum(v[5] for v in json.loads(  # noqa: E731
+        (fresh_auto / "auto.json").read_text()).get("timing", {}).values())
+    kw = dict(draft=draft, method="speculative", max_new_tokens=12)
+    for g in (2, 2):  # nothing priced yet: learns nothing, measures nothing
+        oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
+    store = json.loads((fresh_auto / "auto.json").read_text())  # their realised agreement
+    assert not {"timing", "device", "anchor"} & set(store)
+    oj.generate(target, prompts, **kw)  # auto: calibrates, anchors both models
+    assert auto.prices_known(target, draft, 1)
+    monkeypatch.setattr(auto, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setattr(auto, "_forward_seconds", lambda *a, **k: pytest.fail("probed"))
+    before = timing()
+    for g in (2, 5, 2, 5):
+        oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
+    # the first gamma-5 call compiled its loop: its time is the compiler's, not learned
+    assert timing() == before + 3
+    assert auto.learned_scales(target, draft, 1)[3]  # separated

@@ -138,6 +138,9 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
                      if r["config"] == "auto" else None,
                      "tokens_per_second": new / wall, "stats_tokens_per_second": new / stats_s,
                      "first_call_s": first[key], "priced_over_measured": priced / loop,
+                     # auto's own host time per call (its choice, store reads and writes)
+                     "auto_ms_per_call": 1e3 * sum(a.get("seconds", 0.0) for a in ran)
+                     / len(ran),
                      "identical": all(o.tokens == ref[i] for i, o, _ in rec[key]),
                      "eta": new / max(sum(o.stats["target_calls"] for _, o, _ in rec[key]), 1)})
     van = next(x for x in rows if x["method"] == "vanilla")["tokens_per_second"]

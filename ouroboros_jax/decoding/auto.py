@@ -561,6 +561,16 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
          (0.0, 0.0, 0.0, 0.0, 0.0, 0))
 
 
+def prices_known(target, draft, batch: int) -> bool:
+    """Whether this device's rates and these models' anchors are on disk, so a call can be
+    priced without measuring anything (`record_call` from a call with an explicit config)."""
+    data = _read_cache()
+    models = [m for m in (target, draft) if m is not None]
+    return (all(_device_key(m.params["embed"].dtype) in data.get("device", {}) for m in models)
+            and all(f"{device_kind()}|{model_signature(m)}|B{batch_bucket(batch)}"
+                    in data.get("anchor", {}) for m in models))
+
+
 def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: bool = True
                  ) -> tuple[float, bool]:
     """(this model's measured 1-token forward over its shape's price at `rates`, whether it was
@@ -748,9 +758,11 @@ def depth_agreement(target, draft) -> Optional[DepthAgreement]:
     for reached, accepted in counts:
         if reached < MIN_DEPTH_ROUNDS:
             break
-        by_depth.append(round(accepted / reached, 3))
+        by_depth.append(round(accepted / reached, 2))
     deep_r, deep_a = (sum(c[i] for c in counts[1:]) for i in (0, 1))
-    beyond = round(deep_a / deep_r, 3) if deep_r >= MIN_DEPTH_ROUNDS else by_depth[-1]
+    # to 2 decimals (a chain's tokens move by under 1%): the choice is searched again only
+    # when the agreement has moved that much (`_choose_memo`)
+    beyond = round(deep_a / deep_r, 2) if deep_r >= MIN_DEPTH_ROUNDS else by_depth[-1]
     return DepthAgreement(tuple(by_depth), beyond)
 
 

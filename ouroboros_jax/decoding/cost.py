@@ -24,6 +24,7 @@ c 1.25) and only shape the choice between tree sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -175,8 +176,14 @@ def agreement_for(a, gamma: int):
     the chain's expected tokens (`chain_tokens`), so every round model keeps its one-number
     form."""
     if isinstance(a, DepthAgreement):
-        return agreement_from_eta(chain_tokens(a, gamma), gamma)
+        return _chain_agreement(a, gamma)
     return a
+
+
+@functools.lru_cache(maxsize=1024)
+def _chain_agreement(a: DepthAgreement, gamma: int) -> float:
+    # a grid search prices hundreds of configs over a few gammas: one bisection per gamma
+    return agreement_from_eta(chain_tokens(a, gamma), gamma)
 
 
 def depth_counts(histogram, gamma: int) -> list:
