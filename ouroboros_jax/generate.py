@@ -263,7 +263,7 @@ def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: in
     from .decoding import auto
 
     spec = METHODS.get(method) if isinstance(method, str) else None
-    if spec is None or (method != "vanilla" and spec.round_model is None):
+    if spec is None or spec.round_model is None:  # (vanilla: its auto calls teach it)
         return
     used = draft if spec.needs_draft else None
     if not auto.prices_known(target, used, B):
