@@ -268,7 +268,8 @@ def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: in
     used = draft if spec.needs_draft else None
     if not auto.prices_known(target, used, B):
         return
-    a = (auto.known_agreement(target, used) if used is not None else None) or auto.DEFAULT_AGREEMENT
+    a = auto.known_agreement(target, used) if used is not None else None
+    a = auto.DEFAULT_AGREEMENT if a is None else a
     auto.record_call(method, cfg, target, used, stats, seconds, B, P, slots, a)
 
 

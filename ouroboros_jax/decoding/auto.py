@@ -715,13 +715,14 @@ def record_realised(target, draft, a: float, rounds: int, depth: Optional[list] 
     and its acceptance by depth (`cost.depth_counts`: [reached, accepted] per depth of its
     chain) with theirs, depth by depth."""
     key = f"{model_signature(target)}|{model_signature(draft)}"
-    _add("realised", key, (a * rounds, rounds), (0.0, 0))
-    if not depth:
-        return
 
-    def change(data):
-        old = data.setdefault("depth", {}).get(key, [])
-        new = [list(d) for d in old] + [[0, 0]] * (min(len(depth), MAX_DEPTH) - len(old))
+    def change(data):  # both pooled under one lock and one write of the store
+        s, n = data.setdefault("realised", {}).get(key, [0.0, 0])
+        data["realised"][key] = [float(s + a * rounds), int(n + rounds)]
+        if not depth:
+            return
+        new = [list(d) for d in data.setdefault("depth", {}).get(key, [])]
+        new += [[0, 0] for _ in range(min(len(depth), MAX_DEPTH) - len(new))]
         for k, (reached, accepted) in enumerate(depth[:MAX_DEPTH]):
             new[k] = [new[k][0] + int(reached), new[k][1] + int(accepted)]
         data["depth"][key] = new
