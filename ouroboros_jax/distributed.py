@@ -160,6 +160,11 @@ def fetch(tree):
     """tree's arrays on the host as numpy arrays, whole: arrays that span other processes'
     devices are gathered from every process (collective: every process must call it), the
     others fetched with `jax.device_get`."""
+    if isinstance(tree, jax.Array) and tree.is_fully_addressable:
+        # one local array (a serving step's packed outputs): read directly, without
+        # device_get's tree walk and copy scheduling (a tenth of its host time)
+        return np.asarray(tree)
+
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             if x.is_fully_replicated:  # every process holds it whole already

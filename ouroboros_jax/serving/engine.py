@@ -273,28 +273,25 @@ class Engine:
         # replicated over the mesh: every process reads its own devices
         out = self._executor.read(fetch(packed), plan.logprobs)
         now = time.perf_counter()
-        cfg = self.levels[plan.level][1]
-        busy = plan.busy
-        live, kept, prop = out.live[:, busy], out.kept[:, busy], out.proposed[:, busy]
+        pooled = self.levels[plan.level][1] is not OFF and self.spec.keeps_pool
+        rows = out.rows(plan.busy, self.spec.sources)
         with self._lock:
-            self._counters.step(len(busy), self._labels[plan.level], out.hits,
-                                int(live.sum()) if cfg is not OFF and self.spec.keeps_pool
-                                else 0)
-            self._counters.rounds(kept, live, prop, out.sources[busy])
-            done = out.done.tolist()
-            rows = out.busy_rows(busy, self.spec.sources)
-            for i, h, (new, row_kept, offered, sources) in zip(busy, plan.handles, rows):
+            self._counters.step(len(rows), self._labels[plan.level], out.hits,
+                                sum(len(r.kept) for r in rows) if pooled else 0)
+            self._counters.rows(rows)
+            for i, h, row in zip(plan.busy, plan.handles, rows):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)
                     continue
-                h.record(row_kept, offered, sources)
+                new = row.tokens
+                h.record(row.kept, sum(row.proposed), row.sources)
                 self._counters.c["generation_tokens"] += len(new)
                 reason = ("stop" if new and new[-1] in h.request.stop_ids else "length") \
-                    if done[i] else None
+                    if row.done else None
                 reason = h.deliver(new, now, reason,
                                    out.row_logprobs(i, len(new), h.params.logprobs))
                 if reason is not None:
                     self._end(h, reason)
-                    self._sched.free(i, device_done=bool(done[i]))
+                    self._sched.free(i, device_done=row.done)
 
     def _end(self, h: RequestHandle, reason: str,
              error: Optional[BaseException] = None) -> None:

@@ -19,8 +19,9 @@ a slot, k rounds per step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from ..pool import clear_keys
 from ..request import EOS_BUCKET, MAX_TOP_LOGPROBS, ValidRequest, bucket
 from ..sampling import SamplingParams
 from ..sharding import LOGICAL_AXES, spec_for
+from .packed_state import Packed, pack, packed, unpack, unpacked
 from .row_buckets import pad_rows, put_head, take_head
 
 OFF = "off"  # a load level without speculation
@@ -159,18 +161,30 @@ def _copy_replicated(pair, tree):
     return replicated(pair, jax.tree_util.tree_map(jnp.copy, tree))
 
 
+def _opened(dev):
+    """A device call's state as it computes on it: a Packed one unpacked (traced)."""
+    return unpack(dev) if isinstance(dev, Packed) else dev
+
+
+def _closed(held, dev: DeviceState):
+    """The state a device call returns, in the form it was given (`held`)."""
+    return pack(dev, held.layout) if isinstance(held, Packed) else dev
+
+
 @partial(jax.jit, static_argnames=("insert_fn", "cfg", "vocab", "shared"), donate_argnums=(1,))
 def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
                   shared: bool) -> DeviceState:
-    """A request (`pack_insert`) prefilled into its slot; the other slots untouched."""
+    """A request (`pack_insert`) prefilled into its slot; the other slots untouched. dev may
+    be `packed_state.Packed` (then so is the state returned)."""
+    held, dev = dev, _opened(dev)
     rows, prompt, prompt_lengths, sp, limits = unpack_insert(packed, vocab)
     state = dev.state
     if not shared:  # before the insert, which may fill the slot's range (context phrases)
         lo = rows[0] * vocab
         state = state.replace(pool=clear_keys(state.pool, lo, lo + vocab * rows.shape[0]))
     state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
-    return pinned(pair, DeviceState(state, set_rows(dev.sp, rows, sp),
-                                    set_rows(dev.limits, rows, limits)))
+    return _closed(held, pinned(pair, DeviceState(state, set_rows(dev.sp, rows, sp),
+                                                  set_rows(dev.limits, rows, limits))))
 
 
 @partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs",
@@ -181,7 +195,9 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
     the step's outputs as one int32 array, `StepOutput.pack`: one download). logprobs: the
     rounds compute the emitted tokens' logprobs, and the outputs carry them. rows: the rounds
     run on slots [0, rows) only (`row_buckets`; every slot past them must be free), None:
-    on all B; the outputs cover all B either way."""
+    on all B; the outputs cover all B either way. dev may be `packed_state.Packed` (then so
+    is the state returned)."""
+    held, dev = dev, _opened(dev)
     B = dev.limits.max_new_tokens.shape[0]
     st = dev.state
     st = st.replace(seq=st.seq.replace(done=st.seq.done | stop))
@@ -200,26 +216,51 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
     lp = lpm.read(st.seq, since, width) if logprobs else None
     out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits,
                           st.stats.by_source - by_source, lp)
-    return pinned(pair, full.replace(state=st)), replicated(pair, out)
+    return _closed(held, pinned(pair, full.replace(state=st))), replicated(pair, out)
 
 
-@dataclasses.dataclass
+class RowOutput(NamedTuple):
+    """One busy slot's share of a step, as Python values."""
+
+    tokens: list  # its new tokens
+    kept: list  # tokens kept in each round it took part in
+    proposed: list  # draft tokens offered in those rounds
+    sources: dict  # accepted draft tokens by source name (the method's sources)
+    done: bool  # the device ended its row (a stop id or max_tokens)
+
+
+def _offsets(B: int, E: int, k: int) -> tuple:
+    """Where `StepOutput.pack`'s int fields start: tokens, counts, kept, live, proposed, done,
+    hits, sources, and where they end."""
+    sizes = (B * E, B, k * B, k * B, k * B, B, 1, B * len(SOURCES))
+    return tuple(itertools.accumulate(sizes, initial=0))
+
+
 class StepOutput:
-    """What one step gave each slot, on the host: tokens int32[B,E] (counts int32[B] of
-    them), per round kept int32[k,B] / live bool[k,B] / proposed int32[k,B], done bool[B], and
-    the pool's hit counter (cumulative), the step's accepted draft tokens by source
-    int32[B, len(SOURCES)]; with logprobs, `logprobs.TokenLogprobs` of the tokens (f32[B,E],
-    int32[B,E,K], f32[B,E,K]), else None."""
+    """What one step gave each slot, on the host: per slot its new tokens (at most E), per
+    round (k) and slot the tokens kept, whether the slot took part (live) and the draft
+    tokens offered, whether the device ended the slot; the pool's hit counter (cumulative),
+    and per slot the step's accepted draft tokens by source; with logprobs,
+    `logprobs.TokenLogprobs` of the tokens (f32[B,E], int32[B,E,K], f32[B,E,K]), else None.
 
-    tokens: np.ndarray
-    counts: np.ndarray
-    kept: np.ndarray
-    live: np.ndarray
-    proposed: np.ndarray
-    done: np.ndarray
-    hits: int
-    sources: np.ndarray
-    logprobs: Optional[lpm.TokenLogprobs] = None
+    The int fields are converted to one Python list (one `tolist`) and each busy row is
+    sliced from it in Python (`rows`): at 16 busy slots, a numpy operation per field and row
+    was most of the host's work per step."""
+
+    def __init__(self, flat: np.ndarray, B: int, E: int, k: int, K: int = -1):
+        """flat: `pack`'s array on the host; K: its top tokens per position (-1: none)."""
+        self.B, self.E, self.k = B, E, k
+        self.at = _offsets(B, E, k)
+        flat = np.asarray(flat)
+        self.ints = flat[:self.at[-1]].tolist()
+        self.hits = self.ints[self.at[6]]
+        self.logprobs = None
+        if K >= 0:
+            lp = flat[self.at[-1]:]
+            n = B * E
+            self.logprobs = lpm.TokenLogprobs(
+                lp[:n].view(np.float32).reshape(B, E), lp[n:n + n * K].reshape(B, E, K),
+                lp[n + n * K:].view(np.float32).reshape(B, E, K))
 
     @staticmethod
     def pack(toks, counts, kept, live, prop, done, hits, sources, lp=None) -> jax.Array:
@@ -233,36 +274,35 @@ class StepOutput:
             parts += [bits(lp.logprobs), i32(lp.top_tokens), bits(lp.top_logprobs)]
         return jnp.concatenate(parts)
 
-    @classmethod
-    def unpack(cls, flat: np.ndarray, B: int, E: int, k: int, K: int = -1) -> "StepOutput":
-        """pack's array on the host; K: its top tokens per position (-1: no logprobs)."""
-        n = len(SOURCES)
-        cuts = np.cumsum([B * E, B, k * B, k * B, k * B, B, 1, B * n]
-                         + ([B * E, B * E * K] if K >= 0 else []))
-        t, c, kept, live, prop, done, hits, src, *rest = np.split(np.asarray(flat), cuts)
-        lp = None
-        if K >= 0:
-            lp = lpm.TokenLogprobs(rest[0].view(np.float32).reshape(B, E),
-                                   rest[1].reshape(B, E, K), rest[2].view(np.float32)
-                                   .reshape(B, E, K))
-        return cls(t.reshape(B, E), c, kept.reshape(k, B), live.reshape(k, B) != 0,
-                   prop.reshape(k, B), done != 0, int(hits[0]), src.reshape(B, n), lp)
+    def _field(self, i: int) -> np.ndarray:
+        return np.asarray(self.ints[self.at[i]:self.at[i + 1]])
 
-    def busy_rows(self, busy: list, names: tuple) -> list[tuple]:
-        """Per busy slot row, in order: (its new tokens, tokens kept in each round it took
-        part in, draft tokens offered over those rounds, accepted draft tokens {source: n} over
-        names), as Python values from one conversion per field for all rows (a conversion per
-        row per field was most of a busy engine's host work per step)."""
-        counts = self.counts[busy].tolist()
-        tokens = self.tokens[busy].tolist()
-        live = self.live[:, busy]
-        kept, alive = self.kept[:, busy].T.tolist(), live.T.tolist()
-        offered = np.where(live, self.proposed[:, busy], 0).sum(axis=0).tolist()
-        cols = [SOURCES.index(s) for s in names]
-        by_source = self.sources[busy][:, cols].tolist() if cols else [[]] * len(busy)
-        return [(t[:c], [k for k, a in zip(ks, al) if a], o, dict(zip(names, src)))
-                for t, c, ks, al, o, src in zip(tokens, counts, kept, alive, offered,
-                                                by_source)]
+    @property
+    def tokens(self) -> np.ndarray:
+        """int32[B, E]: each slot's new tokens (the first `counts` of its row)."""
+        return self._field(0).reshape(self.B, self.E)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """int32[B]: how many tokens each slot received."""
+        return self._field(1)
+
+    @property
+    def done(self) -> np.ndarray:
+        """bool[B]: the slots the device ended."""
+        return self._field(5) != 0
+
+    def rows(self, busy: list, names: tuple) -> list[RowOutput]:
+        """The busy slots' outputs, in order; sources over `names` (the method's)."""
+        v, B, E, (_, cnt, kept, live, prop, done, _, src, _) = self.ints, self.B, self.E, self.at
+        n, cols = len(SOURCES), [(s, SOURCES.index(s)) for s in names]
+        out = []
+        for r in busy:
+            rounds = [j * B + r for j in range(self.k) if v[live + j * B + r]]
+            out.append(RowOutput(v[r * E:r * E + v[cnt + r]], [v[kept + j] for j in rounds],
+                                 [v[prop + j] for j in rounds],
+                                 {s: v[src + r * n + c] for s, c in cols}, v[done + r] != 0))
+        return out
 
     def row_logprobs(self, row: int, n: int, top: Optional[int]) -> Optional[list]:
         """The first n tokens' logprobs of slot row for a request that asked for `top` top
@@ -291,13 +331,28 @@ class Executor:
     width: int
     vocab: int
     shared: bool
-    dev: DeviceState
+    held: Any  # the DeviceState, packed on one device (`packed_state`)
     saved_pool: Optional[Any] = None
 
-    def insert(self, packed: np.ndarray) -> None:
-        self.dev = device_insert(self.pair, self.dev, jnp.asarray(packed),
-                                 insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
-                                 shared=self.shared)
+    def __post_init__(self):
+        self.slots = self.held.limits.max_new_tokens.shape[0]
+        if self.pair.mesh is None:  # on a mesh each leaf keeps its own placement
+            self.held = packed(self.held)
+
+    @property
+    def dev(self) -> DeviceState:
+        """The device state, unpacked (its large arrays as they are)."""
+        return unpacked(self.held) if isinstance(self.held, Packed) else self.held
+
+    @dev.setter
+    def dev(self, dev: DeviceState) -> None:
+        self.held = dev if self.pair.mesh is not None else packed(dev)
+
+    def insert(self, data: np.ndarray) -> None:
+        """A request's packed insert (`pack_insert`) into its slot."""
+        self.held = device_insert(self.pair, self.held, jnp.asarray(data),
+                                  insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
+                                  shared=self.shared)
 
     def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
              logprobs: bool = False, rows: Optional[int] = None) -> jax.Array:
@@ -309,19 +364,18 @@ class Executor:
                                                                                 cfg)
         # a numpy argument: jit uploads it with the call (jnp.asarray would be a dispatch of
         # its own)
-        self.dev, out = device_step(self.pair, self.dev, np.asarray(stop_rows, bool),
-                                    round_fn=round_fn, cfg=cfg, greedy=greedy,
-                                    rounds=self.rounds, width=self.width,
-                                    logprobs=bool(logprobs),
-                                    rows=None if rows is None else int(rows))
+        self.held, out = device_step(self.pair, self.held, np.asarray(stop_rows, bool),
+                                     round_fn=round_fn, cfg=cfg, greedy=greedy,
+                                     rounds=self.rounds, width=self.width,
+                                     logprobs=bool(logprobs),
+                                     rows=None if rows is None else int(rows))
         return out
 
     def read(self, flat: np.ndarray, logprobs: bool = False) -> StepOutput:
         """A step's packed outputs, fetched to the host -> StepOutput (logprobs: the step
         computed them)."""
-        B = self.dev.limits.max_new_tokens.shape[0]
-        return StepOutput.unpack(flat, B, self.width, self.rounds,
-                                 MAX_TOP_LOGPROBS if logprobs else -1)
+        return StepOutput(flat, self.slots, self.width, self.rounds,
+                          MAX_TOP_LOGPROBS if logprobs else -1)
 
     @property
     def _pool(self):

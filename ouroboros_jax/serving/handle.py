@@ -90,7 +90,7 @@ class RequestHandle:
         self.t_first: Optional[float] = None
         self._wake = wake
         self._text = TextStream(tokenizer, request.params.stop)
-        self._deltas: queue.Queue = queue.Queue()
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()  # C: a tenth of the host time of Queue.put
         self._done = threading.Event()
         self._result: Optional[RequestResult] = None
         self._cancel = False

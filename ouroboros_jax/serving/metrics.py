@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -190,6 +190,14 @@ def render(engine_metrics: dict, server: Optional[ServerMetrics] = None,
     return "\n".join(lines) + "\n"
 
 
+class _Row(NamedTuple):
+    """A busy slot's rounds in a step, as `EngineCounters.rows` reads them."""
+
+    kept: list
+    proposed: list
+    sources: dict
+
+
 class EngineCounters:
     """The engine's cumulative counters (vLLM's spec-decode names), kept by the step loop;
     `snapshot` is what `Engine.metrics()` reports. hist: bins of a request's acceptance
@@ -221,21 +229,34 @@ class EngineCounters:
         self.hits_seen = hits
         self.c["pool_lookups"] += lookups
 
+    def rows(self, rows: Iterable) -> None:
+        """One step's busy slots: per slot (as `executor.RowOutput`) `kept` and `proposed`
+        per round it took part in (tokens kept, draft tokens offered) and `sources`, its
+        accepted draft tokens {source: n}. Plain Python over a few dozen rounds: a numpy
+        operation per counter cost more host time per step than the whole loop."""
+        c, pos, by_source = self.c, self.c["num_accepted_tokens_per_pos"], self.by_source
+        for row in rows:
+            for s, n in row.sources.items():
+                if s in by_source:
+                    by_source[s] += n
+            for kept, offered in zip(row.kept, row.proposed):
+                if offered > 0:
+                    c["num_drafts"] += 1
+                    c["num_draft_tokens"] += offered
+                acc = kept - 1
+                if acc > 0:
+                    c["num_accepted_tokens"] += acc
+                    for j in range(min(acc, len(pos))):
+                        pos[j] += 1
+
     def rounds(self, kept: np.ndarray, live: np.ndarray, proposed: np.ndarray,
                sources: Optional[np.ndarray] = None) -> None:
-        """One step's rounds of the busy slots, [k, busy]: tokens kept, whether the slot
-        took part, draft tokens offered; sources int[busy, len(SOURCES)]: the step's accepted
-        draft tokens by source."""
-        if sources is not None:
-            for s in self.sources:
-                self.by_source[s] += int(np.asarray(sources)[:, SOURCES.index(s)].sum())
-        c, pos = self.c, self.c["num_accepted_tokens_per_pos"]
-        c["num_drafts"] += int((live & (proposed > 0)).sum())
-        c["num_draft_tokens"] += int(proposed[live].sum())
-        acc = np.maximum(kept[live] - 1, 0)
-        c["num_accepted_tokens"] += int(acc.sum())
-        for j in range(len(pos)):
-            pos[j] += int((acc > j).sum())
+        """`rows` from arrays over the busy slots: kept, live, proposed [k, busy] (tokens kept,
+        whether the slot took part, draft tokens offered); sources int[busy, len(SOURCES)]."""
+        src = np.zeros((kept.shape[1], len(SOURCES)), int) if sources is None else sources
+        self.rows(_Row(k[a].tolist(), p[a].tolist(),
+                       {s: int(x[SOURCES.index(s)]) for s in self.sources})
+                  for k, a, p, x in zip(kept.T, live.T, proposed.T, np.asarray(src)))
 
     def ended(self, reason: str) -> None:
         self.c["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
