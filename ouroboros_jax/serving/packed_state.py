@@ -9,7 +9,8 @@ took 0.31 ms of host time instead of 0.49 at 16 busy slots (`bench.engine_host`)
 
 `Packed` is a pytree whose leaves are the large arrays, as they are, and one int32 vector
 holding every small leaf (bool, int32, uint32 and float32 leaves of fewer than
-`SMALL_ELEMENTS` elements, bit-cast); its static layout (the state's tree and each leaf's
+`SMALL_ELEMENTS` elements, bit-cast; not empty ones: XLA:CPU aborted compiling a slice of
+zero elements out of the packed vector); its static layout (the state's tree and each leaf's
 shape and dtype) is kept in a registry and named by an integer, so comparing two calls'
 layouts is one integer compare. `pack` and `unpack` are pure and traceable: the device calls
 unpack at their start and pack at their end, inside the one compiled program.
@@ -51,7 +52,7 @@ def layout_of(tree: Any) -> int:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     entry = (treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name,
                              jnp.dtype(x.dtype).name in _PACKABLE
-                             and math.prod(x.shape) < SMALL_ELEMENTS) for x in leaves))
+                             and 0 < math.prod(x.shape) < SMALL_ELEMENTS) for x in leaves))
     for i, known in enumerate(_LAYOUTS):
         if known == entry:
             return i
