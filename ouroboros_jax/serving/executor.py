@@ -11,6 +11,9 @@ the emitted tokens' logprobs (with the `MAX_TOP_LOGPROBS` most likely tokens') o
 busy request asks for them (`logprobs`, static: a second compiled step, built on first use).
 A step returns device arrays at once (JAX dispatch is asynchronous): the caller reads them
 when it needs them, so the host may work while the device runs.
+On one device the state is held with its small leaves packed into one array
+(`packed_state`): a call's host cost grows with its leaves, and a step's dispatch is paid
+while the device computes.
 
 Letters (package glossary): B slots, S cache slots, P prompt width, E tokens one step can give
 a slot, k rounds per step.
