@@ -90,7 +90,8 @@ class RequestHandle:
         self.t_first: Optional[float] = None
         self._wake = wake
         self._text = TextStream(tokenizer, request.params.stop)
-        self._deltas: queue.SimpleQueue = queue.SimpleQueue()  # C: a tenth of the host time of Queue.put
+        # SimpleQueue (C): a tenth of Queue.put's host time, paid per request per step
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._result: Optional[RequestResult] = None
         self._cancel = False
