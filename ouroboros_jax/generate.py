@@ -191,17 +191,20 @@ def _placed_batch(prompt: np.ndarray, plens: np.ndarray, mesh):
 
 
 def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: int,
-                 max_cache_len, pool, greedy: bool):
+                 max_cache_len, pool, greedy: bool, compiles_anyway: bool = False):
     """`decoding.auto`'s choice for this call -> (Choice, the cache slots it sized for). A pool
     passed in keeps its shape: auto chooses among the configs it can serve. A greedy call
-    teaches auto the pair's agreement, so it may draft deeper once (`auto.explore`)."""
-    from .decoding.auto import auto_config
+    teaches auto the pair's agreement, so it may draft deeper once (`auto.explore`).
+    compiles_anyway: the call compiles whichever loop it runs, so a change of choice costs it
+    nothing more (`auto.SETTLE_GAIN`)."""
+    from .decoding.auto import SETTLE_GAIN, STICKY_GAIN, auto_config
 
     shape = (None if pool is None or not hasattr(pool, "phrase_len")
              else (int(pool.guesses), int(pool.phrase_len)))
     auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
     return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
-                       pool_shape=shape, explore_depth=greedy), auto_slots
+                       pool_shape=shape, explore_depth=greedy,
+                       switch_gain=SETTLE_GAIN if compiles_anyway else STICKY_GAIN), auto_slots
 
 
 def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
@@ -212,11 +215,11 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
     that passes a pool, nor over processes (auto's choice is broadcast once there)."""
     ask = functools.partial(_auto_choice, method, target, draft, prompt_j, plens_j,
                             max_new_tokens, max_cache_len, pool, greedy)
-    choice, auto_slots = ask()
     if pool is not None or multi:
-        return choice, auto_slots, None
+        return ask() + (None,)
     switch = _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len,
                        greedy, knobs)
+    choice, auto_slots = ask(compiles_anyway=switch.first())
     return switch.runnable(choice), auto_slots, switch
 
 
@@ -251,7 +254,8 @@ def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_ca
 
     sig = auto_switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
                                 max_cache_len, greedy, knobs[-1])
-    return auto_switch.Switcher(sig, warm, lambda: ask()[0])
+    # asked again at the end of the kind's first call, which compiles what it settles on
+    return auto_switch.Switcher(sig, warm, lambda: ask(compiles_anyway=True)[0])
 
 
 def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: int, P: int,

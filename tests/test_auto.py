@@ -4,6 +4,7 @@ trees or no speculation), the probe and the agreement are kept on disk, and auto
 the tokens."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -430,6 +431,33 @@ def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_p
     assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
     third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
     assert third.method == "vanilla"
+
+
+def test_a_call_that_compiles_anyway_switches_on_a_smaller_gain(tiny_pair, random_prompts,
+                                                               tmp_path, monkeypatch):
+    """Where the call compiles whichever loop it runs (a kind's first call, and auto asked again
+    at its end), a choice predicted SETTLE_GAIN faster replaces the kept one; a later call,
+    whose switch would compile, still asks STICKY_GAIN. (On the real Qwen pair the sticky rule
+    at the end of the first call kept gamma 4 where gamma 6 ran 1.18x faster.)"""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    target, draft, _ = tiny_pair
+    prompt = jnp.asarray([random_prompts[0][:8]], jnp.int32)
+    plens = jnp.asarray([8], jnp.int32)
+    g4, g6 = (auto.Choice("speculative", SpeculativeConfig(gamma=g), 1.5, 0.9, f"gamma {g}",
+                          (CPU_T, CPU_D)) for g in (4, 6))
+    gain = (auto.predicted_rate("speculative", g6.config, CPU_T, CPU_D, 0.9)
+            / auto.predicted_rate("speculative", g4.config, CPU_T, CPU_D, 0.9))
+    assert auto.SETTLE_GAIN <= gain < auto.STICKY_GAIN  # the case the two gains decide apart
+    seq = iter([g4, g6, g6])
+    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: next(seq))
+    call = functools.partial(auto.auto_config, "speculative", target, draft, prompt, plens, 64)
+    assert call().config == g4.config
+    kept = call()  # a later call: the switch would compile
+    assert kept.config == g4.config and f"not {auto.STICKY_GAIN:.2f}x better" in kept.reason
+    settled = call(switch_gain=auto.SETTLE_GAIN)
+    assert settled.config == g6.config and "kept" not in settled.reason
 
 
 def test_sharded_call_keys_the_sharded_model(tiny_pair, tmp_path, monkeypatch):

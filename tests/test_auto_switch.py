@@ -28,19 +28,22 @@ def scripted(monkeypatch):
     answers, asked = [], []
 
     def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool,
-             greedy):
+             greedy, compiles_anyway=False):
         asked.append(answers[0] if len(answers) == 1 else answers.pop(0))
+        anyway.append(compiles_anyway)
         return asked[-1], 64
+
+    anyway = []
 
     monkeypatch.setattr(gen, "_auto_choice", fake)
     auto_switch.forget()
-    yield answers, asked
+    yield answers, asked, anyway
     auto_switch.forget()
 
 
 def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     target, draft, _ = tiny_pair
-    answers, asked = scripted
+    answers, asked, anyway = scripted
     prompt = [[5, 6, 7, 8, 9, 10]]
     kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
     ref = oj.generate(target, prompt, max_new_tokens=12, eos_token_id=-1).tokens
@@ -50,12 +53,16 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     first = oj.generate(target, prompt, **kw)
     assert first.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
     assert [c.config.gamma for c in asked] == [2, 3] and first.tokens == ref
+    # both asks compile whatever they choose: a change of mind costs the call nothing more,
+    # so auto switches there on a smaller predicted gain (`auto.SETTLE_GAIN`)
+    assert anyway == [True, True]
 
     # call 2 runs gamma 3 and compiles nothing
     before = compiles()
     second = oj.generate(target, prompt, **kw)
     assert compiles() == before
     assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
+    assert anyway[2:] == [False]  # a later call's switch would compile: the sticky gain
     assert second.tokens == ref
 
     # auto now prefers gamma 5, never compiled: call 3 runs gamma 3 while gamma 5 compiles in
@@ -117,8 +124,8 @@ from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
 target, draft = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
 answers = [2, 2, 5]
-gen._auto_choice = lambda *a: (Choice("speculative", SpeculativeConfig(gamma=answers.pop(0)),
-                                      1.5, 0.7, "scripted"), 64)
+gen._auto_choice = lambda *a, **k: (Choice("speculative", SpeculativeConfig(gamma=answers.pop(0)),
+                                            1.5, 0.7, "scripted"), 64)
 kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
 oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2 (asked again at its end: 2)
 out = oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 5 starts compiling in the background

@@ -572,3 +572,27 @@ def test_cpu_forward_bench_refuses_bad_flags(argv, message):
 
     with pytest.raises(SystemExit, match=message):
         cpu_forward.main(["--target", "unused"] + argv)
+
+
+def test_auto_check_reads_its_noise_pass_by_pass():
+    """auto_check's noise columns: auto over the best row per interleaved pass, and over the grid
+    row of the config auto ran (matched by its knobs, the grid repr naming every field)."""
+    from types import SimpleNamespace
+
+    from ouroboros_jax.bench.auto_check import noise, per_pass
+
+    def calls(walls):  # 10 tokens per call
+        return [(0, SimpleNamespace(stats={"new_tokens": 10}), w) for w in walls]
+
+    assert per_pass(calls([1.0, 1.0, 0.5, 0.5]), 2) == [10.0, 20.0]
+    top = {"config": "SpeculativeConfig(gamma=2, confidence=0.0)", "tokens_per_second": 10.0,
+           "pass_tokens_per_second": [10.0, 8.0, 12.0]}
+    mine = {"config": "SpeculativeConfig(gamma=1, confidence=0.0)", "tokens_per_second": 8.0,
+            "pass_tokens_per_second": [8.0, 8.0, 8.0]}
+    auto_row = {"config": "auto -> SpeculativeConfig(gamma=1)", "tokens_per_second": 9.0,
+                "pass_tokens_per_second": [9.0, 10.0, 6.0]}
+    out = noise(auto_row, top, [top, mine])
+    assert out["auto_over_best_by_pass"] == {"median": 0.9, "low": 0.5, "high": 1.25}
+    assert out["auto_over_same_config"] == pytest.approx(9.0 / 8.0)
+    other = dict(auto_row, config="auto -> SpeculativeConfig(gamma=3)")
+    assert noise(other, top, [top, mine])["auto_over_same_config"] is None

@@ -14,7 +14,8 @@ One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every conf
 and auto make their first (compiling) call first; then `--calls` passes over the prompts, each
 pass running vanilla, every grid config and auto in turn on the same prompt (interleaved, so
 load from other processes falls on all alike), timed by the wall clock around `generate`.
-Reported per method: each config's tokens/s and ratio to vanilla, auto's chosen config and its
+Reported per method: each config's tokens/s, its ratio to vanilla and the one the cost model predicts
+(`pred x`, at auto's final tables and agreement: its ranking of the grid), auto's chosen config and its
 ratio to the grid's best (the gate is 0.95), and per config the cost model's price of its calls
 (auto's learned tables: `auto.latency_tables`, `auto.call_parts`) against their measured loop
 time (the gate is within 10%), and auto's stats' tokens/s against the wall clock's (within 5%).
@@ -78,6 +79,18 @@ def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
     return x_t + x_s
 
 
+def predicted(target, draft, method, cfg, slots) -> float:
+    """The cost model's speedup over vanilla for one config at auto's tables and agreement now
+    (what auto weighs when it chooses: its ranking of the grid)."""
+    from ..decoding import METHODS, auto
+    from ..decoding.cost import vanilla_rate
+
+    used_draft = method != "vanilla" and METHODS[method].needs_draft
+    tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
+    a = auto.known_agreement(target, draft) if used_draft else None
+    return auto.predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt)
+
+
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
     import ouroboros_jax as oj
     from ..decoding import METHODS
@@ -136,22 +149,30 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
                      f"auto -> {ran[-1]['config'] or 'vanilla'}",
                      "auto_configs": sorted({a.get("config") or "vanilla" for a in ran})
                      if r["config"] == "auto" else None,
+                     "auto_reasons": [a.get("reason") for a in ran] if r["config"] == "auto"
+                     else None,
                      "tokens_per_second": new / wall, "stats_tokens_per_second": new / stats_s,
                      "first_call_s": first[key], "priced_over_measured": priced / loop,
+                     "predicted_x_vanilla": predicted(target, draft, m, cfg, slots),
                      # auto's own host time per call (its choice, store reads and writes)
                      "auto_ms_per_call": 1e3 * sum(a.get("seconds", 0.0) for a in ran)
                      / len(ran),
                      "identical": all(o.tokens == ref[i] for i, o, _ in rec[key]),
                      "eta": new / max(sum(o.stats["target_calls"] for _, o, _ in rec[key]), 1)})
+    for x, key in zip(rows, runs):
+        x["pass_tokens_per_second"] = per_pass(rec[key], len(ids))
     van = next(x for x in rows if x["method"] == "vanilla")["tokens_per_second"]
     for x in rows:
         x["x_vanilla"] = x["tokens_per_second"] / van
     for m in WORKLOADS[workload]:
         mine = [x for x in rows if x["method"] == m]
-        best = max(x["tokens_per_second"] for x in mine if not x["config"].startswith("auto"))
+        grid = [x for x in mine if not x["config"].startswith("auto")]
+        top = max(grid, key=lambda x: x["tokens_per_second"])
+        best = top["tokens_per_second"]
         for x in mine:
             if x["config"].startswith("auto"):
                 x["auto_over_best"] = x["tokens_per_second"] / best
+                x.update(noise(x, top, grid))
                 # auto ran vanilla: judged against vanilla too
                 if x["config"].endswith("vanilla"):
                     x["auto_over_vanilla"] = x["x_vanilla"]
@@ -159,17 +180,57 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
             "max_new_tokens": max_new_tokens, "load_seconds": load_s, "rows": rows}
 
 
+def per_pass(calls: list, prompts: int) -> list:
+    """Tokens/s of each pass over the prompts (calls in order, `prompts` per pass)."""
+    out = []
+    for p in range(0, len(calls), prompts):
+        chunk = calls[p:p + prompts]
+        out.append(sum(o.stats["new_tokens"] for _, o, _ in chunk) / sum(w for _, _, w in chunk))
+    return out
+
+
+def noise(auto_row: dict, top: dict, grid: list) -> dict:
+    """How far the run's noise reaches, beside auto/best: auto over the best row pass by pass
+    (median, lowest, highest: the passes interleave every row, so each pass is a paired
+    comparison), and auto over the grid row of the config it ran, where the grid has it (the
+    same compiled loop timed as two rows: what two measurements of one thing differ by)."""
+    pairs = sorted(a / b for a, b in zip(auto_row["pass_tokens_per_second"],
+                                         top["pass_tokens_per_second"]))
+    mid = len(pairs) // 2
+    median = pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
+    ran = auto_row["config"].split("auto -> ", 1)[1]
+    same = [x for x in grid if x["config"].split("(")[0] == ran.split("(")[0]
+            and _fields(x["config"]) >= _fields(ran)]
+    return {"auto_over_best_by_pass": {"median": median, "low": pairs[0], "high": pairs[-1]},
+            "auto_over_same_config": (auto_row["tokens_per_second"] / same[0]["tokens_per_second"]
+                                      if same else None)}
+
+
+def _fields(text: str) -> set:
+    """The field=value pairs of a config's repr (auto's repr names only the knobs it sets)."""
+    inner = text.split("(", 1)[1].rstrip(")") if "(" in text else ""
+    return {f.strip() for f in inner.split(",") if "=" in f}
+
+
 def table(res: dict) -> str:
     out = [f"workload {res['workload']}: {res['prompts']} prompts x {res['calls']} passes, "
            f"{res['max_new_tokens']} new tokens, B=1, greedy; tokens/s by the wall clock",
            f"{'method':<14}{'config':<62}{'tok/s':>7}{'x van':>7}{'eta':>6}{'price/meas':>11}"
-           f"{'stats/wall':>11}{'auto/best':>10}  same"]
+           f"{'pred x':>7}{'stats/wall':>11}{'auto/best':>10}  same"]
     for x in res["rows"]:
         ob = x.get("auto_over_best")
         out.append(f"{x['method']:<14}{x['config'][:61]:<62}{x['tokens_per_second']:>7.2f}"
                    f"{x['x_vanilla']:>7.2f}{x['eta']:>6.2f}{x['priced_over_measured']:>11.2f}"
+                   f"{x.get('predicted_x_vanilla', float('nan')):>7.2f}"
                    f"{x['stats_tokens_per_second'] / x['tokens_per_second']:>11.3f}"
                    f"{'' if ob is None else f'{ob:.2f}':>10}  {x['identical']}")
+    for x in res["rows"]:
+        if "auto_over_best_by_pass" in x:
+            bp, same = x["auto_over_best_by_pass"], x["auto_over_same_config"]
+            out.append(f"{x['method']}: auto/best {x['auto_over_best']:.2f}; pass by pass median "
+                       f"{bp['median']:.2f} ({bp['low']:.2f}-{bp['high']:.2f}); auto over the "
+                       "grid row of its own config "
+                       + ("(not in the grid)" if same is None else f"{same:.2f}"))
     return "\n".join(out)
 
 

@@ -869,11 +869,20 @@ def _spec(method: str):
 
 # Choices already made, by (method, models, batch bucket, cache size, pool shape): in this
 # process (`_CHOICES`) and on disk (the "choice" section), so a later process starts from the
-# same one. A new config is a new compiled loop (seconds on a CPU), so a choice is kept until
-# another is predicted to be at least STICKY_GAIN faster (e.g. once calls have measured the
-# pair's agreement, or its loop's prices).
+# same one. A choice is kept until another is predicted faster by the switch's gain:
+# - STICKY_GAIN where switching costs a compile that staying would not (a later call: the new
+#   loop compiles in the background, `auto_switch`, so the cost is the host cores it takes
+#   from the calls it overlaps: on the demo pair about 3 s of compile against a 5% gain on
+#   every call after it; 1.10 kept its speculative and Ouroboros calls at gamma 1, 0.86-0.90
+#   of the best gamma, which the learned prices ranked 7% better);
+# - SETTLE_GAIN where the call compiles whichever it runs (the first call of its kind in a
+#   process, and auto asked again at its end, `auto_switch.settle`): there the margin only
+#   keeps noise in the prices from flipping the choice from one process to the next. (With
+#   STICKY_GAIN there, the real Qwen pair kept gamma 4, explored by its first call, where
+#   gamma 6 ran 1.18x faster and was predicted 1.08x.)
 _CHOICES: dict = {}
-STICKY_GAIN = 1.10
+STICKY_GAIN = 1.05
+SETTLE_GAIN = 1.02
 
 
 def _choice_key(method, target, draft, B, slots, pool_shape) -> str:
@@ -906,12 +915,14 @@ def _store_choice(key: str, choice: Choice) -> None:
 
 
 def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True,
-                pool_shape: Optional[tuple] = None, explore_depth: bool = False) -> Choice:
+                pool_shape: Optional[tuple] = None, explore_depth: bool = False,
+                switch_gain: float = STICKY_GAIN) -> Choice:
     """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
     earlier choice for the same shapes (this process's, else the store's) unless the new one
-    is predicted STICKY_GAIN faster. pool_shape: (phrases per key, tokens per phrase) of a
-    pool the call passes, which the chosen config must fit (`fits_pool`). explore_depth: the
-    call is greedy and teaches auto, so it may draft deeper once (`explore`)."""
+    is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN where the call compiles
+    anyway). pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which
+    the chosen config must fit (`fits_pool`). explore_depth: the call is greedy and teaches
+    auto, so it may draft deeper once (`explore`)."""
     t0 = time.perf_counter()
     B = int(prompt.shape[0])
     key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
@@ -927,13 +938,13 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
             fits_pool(old.config, pool_shape)):
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
-        if predicted_rate(new.method, new.config, tt, td, a) < STICKY_GAIN * keep:
+        if predicted_rate(new.method, new.config, tt, td, a) < switch_gain * keep:
             base = old.reason.split(" (kept")[0].split(" (exploring")[0]
             out = dataclasses.replace(
                 new, method=old.method, config=old.config,
                 predicted_speedup=keep / vanilla_rate(tt),
                 reason=base + f" (kept: {new.reason.split(' (')[0]} for another setting is not "
-                f"{STICKY_GAIN:.2f}x better)")
+                f"{switch_gain:.2f}x better)")
     if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
         out = explore(out, target, draft)
     if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
