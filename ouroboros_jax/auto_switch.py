@@ -140,12 +140,6 @@ class Switcher:
     warm: Callable
     again: Callable
 
-    def first(self) -> bool:
-        """Whether no loop of this signature has run in this process (this call compiles
-        whichever it runs)."""
-        with _LOCK:
-            return self.sig not in _RAN
-
     def runnable(self, choice):
         return runnable(self.sig, choice, self.warm)[0]
 

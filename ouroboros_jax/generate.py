@@ -195,8 +195,9 @@ def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: 
     """`decoding.auto`'s choice for this call -> (Choice, the cache slots it sized for). A pool
     passed in keeps its shape: auto chooses among the configs it can serve. A greedy call
     teaches auto the pair's agreement, so it may draft deeper once (`auto.explore`).
-    compiles_anyway: the call compiles whichever loop it runs, so a change of choice costs it
-    nothing more (`auto.SETTLE_GAIN`)."""
+    compiles_anyway: asked again at the end of a kind's first call, which compiles what it
+    settles on (`auto_switch.settle`), so a change of choice costs no later call a compile
+    (`auto.SETTLE_GAIN`)."""
     from .decoding.auto import SETTLE_GAIN, STICKY_GAIN, auto_config
 
     shape = (None if pool is None or not hasattr(pool, "phrase_len")
@@ -219,7 +220,7 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
         return ask() + (None,)
     switch = _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len,
                        greedy, knobs)
-    choice, auto_slots = ask(compiles_anyway=switch.first())
+    choice, auto_slots = ask()
     return switch.runnable(choice), auto_slots, switch
 
 

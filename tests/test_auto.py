@@ -435,9 +435,9 @@ def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_p
 
 def test_a_call_that_compiles_anyway_switches_on_a_smaller_gain(tiny_pair, random_prompts,
                                                                tmp_path, monkeypatch):
-    """Where the call compiles whichever loop it runs (a kind's first call, and auto asked again
-    at its end), a choice predicted SETTLE_GAIN faster replaces the kept one; a later call,
-    whose switch would compile, still asks STICKY_GAIN. (On the real Qwen pair the sticky rule
+    """Asked again at the end of a kind's first call (which compiles what it settles on), a
+    choice predicted SETTLE_GAIN faster replaces the kept one; a later call, whose switch
+    would compile, still asks STICKY_GAIN. (On the real Qwen pair the sticky rule
     at the end of the first call kept gamma 4 where gamma 6 ran 1.18x faster.)"""
     import jax.numpy as jnp
 

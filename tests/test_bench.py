@@ -596,3 +596,19 @@ def test_auto_check_reads_its_noise_pass_by_pass():
     assert out["auto_over_same_config"] == pytest.approx(9.0 / 8.0)
     other = dict(auto_row, config="auto -> SpeculativeConfig(gamma=3)")
     assert noise(other, top, [top, mine])["auto_over_same_config"] is None
+
+
+def test_spec_bound_is_the_rounds_forwards_against_vanilla_steps():
+    """spec_bound's arithmetic: eta from the agreement by depth, the decode bound eta * t_step /
+    t_round, and the call's bound with both prefills over N new tokens."""
+    from ouroboros_jax.bench.spec_bound import bound_rows
+    from ouroboros_jax.decoding.cost import DepthAgreement
+
+    every = DepthAgreement((1.0, 1.0), 1.0)  # every draft token accepted: eta = gamma + 1
+    (row,) = bound_rows([3], every, 0.25, {3: 0.5}, 2.0, 1.0, 100)
+    assert row["eta"] == pytest.approx(4.0)
+    assert row["decode_bound"] == pytest.approx(4 * 0.25 / 0.5)
+    assert row["call_bound"] == pytest.approx((2.0 + 100 * 0.25) / (2.0 + 1.0 + 100 / 4 * 0.5))
+    half = DepthAgreement((0.5,), 0.5)  # 1 + 0.5 + 0.25
+    assert bound_rows([2], half, 1.0, {2: 1.0}, 0.0, 0.0, 10)[0]["decode_bound"] == \
+        pytest.approx(1.75)

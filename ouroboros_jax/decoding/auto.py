@@ -870,18 +870,17 @@ def _spec(method: str):
 # Choices already made, by (method, models, batch bucket, cache size, pool shape): in this
 # process (`_CHOICES`) and on disk (the "choice" section), so a later process starts from the
 # same one. A choice is kept until another is predicted faster by the switch's gain:
-# - STICKY_GAIN where switching costs a compile that staying would not (a later call: the new
-#   loop compiles in the background, `auto_switch`, so the cost is the host cores it takes
-#   from the calls it overlaps: on the demo pair about 3 s of compile against a 5% gain on
-#   every call after it; 1.10 kept its speculative and Ouroboros calls at gamma 1, 0.86-0.90
-#   of the best gamma, which the learned prices ranked 7% better);
-# - SETTLE_GAIN where the call compiles whichever it runs (the first call of its kind in a
-#   process, and auto asked again at its end, `auto_switch.settle`): there the margin only
-#   keeps noise in the prices from flipping the choice from one process to the next. (With
+# - STICKY_GAIN where switching costs a compile that staying would not: a later call (the new
+#   loop compiles in the background, `auto_switch`, on the host cores the user's calls run
+#   on), or a process's first call against the store's choice (whose loop the persistent
+#   compilation cache likely holds);
+# - SETTLE_GAIN where auto is asked again at the end of a kind's first call in a process
+#   (`auto_switch.settle`), which compiles what it settles on before any later call runs:
+#   there the margin only keeps noise in the prices from flipping the choice. (With
 #   STICKY_GAIN there, the real Qwen pair kept gamma 4, explored by its first call, where
 #   gamma 6 ran 1.18x faster and was predicted 1.08x.)
 _CHOICES: dict = {}
-STICKY_GAIN = 1.05
+STICKY_GAIN = 1.10
 SETTLE_GAIN = 1.02
 
 
@@ -919,8 +918,8 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
                 switch_gain: float = STICKY_GAIN) -> Choice:
     """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
     earlier choice for the same shapes (this process's, else the store's) unless the new one
-    is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN where the call compiles
-    anyway). pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which
+    is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN at the end of a kind's first
+    call, `auto_switch.settle`). pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which
     the chosen config must fit (`fits_pool`). explore_depth: the call is greedy and teaches
     auto, so it may draft deeper once (`explore`)."""
     t0 = time.perf_counter()
@@ -939,12 +938,11 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
         if predicted_rate(new.method, new.config, tt, td, a) < switch_gain * keep:
-            base = old.reason.split(" (kept")[0].split(" (exploring")[0]
+            kept = keep / vanilla_rate(tt)  # at the prices now, not those it was chosen at
             out = dataclasses.replace(
-                new, method=old.method, config=old.config,
-                predicted_speedup=keep / vanilla_rate(tt),
-                reason=base + f" (kept: {new.reason.split(' (')[0]} for another setting is not "
-                f"{switch_gain:.2f}x better)")
+                new, method=old.method, config=old.config, predicted_speedup=kept,
+                reason=f"predicted {kept:.2f}x vanilla (kept: {new.reason.split(' (')[0]} for "
+                f"another setting is not {switch_gain:.2f}x better)")
     if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
         out = explore(out, target, draft)
     if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
