@@ -28,7 +28,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+
+
+def say(what: str) -> None:
+    """Progress on stderr: each step compiles and runs seconds to minutes on a CPU."""
+    print(f"spec_bound: {what}", file=sys.stderr, flush=True)
 
 
 def round_seconds(target, draft, gamma: int, context: int, slots: int, reps: int) -> float:
@@ -105,9 +111,15 @@ def run(target, draft, texts: list, gammas: list, new: int, reps: int, do_measur
     width = pad_prompts(ids)[0].shape[1]
     slots = cache_slots(width, new, max(gammas) + 1)
     context = width + new // 2  # the middle of a call's decoding
+    say(f"agreement: {len(ids)} greedy speculative calls at gamma {max(gammas)}")
     a, n_rounds = agreement(target, draft, ids, max(gammas), new)
+    say("vanilla's step: the target's 1-token forward")
     t_step = forward_seconds(target, 1, context, slots, reps)
-    rounds = {g: round_seconds(target, draft, g, context, slots, reps) for g in gammas}
+    rounds = {}
+    for g in gammas:
+        say(f"gamma {g}: {g} draft steps and a {g + 1}-token verification, back to back")
+        rounds[g] = round_seconds(target, draft, g, context, slots, reps)
+    say(f"prefills of {width} tokens")
     p_t = forward_seconds(target, width, 0, slots, reps)
     p_s = forward_seconds(draft, width, 0, slots, reps)
     rows = bound_rows(gammas, a, t_step, rounds, p_t, p_s, new)
@@ -117,6 +129,7 @@ def run(target, draft, texts: list, gammas: list, new: int, reps: int, do_measur
            "rows": rows}
     if do_measure:
         best = max(rows, key=lambda r: r["call_bound"])["gamma"]
+        say(f"measuring vanilla and speculative at gamma {best} (wall clock)")
         res["measured"] = measure(target, draft, ids, best, new)
     return res
 

@@ -337,7 +337,8 @@ def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
 
 
 def _latency_key(model, batch: int, slots: int) -> str:
-    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|S{slots}"
+    # "|head": measured with every logit read (`_anchor_key`)
+    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|S{slots}|head"
 
 
 def _stored_latency(model, batch: int, slots: int, sizes) -> Optional[dict]:
@@ -479,8 +480,10 @@ def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
 def _timing_key(target, draft, batch: int) -> str:
     d = model_signature(draft) if draft is not None else "-"
     # "anchored": sums of prices from anchored tables (`model_anchor`); older sums priced the
-    # bare shapes and would mis-scale these
-    return f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}|anchored"
+    # bare shapes and would mis-scale these. "head": anchors timed with the whole LM head
+    # (`_anchor_key`)
+    return (f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}"
+            "|anchored|head")
 
 
 def solve_scales(sums) -> tuple[float, float, bool]:
@@ -567,8 +570,13 @@ def prices_known(target, draft, batch: int) -> bool:
     data = _read_cache()
     models = [m for m in (target, draft) if m is not None]
     return (all(_device_key(m.params["embed"].dtype) in data.get("device", {}) for m in models)
-            and all(f"{device_kind()}|{model_signature(m)}|B{batch_bucket(batch)}"
-                    in data.get("anchor", {}) for m in models))
+            and all(_anchor_key(m, batch) in data.get("anchor", {}) for m in models))
+
+
+def _anchor_key(model, batch: int) -> str:
+    # "|head": timed with every logit read (`models.timing`); anchors stored before were timed
+    # with one logit, which let XLA skip the LM head, and are not reused
+    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|head"
 
 
 def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: bool = True
@@ -583,7 +591,7 @@ def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: b
     target's share from the draft's. On the real Qwen pair here the 0.5B draft's forward is
     about 0.47 of the 1.5B's, where their shapes say 0.34: priced by shape, long drafts looked
     cheap (auto chose gamma 12 where 6 ran 1.4x faster)."""
-    key = f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}"
+    key = _anchor_key(model, batch)
     if use_cache:
         hit = _read_cache().get("anchor", {}).get(key)
         if hit is not None:
