@@ -19,7 +19,8 @@ Per gamma the bound is eta * t_step / t_round (decode alone), and with both pref
 of N new tokens (p_T + N t_step) / (p_T + p_S + N / eta * t_round). A loop also pays its round's
 work outside the forwards, so no loop on this device beats the bound. `--measure` runs vanilla
 and speculative at the best gamma on the same prompts (wall clock, after a first call), beside
-it. Prints a table, and one JSON object with --json.
+it, with each loop's measured time per round against its forwards'. Prints a table, and
+one JSON object with --json.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ def bound_rows(gammas, a, t_step: float, rounds: dict, p_t: float, p_s: float, n
     return rows
 
 
-def measure(target, draft, ids: list, gamma: int, new: int) -> dict:
+def measure(target, draft, ids: list, gamma: int, new: int, prefill: dict) -> dict:
     """Wall-clock tokens/s of vanilla and speculative(gamma) over the prompts, after a first
-    call of each (its compile), interleaved prompt by prompt."""
+    call of each (its compile), interleaved prompt by prompt; and each loop's seconds per
+    round, its calls' loop time (prefill to result, `stats["decode_seconds"]`) less the
+    prefills' measured seconds (`prefill`: {"vanilla": p_T, "speculative": p_T + p_S})."""
     import ouroboros_jax as oj
 
     kw = dict(max_new_tokens=new, eos_token_id=-1)
@@ -93,15 +96,21 @@ def measure(target, draft, ids: list, gamma: int, new: int) -> dict:
                                                    config=oj.SpeculativeConfig(gamma=gamma))}
     for r in runs.values():
         oj.generate(target, [ids[0]], **r, **kw)
-    secs = {k: 0.0 for k in runs}
+    secs, loop, rounds = ({k: 0.0 for k in runs} for _ in range(3))
     for row in ids:
         for k, r in runs.items():
             t0 = time.perf_counter()
-            oj.generate(target, [row], **r, **kw)
+            out = oj.generate(target, [row], **r, **kw)
             secs[k] += time.perf_counter() - t0
+            loop[k] += out.stats["decode_seconds"] - prefill[k]
+            rounds[k] += out.stats["target_calls"]
     tps = {k: new * len(ids) / s for k, s in secs.items()}
+    # a round of the loop as it runs (its forwards, and everything else it does), beside the
+    # bound's round of forwards alone
     return {"gamma": gamma, "tokens_per_second": tps,
-            "speculative_x_vanilla": tps["speculative"] / tps["vanilla"]}
+            "speculative_x_vanilla": tps["speculative"] / tps["vanilla"],
+            "eta": new * len(ids) / rounds["speculative"],
+            "loop_ms_per_round": {k: 1e3 * loop[k] / rounds[k] for k in runs}}
 
 
 def run(target, draft, texts: list, gammas: list, new: int, reps: int, do_measure: bool) -> dict:
@@ -130,7 +139,8 @@ def run(target, draft, texts: list, gammas: list, new: int, reps: int, do_measur
     if do_measure:
         best = max(rows, key=lambda r: r["call_bound"])["gamma"]
         say(f"measuring vanilla and speculative at gamma {best} (wall clock)")
-        res["measured"] = measure(target, draft, ids, best, new)
+        res["measured"] = measure(target, draft, ids, best, new,
+                                  {"vanilla": p_t, "speculative": p_t + p_s})
     return res
 
 
@@ -146,8 +156,14 @@ def table(res: dict) -> str:
                    f"{r['decode_bound']:>14.2f}x{r['call_bound']:>12.2f}x")
     m = res.get("measured")
     if m:
+        r = m["loop_ms_per_round"]
+        bound = next(x for x in res["rows"] if x["gamma"] == m["gamma"])
         out.append(f"measured at gamma {m['gamma']}: speculative {m['speculative_x_vanilla']:.2f}x "
-                   f"vanilla ({m['tokens_per_second']['vanilla']:.2f} tok/s vanilla, wall clock)")
+                   f"vanilla ({m['tokens_per_second']['vanilla']:.2f} tok/s vanilla, wall clock), "
+                   f"eta {m['eta']:.2f}")
+        out.append(f"  the loop's round: {r['speculative']:.0f} ms (its forwards alone "
+                   f"{bound['round_ms']:.0f}); vanilla's step {r['vanilla']:.0f} ms (its forward "
+                   f"alone {res['target_step_ms']:.0f})")
     return "\n".join(out)
 
 
