@@ -106,7 +106,7 @@ def test_structurally_wrong_cache_is_ignored_rewritten_and_warned_once(tiny_pair
 @pytest.mark.parametrize("bad", ["fast", 0, -1.0, float("nan"), float("inf"), None, [1]])
 def test_unusable_latency_entry_is_measured_again(tiny_target, cache_dir, bad):
     B, S = 1, 64
-    key = f"{auto.device_kind()}|{auto.model_signature(tiny_target)}|B{B}|S{S}"
+    key = auto._latency_key(tiny_target, B, S)  # the store's own key for this model and shape
     _cache_file(cache_dir).write_text(json.dumps({"latency": {key: {"1": bad}}}))
     with pytest.warns(RuntimeWarning, match="invalid latency"):
         table = auto.probe_latency(tiny_target, B, S, sizes=(1,), reps=1)
