@@ -216,11 +216,11 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
     that passes a pool, nor over processes (auto's choice is broadcast once there)."""
     ask = functools.partial(_auto_choice, method, target, draft, prompt_j, plens_j,
                             max_new_tokens, max_cache_len, pool, greedy)
+    choice, auto_slots = ask()
     if pool is not None or multi:
-        return ask() + (None,)
+        return choice, auto_slots, None
     switch = _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len,
                        greedy, knobs)
-    choice, auto_slots = ask()
     return switch.runnable(choice), auto_slots, switch
 
 

@@ -14,9 +14,10 @@ One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every conf
 and auto make their first (compiling) call first; then `--calls` passes over the prompts, each
 pass running vanilla, every grid config and auto in turn on the same prompt (interleaved, so
 load from other processes falls on all alike), timed by the wall clock around `generate`.
-Reported per method: each config's tokens/s, its ratio to vanilla and the one the cost model predicts
-(`pred x`, at auto's final tables and agreement: its ranking of the grid), auto's chosen config and its
-ratio to the grid's best (the gate is 0.95), and per config the cost model's price of its calls
+Reported per method: each config's tokens/s, its ratio to vanilla and the one the cost model
+predicts (`pred x`, at auto's final tables and agreement: its ranking of the grid), auto's
+chosen config and its ratio to the grid's best (the gate is 0.95), with the run's noise beside
+it (`noise`), and per config the cost model's price of its calls
 (auto's learned tables: `auto.latency_tables`, `auto.call_parts`) against their measured loop
 time (the gate is within 10%), and auto's stats' tokens/s against the wall clock's (within 5%).
 Every output is checked against vanilla's.

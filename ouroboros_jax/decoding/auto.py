@@ -927,9 +927,9 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
     earlier choice for the same shapes (this process's, else the store's) unless the new one
     is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN at the end of a kind's first
-    call, `auto_switch.settle`). pool_shape: (phrases per key, tokens per phrase) of a pool the call passes, which
-    the chosen config must fit (`fits_pool`). explore_depth: the call is greedy and teaches
-    auto, so it may draft deeper once (`explore`)."""
+    call, `auto_switch.settle`). pool_shape: (phrases per key, tokens per phrase) of a pool
+    the call passes, which the chosen config must fit (`fits_pool`). explore_depth: the call
+    is greedy and teaches auto, so it may draft deeper once (`explore`)."""
     t0 = time.perf_counter()
     B = int(prompt.shape[0])
     key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
