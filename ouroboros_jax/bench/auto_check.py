@@ -68,27 +68,32 @@ def load(workload: str, gguf_dir: str):
     return t, d, CODE_PROMPTS
 
 
-def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
-    """The cost model's seconds for a finished call's counted forwards, at auto's tables now
-    (the learned scales included)."""
+def auto_view(target, draft, method, slots) -> tuple:
+    """(target table, draft table or None, agreement or None): what auto prices `method` with
+    now, its learned scales included."""
     from ..decoding import METHODS, auto
 
     used_draft = method != "vanilla" and METHODS[method].needs_draft
     tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
-    a = auto.known_agreement(target, draft) if used_draft else None
-    x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width, tt, td, a)
+    return tt, td, auto.known_agreement(target, draft) if used_draft else None
+
+
+def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
+    """The cost model's seconds for a finished call's counted forwards, at auto's tables now."""
+    from ..decoding import auto
+
+    x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width,
+                               *auto_view(target, draft, method, slots))
     return x_t + x_s
 
 
 def predicted(target, draft, method, cfg, slots) -> float:
     """The cost model's speedup over vanilla for one config at auto's tables and agreement now
     (what auto weighs when it chooses: its ranking of the grid)."""
-    from ..decoding import METHODS, auto
+    from ..decoding import auto
     from ..decoding.cost import vanilla_rate
 
-    used_draft = method != "vanilla" and METHODS[method].needs_draft
-    tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
-    a = auto.known_agreement(target, draft) if used_draft else None
+    tt, td, a = auto_view(target, draft, method, slots)
     return auto.predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt)
 
 

@@ -38,20 +38,22 @@ def say(what: str) -> None:
     print(f"spec_bound: {what}", file=sys.stderr, flush=True)
 
 
-def round_seconds(target, draft, gamma: int, context: int, slots: int, reps: int) -> float:
-    """Median seconds of one round's forwards back to back: gamma 1-token draft forwards, then
-    the target's (gamma + 1)-token forward."""
+def seconds(steps: list, context: int, slots: int, reps: int) -> float:
+    """Median seconds of `steps` [(model, tokens), ...] back to back in one compiled loop
+    (`models.timing.sequence_timer`)."""
     from ..models.timing import sequence_timer
 
-    timer = sequence_timer([(draft, 1)] * gamma + [(target, gamma + 1)], context, slots, inner=2)
+    timer = sequence_timer(steps, context, slots, inner=2)
     return statistics.median(timer() for _ in range(reps))
+
+
+def round_seconds(target, draft, gamma: int, context: int, slots: int, reps: int) -> float:
+    """One round's forwards: gamma 1-token draft forwards, then the target's gamma + 1."""
+    return seconds([(draft, 1)] * gamma + [(target, gamma + 1)], context, slots, reps)
 
 
 def forward_seconds(model, n: int, context: int, slots: int, reps: int) -> float:
-    from ..models.timing import forward_timer
-
-    timer = forward_timer(model, n, context, slots, inner=2)
-    return statistics.median(timer() for _ in range(reps))
+    return seconds([(model, n)], context, slots, reps)
 
 
 def agreement(target, draft, ids: list, gamma: int, new: int):

@@ -336,9 +336,13 @@ def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch, inner=inner)
 
 
+# Ends every key whose value came from `models.timing`'s timers: since they read every logit
+# (before, one logit let XLA skip the LM head), entries timed the old way are not reused.
+TIMED = "head"
+
+
 def _latency_key(model, batch: int, slots: int) -> str:
-    # "|head": measured with every logit read (`_anchor_key`)
-    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|S{slots}|head"
+    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|S{slots}|{TIMED}"
 
 
 def _stored_latency(model, batch: int, slots: int, sizes) -> Optional[dict]:
@@ -480,10 +484,9 @@ def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
 def _timing_key(target, draft, batch: int) -> str:
     d = model_signature(draft) if draft is not None else "-"
     # "anchored": sums of prices from anchored tables (`model_anchor`); older sums priced the
-    # bare shapes and would mis-scale these. "head": anchors timed with the whole LM head
-    # (`_anchor_key`)
+    # bare shapes and would mis-scale these; TIMED: priced from anchors timed the current way
     return (f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}"
-            "|anchored|head")
+            f"|anchored|{TIMED}")
 
 
 def solve_scales(sums) -> tuple[float, float, bool]:
@@ -574,9 +577,7 @@ def prices_known(target, draft, batch: int) -> bool:
 
 
 def _anchor_key(model, batch: int) -> str:
-    # "|head": timed with every logit read (`models.timing`); anchors stored before were timed
-    # with one logit, which let XLA skip the LM head, and are not reused
-    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|head"
+    return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|{TIMED}"
 
 
 def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: bool = True
