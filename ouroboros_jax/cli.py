@@ -114,8 +114,9 @@ def _cmd_generate(a):
     prompts = _generate_prompts(a)
     compile_cache.enable(a.compile_cache)
     _positive("--max-new-tokens", a.max_new_tokens)
-    _check_draft_flag(a, a.method)
-    config = _method_config(a.method, _config_fields(a.config))
+    method = _method(a)
+    _check_draft_flag(a, method)
+    config = _method_config(method, _config_fields(a.config))
     shape = _parse_mesh(a.mesh) if a.mesh else None
     if a.model:
         target = load_model(a.model, dtype=a.dtype)
@@ -132,7 +133,7 @@ def _cmd_generate(a):
 
         mesh = make_mesh(*shape)
     compiled = _compile_clock()
-    out = generate(target, prompts, draft=draft, method=a.method, config=config,
+    out = generate(target, prompts, draft=draft, method=method, config=config,
                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                    top_k=a.top_k, seed=a.seed, mesh=mesh)
     compile_s = compiled()
@@ -250,9 +251,12 @@ def _add_serve_gate_args(s) -> None:
                    help="serve /docs, /redoc and /openapi.json (default: off)")
 
 
-def _serve_method(a) -> str:
-    """--method, else ouroboros with a draft (--draft, or the demo pair's), else vanilla."""
-    return a.method or ("ouroboros" if a.draft or not a.model else "vanilla")
+def _method(a) -> str:
+    """--method, else ouroboros with a draft (--draft, or the demo pair's), else vanilla
+    (`request.default_method`)."""
+    from .request import default_method
+
+    return default_method(a.method, has_draft=bool(a.draft) or not a.model)
 
 
 def _serve_plan(a, target, draft, spec, config):
@@ -306,7 +310,7 @@ def _cmd_serve(a):
 
     check_flags(a.memory_fraction, a.max_model_len, a.max_cache_len)
     compile_cache.enable(a.compile_cache)
-    method = _serve_method(a)
+    method = _method(a)
     _check_draft_flag(a, method)
     config = _method_config(method, _config_fields(a.config))
     spec = resolve_method(method)
@@ -496,8 +500,9 @@ def main(argv=None):
     g.add_argument("--chat", action="append", help="a user message to an instruct model, "
                    "rendered with its chat template (repeatable: one conversation each)")
     g.add_argument("--system", help="a system message put before each --chat message")
-    g.add_argument("--method", default="vanilla", choices=methods,
-                   help="decoding method (speculative and ouroboros need --draft with --model)")
+    g.add_argument("--method", default=None, choices=methods,
+                   help="decoding method (default: ouroboros with a draft, else vanilla; "
+                        "speculative and ouroboros need --draft with --model)")
     g.add_argument("--config", help='method config as JSON, e.g. \'{"gamma": 6, "window": 6}\' '
                                     "(default: auto)")
     g.add_argument("--max-new-tokens", type=int, default=128,

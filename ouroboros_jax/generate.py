@@ -24,9 +24,9 @@ from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id
                           spans_processes)
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
-                      check_logprobs, check_model, default_eos_ids, eos_array, explicit_eos,
-                      pad_prompts, method_config, place_models, resolve_method, row_knobs,
-                      validate_scalars)
+                      check_logprobs, check_model, default_eos_ids, default_method, eos_array,
+                      explicit_eos, pad_prompts, method_config, place_models, resolve_method,
+                      row_knobs, validate_scalars)
 
 
 @dataclasses.dataclass
@@ -56,10 +56,11 @@ class GenerationOutput:
     top_logprobs: Optional[list[list[list[tuple[int, float]]]]] = None
 
 
-def generate(target: Model, prompts, draft: Optional[Model] = None, method: str = "vanilla",
-             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int = 0, eos_token_id: Optional[int | Sequence[int]] = None,
-             config: Any = "auto", mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
+def generate(target: Model, prompts, draft: Optional[Model] = None,
+             method: Optional[str] = None, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             eos_token_id: Optional[int | Sequence[int]] = None, config: Any = "auto",
+             mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
              max_cache_len: Optional[int] = None, logprobs: bool = False,
              top_logprobs: int = 0) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
@@ -68,26 +69,27 @@ def generate(target: Model, prompts, draft: Optional[Model] = None, method: str 
     chat conversations (lists of {"role", "content"} messages, rendered with the tokenizer's
     chat template and its generation prompt; one conversation may be given on its own).
     method: a name in `decoding.METHODS` ("vanilla", "speculative", "lookahead",
-    "prompt_lookup", "ouroboros"); config: that method's config
-    object, "auto" (default: chosen for this device, batch and pair by `decoding.auto`, which may
-    turn speculation off for the call; `stats["auto"]` says what it chose and why) or None (the
-    paper's recipe). temperature 0 is greedy. mesh: a
-    `jax.sharding.Mesh` with axes named "data" and/or "model" to shard over. pool: a phrase
-    pool returned by an earlier call (methods that keep one). eos_token_id: one id or a list
-    (generation stops at any of them; -1 or [] for none; default: generation_config.json's,
-    else config.json's, else the tokenizer's). max_cache_len: the longest prompt + generation
-    allowed (default: the target's max_position_embeddings); giving it also fixes the cache
-    size, so calls that differ only in max_new_tokens share one compiled loop (see the module
-    docstring). logprobs: also return each new token's log-probability, taken from the forward
-    that accepted it (no extra forward; off, the loop is the one without them); top_logprobs:
-    with it, the most likely tokens' at each position (0..20). Returns
+    "prompt_lookup", "ouroboros"); default: "ouroboros" with a draft, else "vanilla"
+    (`request.default_method`). config: that method's config object, "auto" (default: chosen
+    for this device, batch and pair by `decoding.auto`, which may turn speculation off for the
+    call; `stats["auto"]` says what it chose and why) or None (the paper's recipe).
+    temperature 0 is greedy. mesh: a `jax.sharding.Mesh` with axes named "data" and/or
+    "model" to shard over. pool: a phrase pool returned by an earlier call (methods that keep
+    one). eos_token_id: one id or a list (generation stops at any of them; -1 or [] for none;
+    default: generation_config.json's, else config.json's, else the tokenizer's).
+    max_cache_len: the longest prompt + generation allowed (default: the target's
+    max_position_embeddings); giving it also fixes the cache size, so calls that differ only
+    in max_new_tokens share one compiled loop (see the module docstring). logprobs: also
+    return each new token's log-probability, taken from the forward that accepted it (no
+    extra forward; off, the loop is the one without them); top_logprobs: with it, the most
+    likely tokens' at each position (0..20). Returns
     GenerationOutput(tokens, texts, stats, pool, logprobs, top_logprobs).
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     check_model(target, "target")
     if draft is not None:
         check_model(draft, "draft")
-    multi = spans_processes(mesh)
+    method, multi = default_method(method, draft is not None), spans_processes(mesh)
     if multi:  # SPMD: a call that differs between processes would hang in its collectives
         check_same("generate", target=model_id(target), draft=model_id(draft),
                    prompts=prompts, method=method, max_new_tokens=max_new_tokens,

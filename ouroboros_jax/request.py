@@ -323,6 +323,16 @@ def validate_request(ids: list, params: RequestParams, *, limit: int, vocab_size
     return ValidRequest(list(ids), params, eos)
 
 
+def default_method(method: Optional[str], has_draft: bool) -> str:
+    """`method`, or where it is None, what a call runs with a draft (`decoding.DRAFTED`) or
+    without one (`decoding.PLAIN`)."""
+    from .decoding import DRAFTED, PLAIN
+
+    if method is not None:
+        return method
+    return DRAFTED if has_draft else PLAIN
+
+
 def resolve_method(method):
     """A method name -> its MethodSpec (`decoding.METHODS`); ValueError naming method."""
     from .decoding import METHODS

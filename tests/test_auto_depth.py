@@ -4,6 +4,7 @@ often than the first, so one agreement fitted to short chains underprices long o
 record their acceptance by depth, auto prices each chain length with it, and a greedy first
 call at a short chain drafts deeper once so that the depths past the first are measured."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -111,8 +112,12 @@ def test_explore_drafts_deeper_once(tiny_pair, fresh_auto):
     long = auto.Choice("speculative", SpeculativeConfig(gamma=6), 1.3, 0.6, "predicted")
     off = auto.Choice("vanilla", None, 1.0, 0.2, "off")
     ouro = auto.Choice("ouroboros", OuroborosConfig(gamma=1), 1.3, 0.6, "predicted")
-    for c in (long, off, ouro):  # already deep, nothing to draft, or a method that learns nothing
+    for c in (long, off, ouro):  # already deep, nothing to draft, or a round that learns nothing
         assert auto.explore(c, target, draft) is c
+    sd = OuroborosConfig(gamma=1, window=2, suffixes=1, phrase_drafting=False, lengthening=False,
+                         recycling=False, context_phrases=False)  # Ouroboros' SD step: a chain
+    out = auto.explore(auto.Choice("ouroboros", sd, 1.3, 0.6, "predicted"), target, draft)
+    assert out.config == dataclasses.replace(sd, gamma=auto.EXPLORE_DEPTH)
     auto.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8], [8, 4]])
     assert auto.explore(short, target, draft) is short  # depths past the first measured
     _, draft2, _ = tiny_pair
@@ -179,3 +184,33 @@ def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts
     # what they taught is priced per model: the calls' draft shares differ (gamma 2 and 5)
     sums = list(json.loads((fresh_auto / "auto.json").read_text())["timing"].values())[0]
     assert sums[2] > 0 and sums[5] == before + 3
+
+
+def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_prompts,
+                                                            fresh_auto):
+    """Ouroboros with phrase drafting and lengthening off drafts and verifies one chain, as
+    speculative decoding does: a greedy call of it records the same realised agreement and
+    acceptance by depth as speculative's call at the same gamma on the same prompts (so a user
+    of Ouroboros alone teaches auto the pair). With lengthening on it records nothing: its
+    rounds keep pool tokens past the chain."""
+    target, draft, _ = tiny_pair
+    prompts = random_prompts[:2]
+    store = lambda: json.loads((fresh_auto / "auto.json").read_text())  # noqa: E731
+    kw = dict(draft=draft, method="ouroboros", max_new_tokens=24, eos_token_id=-1)
+    sd = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1,
+                         phrase_drafting=False, lengthening=False, recycling=False,
+                         context_phrases=False)
+    ouro = oj.generate(target, prompts, config=sd, **kw)
+    once = store()
+    (depth,) = once["depth"].values()
+    assert len(depth) == 3 and depth[0][0] == sum(ouro.stats["acceptance_histogram"])
+    lengthening = dataclasses.replace(sd, lengthening=True, suffixes=2)
+    oj.generate(target, prompts, config=lengthening, **kw)
+    assert store() == once
+    spec = oj.generate(target, prompts, draft=draft, method="speculative", max_new_tokens=24,
+                       eos_token_id=-1, config=SpeculativeConfig(gamma=3))
+    assert spec.tokens == ouro.tokens
+    twice = store()
+    assert list(twice["depth"].values()) == [[[2 * r, 2 * a] for r, a in depth]]
+    ((s1, n1),), ((s2, n2),) = once["realised"].values(), twice["realised"].values()
+    assert n2 == 2 * n1 and s2 == pytest.approx(2 * s1)

@@ -102,7 +102,8 @@ def test_chat_without_tokenizer_is_refused(tiny_target):
 def test_cli_generate_without_target_uses_the_demo_pair(capsys):
     from ouroboros_jax.cli import main
 
-    main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "6"])
+    main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "6", "--method",
+          "vanilla"])
     target = oj.demo_pair()[0]
     want = oj.generate(target, ["def add(a, b):"], max_new_tokens=6).texts[0]
     assert capsys.readouterr().out == want + "\n"

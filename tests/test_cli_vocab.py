@@ -72,7 +72,8 @@ def test_errors_name_the_flag_before_anything_loads(no_loading, argv, error):
 
 
 def test_help_shows_choices_and_defaults(capsys):
-    for cmd, wants in (("generate", [METHOD_CHOICES, "(default: vanilla)", "(default: 128)",
+    for cmd, wants in (("generate", [METHOD_CHOICES, "(default: ouroboros with a draft, else "
+                                     "vanilla;", "(default: 128)",
                                      "(default: 0.0)", "--model PATH, --target PATH"]),
                        ("serve", [METHOD_CHOICES, "(default: 8)", "(default: 0.1)",
                                   "(default: 2048, or the model's context", "wins over"])):
@@ -98,7 +99,8 @@ def test_a_cut_by_max_new_tokens_is_said_on_stderr(capsys):
 
 def test_generate_says_the_cut_and_reports_compile_and_decode_apart(capsys):
     # first in this module: its loop is traced (and compiled or read from the disk cache) here
-    cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "5", "--stats"])
+    cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "5", "--stats",
+              "--method", "vanilla"])
     cap = capsys.readouterr()
     target = oj.demo_pair()[0]
     want = oj.generate(target, ["def add(a, b):"], max_new_tokens=5)
@@ -126,3 +128,14 @@ def test_memory_plans_a_model_from_its_config_alone(tiny_pair, capsys, monkeypat
     assert kv > 2**30 and f"{kv / 2**30:.2f}GiB" in lines[2]
     with pytest.raises(SystemExit, match="--preset and --model/--draft each choose"):
         cli.main(["memory", "--model", target.path, "--preset", "llama-3-8b"])
+
+
+def test_method_defaults_to_ouroboros_with_a_draft():
+    """generate's and serve's --method: ouroboros with a draft (--draft, or the demo pair's,
+    which comes without --model), else vanilla; a given --method wins."""
+    ns = lambda **kw: types.SimpleNamespace(**{"method": None, "model": None,  # noqa: E731
+                                               "draft": None, **kw})
+    assert cli._method(ns()) == "ouroboros"  # the demo pair brings its draft
+    assert cli._method(ns(model="t.gguf")) == "vanilla"
+    assert cli._method(ns(model="t.gguf", draft="d.gguf")) == "ouroboros"
+    assert cli._method(ns(model="t.gguf", draft="d.gguf", method="speculative")) == "speculative"

@@ -293,6 +293,25 @@ def test_max_new_tokens_never_recompiles_with_a_fixed_cache(tiny_target):
     (dict(eos_token_id=10**30), "eos_token_id"),
     (dict(eos_token_id=True), "eos_token_id"),
 ])
+def test_a_draft_without_a_method_runs_ouroboros(tiny_pair, random_prompts):
+    """A call that passes a draft and names no method runs Ouroboros, as `serve` does
+    (`request.default_method`); without a draft, vanilla. An Ouroboros config is taken with no
+    method named, which a vanilla default would refuse."""
+    from ouroboros_jax.request import default_method
+
+    target, draft, _ = tiny_pair
+    cfg = OuroborosConfig(gamma=2, window=2, ngram=3, guesses=2, suffixes=1)
+    out = oj.generate(target, random_prompts[:1], draft=draft, config=cfg, max_new_tokens=8)
+    ref = oj.generate(target, random_prompts[:1], max_new_tokens=8)
+    assert out.tokens == ref.tokens
+    assert "pool_hit_rate" in out.stats and "pool_hit_rate" not in ref.stats
+    with pytest.raises(ValueError, match="config"):
+        oj.generate(target, random_prompts[:1], config=cfg, max_new_tokens=8)
+    assert [default_method(m, d) for m, d in ((None, True), (None, False), ("speculative", True),
+                                              ("vanilla", True))] == [
+        "ouroboros", "vanilla", "speculative", "vanilla"]
+
+
 def test_bad_arguments_raise_value_errors_naming_them(tiny_target, kwargs, match):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kwargs)

@@ -16,6 +16,9 @@ from .vanilla import (run_vanilla, vanilla_finish, vanilla_init, vanilla_insert,
 
 
 PLAIN = "vanilla"  # the method without speculation: what a load level or auto turns it off to
+# what a call with a draft runs when it names no method (`request.default_method`, `serve`):
+# config="auto" sizes it to the device, down to its speculative step where trees do not pay
+DRAFTED = "ouroboros"
 
 METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec(runner=run_vanilla, needs_draft=False, config_type=NoConfig,

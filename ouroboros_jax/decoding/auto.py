@@ -13,11 +13,12 @@ agrees with the target. Both are priced without charging the user's later calls 
    against the price of the forwards it counted, pooled by least squares per pair and batch
    bucket. So the loop's real costs (the LM head and its argmax, the cache writes, the loop's
    own work) enter the prices without a probe, from the second call on;
-2. **agreement**: once greedy speculative calls have run on the pair, the agreement they
-   realised (`agreement_from_eta`: the a whose expected tokens per round equal the measured
-   eta, pooled over calls by rounds, on disk); before that, the share of positions where the
-   draft's and the target's argmax agree over the prompts (`pair_agreement`: two forwards, run
-   in the pair's first call only, pooled on disk);
+2. **agreement**: once greedy chain calls have run on the pair (speculative's, or Ouroboros'
+   with phrase drafting and lengthening off), the agreement they realised
+   (`agreement_from_eta`: the a whose expected tokens per round equal the measured eta,
+   pooled over calls by rounds, on disk), by depth where they measured it; before that, the
+   share of positions where the draft's and the target's argmax agree over the prompts
+   (`pair_agreement`: two forwards, run in the pair's first call only, pooled on disk);
 3. **choice** (`choose`): the cost model's predicted rate (decoding/cost.py: the paper's
    expected tokens per round at agreement a and gamma, (1 - a^(gamma+1)) / (1 - a), plus pool
    terms, over the round's predicted time from the latency tables) maximised over each method's
@@ -667,7 +668,7 @@ _AGREED: set = set()  # (store, pair) whose prompt agreement this process measur
 
 
 def known_agreement(target, draft):
-    """The pair's agreement from disk without running anything: realised by speculative calls
+    """The pair's agreement from disk without running anything: realised by greedy chain calls
     (by depth where they measured it, `depth_agreement`), else the prompts' pooled counts;
     None when neither has been measured."""
     a = depth_agreement(target, draft) or realised_agreement(target, draft)
@@ -776,13 +777,21 @@ def depth_agreement(target, draft) -> Optional[DepthAgreement]:
     return DepthAgreement(tuple(by_depth), beyond)
 
 
+def _teaches(method: str, cfg) -> bool:
+    """Whether a greedy call of `cfg` teaches auto the pair's agreement (its method's `learn`
+    reads a call of one round; Ouroboros' only where its round is a plain chain)."""
+    learn = METHODS[method].learn
+    one_round = {"target_calls": 1, "new_tokens": 1, "eta": 1.0, "acceptance_histogram": [0, 1]}
+    return learn is not None and learn(cfg, one_round, True) is not None
+
+
 def explore(choice: "Choice", target, draft) -> "Choice":
     """The choice a greedy call that teaches auto runs: `choice`, or, where it drafts a chain
     shorter than EXPLORE_DEPTH and the pair's depths past the first are not measured yet, the
     same config with a chain of EXPLORE_DEPTH, so that the next choice is priced with the
     agreement of every depth it weighs (a first call at gamma 1 would otherwise settle there)."""
     cfg = choice.config
-    if (draft is None or cfg is None or METHODS[choice.method].learn is None
+    if (draft is None or cfg is None or not _teaches(choice.method, cfg)
             or getattr(cfg, "gamma", EXPLORE_DEPTH) >= EXPLORE_DEPTH):
         return choice
     counts = _depth_counts(target, draft)

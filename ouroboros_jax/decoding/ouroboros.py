@@ -69,7 +69,7 @@ from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundMode
 from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace,
                     Switch, Variant)
 from .spec import MethodSpec
-from .speculative import draft_propose
+from .speculative import chain_lesson, draft_propose
 from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
 
@@ -488,6 +488,17 @@ def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
         overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + pool)
 
 
+def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):
+    # A round without phrase drafting or lengthening drafts one chain of gamma tokens token by
+    # token and verifies it alone, as speculative decoding does (the ablation's SD step, which
+    # auto runs where wide forwards cost more than they bring): its acceptance is the pair's
+    # agreement by depth. With lengthening a round keeps pool tokens past the chain, and with
+    # phrase drafting the chain is drafted phrase by phrase: neither call is read as one.
+    if cfg.phrase_drafting or cfg.lengthening:
+        return None
+    return chain_lesson(cfg.gamma, cfg.confidence, stats, greedy)
+
+
 SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosConfig,
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=ouroboros_init, insert=ouroboros_insert, round=ouroboros_round,
@@ -498,4 +509,5 @@ SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosC
                   family=_family,
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
                                                        suffixes=2),
+                  learn=_learn,
                   round_model=_round_model)

@@ -359,16 +359,21 @@ def _step_with_rule(rule, pair, cfg, greedy, sp, limits, state):
 _RULE_RUNNERS: dict = {}
 
 
-def _learn(cfg: SpeculativeConfig, stats: dict, greedy: bool):
-    """What `config="auto"` learns from a call: a greedy call drafting a fixed gamma realises
-    an agreement (the a whose expected tokens per round equal its eta) over its rounds, and
-    its acceptance by depth (`cost.depth_counts`) -> (agreement, rounds, depth counts), or None
-    when the call says nothing about it."""
+def chain_lesson(gamma: int, confidence: float, stats: dict, greedy: bool):
+    """What `config="auto"` learns from a call whose rounds draft one chain of `gamma` tokens:
+    a greedy call drafting a fixed gamma (confidence 0) realises an agreement (the a whose
+    expected tokens per round equal its eta) over its rounds, and its acceptance by depth
+    (`cost.depth_counts`) -> (agreement, rounds, depth counts), or None when the call says
+    nothing about it (sampled, adaptive, or no rounds)."""
     rounds = int(stats.get("target_calls", 0))
-    if not greedy or cfg.confidence != 0 or rounds <= 0 or not stats.get("new_tokens"):
+    if not greedy or confidence != 0 or rounds <= 0 or not stats.get("new_tokens"):
         return None
-    return (agreement_from_eta(float(stats["eta"]), cfg.gamma), rounds,
-            depth_counts(stats["acceptance_histogram"], cfg.gamma))
+    return (agreement_from_eta(float(stats["eta"]), gamma), rounds,
+            depth_counts(stats["acceptance_histogram"], gamma))
+
+
+def _learn(cfg: SpeculativeConfig, stats: dict, greedy: bool):
+    return chain_lesson(cfg.gamma, cfg.confidence, stats, greedy)
 
 
 def _round_model(cfg: SpeculativeConfig, a: float) -> RoundModel:

@@ -49,8 +49,8 @@ from ..decoding.common import make_pair
 from ..distributed import (check_same, fetch, is_leader, mesh_id, model_id,
                            model_spans_processes, spans_processes)
 from ..pool import PhrasePool, ranged_pool
-from ..request import (RequestParams, ValidRequest, cache_slots, check_call,
-                       check_draft, check_model, default_eos_ids, eos_array, is_int,
+from ..request import (RequestParams, ValidRequest, cache_slots, check_call, check_draft,
+                       check_model, default_eos_ids, default_method, eos_array, is_int,
                        place_models, prompt_ids, resolve_method, validate_request)
 from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
                        device_step, engine_state, pack_insert, pinned)
@@ -101,9 +101,10 @@ class Engine:
     """Continuous batching over `slots` rows; see the module docstring.
 
     target, draft: `oj.load_model` models (draft for speculative and Ouroboros). method: a
-    `decoding.METHODS` name. config: "auto", a method config, None (the paper's recipe) or
-    {busy slots: config or "off"}. max_cache_len: prompt + max_tokens allowed per request
-    (default: the target's max_position_embeddings); it fixes the cache size. rounds_per_step:
+    `decoding.METHODS` name (None: Ouroboros with a draft, else plain decoding). config:
+    "auto", a method config, None (the paper's recipe) or {busy slots: config or "off"}.
+    max_cache_len: prompt + max_tokens allowed per request (default: the target's
+    max_position_embeddings); it fixes the cache size. rounds_per_step:
     rounds per device step (k). pool: a phrase pool to start from (shared_pool only).
     max_queue: waiting requests beyond which submit raises QueueFull. mesh: a
     `sharding.make_mesh` mesh to place the models and the state on (None: as the models lie).
@@ -115,10 +116,11 @@ class Engine:
     device calls the leader broadcasts before each one, until the leader's `stop()`.
     """
 
-    def __init__(self, target, draft=None, *, method: str = "vanilla", config: Any = "auto",
+    def __init__(self, target, draft=None, *, method: Optional[str] = None, config: Any = "auto",
                  slots: int = 8, max_cache_len: Optional[int] = None, rounds_per_step: int = 4,
                  pool: Optional[PhrasePool] = None, shared_pool: bool = True,
                  max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None):
+        method = default_method(method, draft is not None)  # None: Ouroboros with a draft
         spec, multi, limit = _check_args(target, draft, method, config, slots, max_cache_len,
                                          rounds_per_step, pool, shared_pool, max_queue, mesh)
         # placed before auto: its probes time the models as steps run them
