@@ -82,8 +82,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     in max_new_tokens share one compiled loop (see the module docstring). logprobs: also
     return each new token's log-probability, taken from the forward that accepted it (no
     extra forward; off, the loop is the one without them); top_logprobs: with it, the most
-    likely tokens' at each position (0..20). Returns
-    GenerationOutput(tokens, texts, stats, pool, logprobs, top_logprobs).
+    likely tokens' at each position (0..20). Returns `GenerationOutput`.
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     check_model(target, "target")
@@ -281,14 +280,18 @@ def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: in
 
 
 def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:
-    """The agreement this call realised, stored: what the next "auto" plans with (process 0
-    keeps the shared cache, so N processes do not count one call N times)."""
-    learned = (spec.learn(cfg, stats, greedy) if spec.learn is not None and draft is not None
+    """The agreement this call realised (a method without a draft: its own rate, e.g. prompt
+    lookup's copy hit rate), stored: what the next "auto" plans with (process 0 keeps the
+    shared cache, so N processes do not count one call N times)."""
+    used = draft if spec.needs_draft else None
+    learned = (spec.learn(cfg, stats, greedy)
+               if spec.learn is not None and (used is not None or not spec.needs_draft)
                else None)
     if learned is not None and is_leader():
         from .decoding.auto import record_realised
 
-        record_realised(target, draft, *learned)
+        name = next(m for m, s in METHODS.items() if s is spec)
+        record_realised(target, used, *learned, method=name)
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

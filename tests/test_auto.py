@@ -288,6 +288,20 @@ def test_scales_learned_from_calls_price_their_loops():
     assert 2 * a + 1 * b == pytest.approx(3.3, rel=1e-2)
     assert auto.solve_scales([4.0, 0.0, 0.0, 2.0 * 3.0, 0.0, 1]) == (1.5, 1.5, False)
     assert auto.solve_scales([0.0] * 5 + [0]) == (1.0, 1.0, False)
+    # the real pair's sums after 3 calls at γ 4 and 2 at γ 6 (the README bench's store): their
+    # draft shares differ by the prompts' prefills alone, and a free fit split them into
+    # target x0.16, draft x2.32; one scale prices them instead
+    real = [1002.80, 742.85, 557.19, 1881.33, 1409.69, 5]
+    a, b, separated = auto.solve_scales(real)
+    assert not separated and a == b == pytest.approx(3291.02 / 3045.69, rel=1e-4)
+    # a split the data support but far past MAX_SPLIT of the common scale is refused too
+    far = [0.0] * 5 + [0]
+    for x_t, x_s in calls:
+        y = 0.1 * x_t + 3.0 * x_s
+        far = [a + b for a, b in zip(far, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y,
+                                            x_s * y, 1))]
+    a, b, separated = auto.solve_scales(far)
+    assert not separated and a == b
 
 
 def test_calibration_from_two_matmuls(monkeypatch):
@@ -475,3 +489,40 @@ def test_sharded_call_keys_the_sharded_model(tiny_pair, tmp_path, monkeypatch):
     assert sharded_sig != auto.model_signature(target)
     assert any(f"|{sharded_sig}|" in k for k in keys), keys
     assert not any(f"|{auto.model_signature(target)}|" in k for k in keys), keys
+
+
+def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeypatch):
+    """Prompt lookup has no draft, so its prices rested on copy priors fitted to copy-heavy
+    requests (on SmolLM2's chat prompts auto chose it at 0.81x vanilla). A greedy call now
+    records the hit rate its eta implies (`hit_from_eta`, the inverse of `expected_tokens`),
+    and auto prices the next choice with it: a workload that never copies turns it off."""
+    from ouroboros_jax.decoding import prompt_lookup as pl
+
+    for x, m, hit in ((1, 4, 0.08), (2, 8, 0.3), (3, 2, 0.5)):
+        assert pl.hit_from_eta(pl.expected_tokens(x, m, hit), x, m) == pytest.approx(hit)
+    assert pl.hit_from_eta(0.5, 1, 4) == 0.0 and pl.hit_from_eta(99.0, 1, 4) == 1.0
+    t = tiny_target
+    # the choice, on CPU-like prices: with nothing realised the prior pays; 0.02 does not
+    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
+        CPU_T, None, {"measured": [], "assumed": []}))
+    prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
+    prior = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
+    assert prior.method == "prompt_lookup" and "prior" in " ".join(prior.notes["assumed"])
+    auto.record_realised(t, None, 0.02, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    learned = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
+    assert learned.method == "vanilla"
+    assert "realised over" in " ".join(learned.notes["measured"])
+    # a greedy call with an explicit config adds the rate it realised, weighted by its rounds
+    realised = lambda: json.loads((fresh_auto / "auto.json").read_text())["realised"]  # noqa
+    ((key, (s0, n0)),) = realised().items()
+    assert key.endswith("|prompt_lookup")
+    cfg = pl.PromptLookupConfig(candidates=1, length=4)
+    out = oj.generate(t, [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]], method="prompt_lookup",
+                      config=cfg, max_new_tokens=24, eos_token_id=-1)
+    rounds = out.stats["target_calls"]
+    s1, n1 = realised()[key]
+    assert n1 == n0 + rounds
+    assert s1 - s0 == pytest.approx(pl.hit_from_eta(out.stats["eta"], 1, 4) * rounds)
+    oj.generate(t, [[1, 2, 3]], method="prompt_lookup", config=cfg, max_new_tokens=24,
+                temperature=1.0)  # sampled: teaches nothing
+    assert realised() == {key: [s1, n1]}

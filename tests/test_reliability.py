@@ -282,17 +282,6 @@ def test_max_new_tokens_never_recompiles_with_a_fixed_cache(tiny_target):
 
 
 # ------------------------------------------------------------------ 7. clear errors
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(prompts=[[1.0, 2.0, 3.0]]), r"prompts\[0\] holds 1.0"),
-    (dict(prompts=[["1", "2"]]), r"prompts\[0\] holds '1'"),
-    (dict(prompts=[[True, 2]]), r"prompts\[0\] holds True"),
-    (dict(temperature="0.5"), "temperature"),
-    (dict(temperature=None), "temperature"),
-    (dict(top_p="1"), "top_p"),
-    (dict(max_cache_len=0), "max_cache_len"),
-    (dict(eos_token_id=10**30), "eos_token_id"),
-    (dict(eos_token_id=True), "eos_token_id"),
-])
 def test_a_draft_without_a_method_runs_ouroboros(tiny_pair, random_prompts):
     """A call that passes a draft and names no method runs Ouroboros, as `serve` does
     (`request.default_method`); without a draft, vanilla. An Ouroboros config is taken with no
@@ -312,6 +301,17 @@ def test_a_draft_without_a_method_runs_ouroboros(tiny_pair, random_prompts):
         "ouroboros", "vanilla", "speculative", "vanilla"]
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[1.0, 2.0, 3.0]]), r"prompts\[0\] holds 1.0"),
+    (dict(prompts=[["1", "2"]]), r"prompts\[0\] holds '1'"),
+    (dict(prompts=[[True, 2]]), r"prompts\[0\] holds True"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=None), "temperature"),
+    (dict(top_p="1"), "top_p"),
+    (dict(max_cache_len=0), "max_cache_len"),
+    (dict(eos_token_id=10**30), "eos_token_id"),
+    (dict(eos_token_id=True), "eos_token_id"),
+])
 def test_bad_arguments_raise_value_errors_naming_them(tiny_target, kwargs, match):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kwargs)

@@ -490,11 +490,22 @@ def _timing_key(target, draft, batch: int) -> str:
             f"|anchored|{TIMED}")
 
 
+# Two scales are fitted only where the calls' draft shares differ enough: 1 - rho^2 of their
+# (x_T, x_S) above SEPARATION (vanilla calls beside speculative ones, or chains of 1 and 6).
+# Calls of one config differ only by their prompts' prefills (1 - rho^2 of 0.01 on the real
+# pair's γ 4 and γ 6 calls), and there a few % of noise in the wall clock moved the split to
+# target x0.16, draft x2.32: auto then priced every round at a third of vanilla and ran vanilla.
+SEPARATION = 0.1
+# and a split further than this from the one common scale is noise, not a measurement
+MAX_SPLIT = 2.0
+
+
 def solve_scales(sums) -> tuple[float, float, bool]:
     """(s_T, s_S, separated) from the least-squares sums: the scales that price the calls'
-    counted forwards at their measured time. Calls of one config cannot tell the two models
-    apart (every x_S / x_T alike): a small penalty on s_T != s_S then splits the time evenly
-    (`separated` False: the ratio is the shape's, assumed). No calls: (1, 1, False)."""
+    counted forwards at their measured time. Calls whose draft shares are too alike to tell
+    the two models apart (`SEPARATION`), or a split past MAX_SPLIT of the common scale, give
+    one scale for both (`separated` False: the ratio is the shape's, assumed). No calls:
+    (1, 1, False)."""
     tt, ts, ss, ty, sy, n = sums
     if n <= 0 or tt <= 0:
         return 1.0, 1.0, False
@@ -502,16 +513,13 @@ def solve_scales(sums) -> tuple[float, float, bool]:
         s = ty / tt
         return s, s, False
     one = (ty + sy) / (tt + 2 * ts + ss)  # one scale for both
-    eps = 1e-6 * (tt + ss)
-    a, b, c = tt + eps, ts - eps, ss + eps
-    det = a * c - b * b
-    separated = (tt * ss - ts * ts) > 1e-2 * tt * ss  # calls with different draft shares
-    if det <= 0:
+    det = tt * ss - ts * ts
+    if det <= SEPARATION * tt * ss:
         return one, one, False
-    s_t, s_s = (c * ty - b * sy) / det, (a * sy - b * ty) / det
-    if s_t <= 0 or s_s <= 0:
+    s_t, s_s = (ss * ty - ts * sy) / det, (tt * sy - ts * ty) / det
+    if not all(one / MAX_SPLIT <= x <= one * MAX_SPLIT for x in (s_t, s_s)):
         return one, one, False
-    return s_t, s_s, separated
+    return s_t, s_s, True
 
 
 def learned_scales(target, draft, batch: int) -> tuple[float, float, int, bool]:
@@ -718,13 +726,20 @@ def pair_agreement(target, draft, prompt, plens, use_cache: bool = True) -> tupl
 MIN_REALISED_ROUNDS = 32
 
 
-def record_realised(target, draft, a: float, rounds: int, depth: Optional[list] = None
-                    ) -> None:
+def _realised_key(target, draft, method: Optional[str] = None) -> str:
+    """The store's key of what calls realised: a pair's agreement, or, for a method without a
+    draft (prompt lookup: its copy hit rate), that method's on this target."""
+    return f"{model_signature(target)}|{model_signature(draft) if draft is not None else method}"
+
+
+def record_realised(target, draft, a: float, rounds: int, depth: Optional[list] = None,
+                    method: Optional[str] = None) -> None:
     """After a call: pool the agreement a it realised over `rounds` rounds (what its method's
     `MethodSpec.learn` reports) with earlier calls' for the pair, weighted by rounds, on disk;
     and its acceptance by depth (`cost.depth_counts`: [reached, accepted] per depth of its
-    chain) with theirs, depth by depth."""
-    key = f"{model_signature(target)}|{model_signature(draft)}"
+    chain) with theirs, depth by depth. Without a draft: the method's own rate (its `learn`'s,
+    e.g. prompt lookup's copy hit rate) on this target, keyed by `method`."""
+    key = _realised_key(target, draft, method)
 
     def change(data):  # both pooled under one lock and one write of the store
         s, n = data.setdefault("realised", {}).get(key, [0.0, 0])
@@ -804,8 +819,8 @@ def explore(choice: "Choice", target, draft) -> "Choice":
         "agreement past the first token; later calls run the choice priced with it)")
 
 
-def realised_agreement(target, draft) -> Optional[float]:
-    key = f"{model_signature(target)}|{model_signature(draft)}"
+def realised_agreement(target, draft, method: Optional[str] = None) -> Optional[float]:
+    key = _realised_key(target, draft, method)
     s, n = _read_cache().get("realised", {}).get(key, [0.0, 0])
     return s / n if n >= MIN_REALISED_ROUNDS else None
 
@@ -996,7 +1011,16 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     with_draft = draft is not None and spec.needs_draft
     tt, td, notes = latency_tables(target, draft if with_draft else None, B, slots, use_cache)
     a = None
-    if with_draft:
+    if not spec.needs_draft and spec.learn is not None and use_cache:
+        a = realised_agreement(target, None, method)  # e.g. prompt lookup's copy hit rate
+        if a is not None:
+            n = _read_cache()["realised"][_realised_key(target, None, method)][1]
+            notes["measured"].append(f"{method}'s rate {a:.3f} (`MethodSpec.learn`): realised "
+                                     f"over {n} rounds of earlier calls")
+        else:
+            notes["assumed"].append(f"{method}'s prior rates (fewer than "
+                                    f"{MIN_REALISED_ROUNDS} rounds of earlier calls)")
+    elif with_draft:
         a = known_agreement(target, draft) if use_cache else None
         pair = (str(cache_path()), model_signature(target), model_signature(draft))
         if isinstance(a, DepthAgreement):
