@@ -70,12 +70,16 @@ def load(workload: str, gguf_dir: str):
 
 def auto_view(target, draft, method, slots) -> tuple:
     """(target table, draft table or None, agreement or None): what auto prices `method` with
-    now, its learned scales included."""
+    now, its learned scales included; without a draft, the rate the method's calls realised
+    (prompt lookup's copy hit rate), else None (its prior)."""
     from ..decoding import METHODS, auto
 
     used_draft = method != "vanilla" and METHODS[method].needs_draft
     tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
-    return tt, td, auto.known_agreement(target, draft) if used_draft else None
+    if used_draft:
+        return tt, td, auto.known_agreement(target, draft)
+    learns = method != "vanilla" and METHODS[method].learn is not None
+    return tt, td, auto.realised_agreement(target, None, method) if learns else None
 
 
 def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
