@@ -506,12 +506,20 @@ def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeyp
     monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
         CPU_T, None, {"measured": [], "assumed": []}))
     prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
+    margins, choose = [], auto.choose
+    monkeypatch.setattr(auto, "choose", lambda *a: margins.append(a[5]) or choose(*a))
+    auto._choose_memo.cache_clear()
     prior = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
     assert prior.method == "prompt_lookup" and "prior" in " ".join(prior.notes["assumed"])
     auto.record_realised(t, None, 0.02, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
     learned = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
     assert learned.method == "vanilla"
     assert "realised over" in " ".join(learned.notes["measured"])
+    # a rate still to be measured is tried on the smaller margin; a realised one needs the full
+    assert margins == [auto.TRY_GAIN, auto.MIN_GAIN]
+    gain = choose("prompt_lookup", CPU_T, None, None).predicted_speedup
+    assert choose("prompt_lookup", CPU_T, None, None, None, gain - 0.01).method == "prompt_lookup"
+    assert choose("prompt_lookup", CPU_T, None, None, None, gain + 0.01).method == "vanilla"
     # a greedy call with an explicit config adds the rate it realised, weighted by its rounds
     realised = lambda: json.loads((fresh_auto / "auto.json").read_text())["realised"]  # noqa
     ((key, (s0, n0)),) = realised().items()

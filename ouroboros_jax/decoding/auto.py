@@ -85,7 +85,13 @@ DRAFT_SIZES = (1, 4, 16, 64)
 # vanilla priced 15-30% over its loop (SmolLM2: auto predicted prompt lookup at 1.06x vanilla
 # and it ran at 0.87x; the real pair: speculative predicted 1.33-1.40x, measured 1.16-1.24x).
 # Below this margin a predicted gain is within that error, and a loss costs the user more than
-# a forgone gain of under 15% does.
+# a forgone gain of under 15% does. It applies once the calls have realised the method's rate
+# (the pair's agreement, prompt lookup's hit rate); before that, TRY_GAIN: a rate estimated from
+# the prompts or a prior runs low (the real pair's prompt argmax agreement 0.84, its chains'
+# realised 0.91 by depth), and only a call that runs the method can measure it. At 1.15 a new
+# user of the real pair got vanilla for ever (predicted 1.12x on the prompts' agreement,
+# nothing learned since nothing ran), where its realised agreement prices 1.4x.
+TRY_GAIN = 1.05
 MIN_GAIN = 1.15
 DEFAULT_AGREEMENT = 0.5  # before the pair has been measured on 32 prompt positions
 MIN_AGREEMENT_TOKENS = 32
@@ -869,9 +875,10 @@ def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
 
 
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],
-           pool_shape: Optional[tuple] = None) -> Choice:
+           pool_shape: Optional[tuple] = None, min_gain: float = MIN_GAIN) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
-    {n: seconds} and the pair's agreement; vanilla when nothing beats it by MIN_GAIN. The
+    {n: seconds} and the pair's agreement; vanilla when nothing beats it by min_gain
+    (MIN_GAIN; TRY_GAIN where the method's rate is not realised yet, `_auto_choice`). The
     candidates are the method's knob grid (`MethodSpec.auto_grid`, from its config's `KNOBS`)
     and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py); with pool_shape
     (a pool the call passes: phrases per key, tokens per phrase) only those it can serve."""
@@ -884,10 +891,10 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
     gain = best_rate / vanilla_rate(tt)
-    if gain < MIN_GAIN:
+    if gain < min_gain:
         return Choice("vanilla", None, 1.0, agreement,
-                      f"no {method} setting is predicted to beat vanilla here (best {gain:.2f}x): "
-                      "speculation is off for this call")
+                      f"no {method} setting is predicted to beat vanilla here (best {gain:.2f}x "
+                      f"< {min_gain:.2f}x): speculation is off for this call")
     return Choice(method, best, gain, agreement, f"predicted {gain:.2f}x vanilla")
 
 
@@ -1017,9 +1024,10 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     spec = _spec(method)
     with_draft = draft is not None and spec.needs_draft
     tt, td, notes = latency_tables(target, draft if with_draft else None, B, slots, use_cache)
-    a = None
+    a, realised = None, False
     if not spec.needs_draft and spec.learn is not None and use_cache:
         a = realised_agreement(target, None, method)  # e.g. prompt lookup's copy hit rate
+        realised = a is not None
         if a is not None:
             n = _read_cache()["realised"][_realised_key(target, None, method)][1]
             notes["measured"].append(f"{method}'s rate {a:.3f} (`MethodSpec.learn`): realised "
@@ -1030,6 +1038,8 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     elif with_draft:
         a = known_agreement(target, draft) if use_cache else None
         pair = (str(cache_path()), model_signature(target), model_signature(draft))
+        realised = a is not None and (isinstance(a, DepthAgreement)
+                                      or realised_agreement(target, draft) is not None)
         if isinstance(a, DepthAgreement):
             n = _read_cache()["depth"][f"{pair[1]}|{pair[2]}"][0][0]
             notes["measured"].append(
@@ -1054,7 +1064,9 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
     if a is not None and not isinstance(a, DepthAgreement):  # (by depth: rounded already)
         a = round(a, 3)
-    choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape)
+    # a method whose calls would teach its rate is tried on a smaller predicted gain (TRY_GAIN)
+    min_gain = TRY_GAIN if spec.learn is not None and not realised else MIN_GAIN
+    choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape, min_gain)
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 
 
@@ -1063,8 +1075,8 @@ def _frozen(table: Optional[dict]):
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_memo(method, tt, td, a, pool_shape=None) -> Choice:
-    """`choose` once per (method, tables, agreement, pool shape): a grid search of a few ms
-    per call is not repeated on every `generate` call once the tables and agreement have
-    settled."""
-    return choose(method, dict(tt), None if td is None else dict(td), a, pool_shape)
+def _choose_memo(method, tt, td, a, pool_shape=None, min_gain: float = MIN_GAIN) -> Choice:
+    """`choose` once per (method, tables, agreement, pool shape, margin): a grid search of a
+    few ms per call is not repeated on every `generate` call once the tables and agreement
+    have settled."""
+    return choose(method, dict(tt), None if td is None else dict(td), a, pool_shape, min_gain)
