@@ -283,10 +283,8 @@ def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:
     """The agreement this call realised (a method without a draft: its own rate, e.g. prompt
     lookup's copy hit rate), stored: what the next "auto" plans with (process 0 keeps the
     shared cache, so N processes do not count one call N times)."""
-    used = draft if spec.needs_draft else None
-    learned = (spec.learn(cfg, stats, greedy)
-               if spec.learn is not None and (used is not None or not spec.needs_draft)
-               else None)
+    used = draft if spec.needs_draft else None  # (a method that needs one has it: check_draft)
+    learned = spec.learn(cfg, stats, greedy) if spec.learn is not None else None
     if learned is not None and is_leader():
         from .decoding.auto import record_realised
 

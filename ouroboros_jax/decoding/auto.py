@@ -1038,14 +1038,15 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     elif with_draft:
         a = known_agreement(target, draft) if use_cache else None
         pair = (str(cache_path()), model_signature(target), model_signature(draft))
-        realised = a is not None and (isinstance(a, DepthAgreement)
-                                      or realised_agreement(target, draft) is not None)
+        # (one read of the store for both: the notes' branch below and the margin)
+        realised = isinstance(a, DepthAgreement) or (
+            use_cache and realised_agreement(target, draft) is not None)
         if isinstance(a, DepthAgreement):
             n = _read_cache()["depth"][f"{pair[1]}|{pair[2]}"][0][0]
             notes["measured"].append(
                 f"agreement by depth {', '.join(f'{x:.3f}' for x in a.by_depth)}, then "
                 f"{a.beyond:.3f}: realised over {n} rounds of earlier calls")
-        elif use_cache and realised_agreement(target, draft) is not None:
+        elif realised:
             s, n = _read_cache()["realised"][f"{pair[1]}|{pair[2]}"]
             notes["measured"].append(f"agreement {a:.3f}: realised over {n} rounds of "
                                      "earlier calls")
