@@ -328,6 +328,35 @@ def test_calibration_from_two_matmuls(monkeypatch):
     assert flat[1] == flat[5] == pytest.approx(1e-4 + 0.04)  # weights-bound: the roofline
 
 
+def test_wide_forwards_priced_at_their_own_anchor(tiny_pair, fresh_auto, monkeypatch):
+    """model_anchor times each model's 1-token and WIDE_ANCHOR-token forwards: the prices hit
+    both timings exactly, and a size in between follows the shape from the wide one, not from
+    the 1-token one (on the real 1.5B the shape from t(1) priced t(7) 12% low). Timed once: a
+    second pricing reads both anchors from disk."""
+    target, draft, _ = tiny_pair
+    w = auto.WIDE_ANCHOR
+    timed = {1: 2e-3, w: 9e-3}  # the wide forward 4.5x the 1-token one: not what shapes say
+    calls = []
+
+    def timer(model, batch, n, slots, inner=4):
+        calls.append(n)
+        return lambda: timed[n]
+
+    monkeypatch.setattr(auto, "_forward_seconds", timer)
+    tt, td, anchors = auto._base_tables(target, draft, 1, 64, True)
+    assert sorted(calls) == [1, 1, w, w]
+    for table in (tt, td):
+        assert cost.interpolate(table, 1) == pytest.approx(timed[1])
+        assert cost.interpolate(table, w) == pytest.approx(timed[w])
+    rates, _ = auto.device_rates(target.params["embed"].dtype)
+    shape = auto.shape_table(target, 1, 64, (1, 4, w), rates)
+    assert tt[4] == pytest.approx(shape[4] * timed[w] / shape[w])
+    assert tt[4] != pytest.approx(shape[4] * timed[1] / shape[1], rel=0.05)
+    assert auto.prices_known(target, draft, 1)
+    calls.clear()
+    assert auto._base_tables(target, draft, 1, 64, True)[2] == anchors and not calls
+
+
 def test_choice_is_kept_by_a_second_process_over_the_same_store(tiny_pair, random_prompts,
                                                                 fresh_auto, monkeypatch):
     """A process starts from the choice an earlier one stored for the same shapes, and keeps

@@ -12,7 +12,7 @@ import pytest
 
 import ouroboros_jax as oj
 from ouroboros_jax import auto_switch
-from ouroboros_jax.decoding.auto import Choice, compiles
+from ouroboros_jax.decoding.auto import Choice, compiles, latency_tables
 
 gen = importlib.import_module("ouroboros_jax.generate")  # the module (oj.generate is the function)
 
@@ -23,7 +23,7 @@ def choice(gamma):
 
 
 @pytest.fixture
-def scripted(monkeypatch):
+def scripted(monkeypatch, request):
     """Auto's answers, in order (the last repeats); the log of the choices asked for."""
     answers, asked = [], []
 
@@ -37,6 +37,10 @@ def scripted(monkeypatch):
 
     monkeypatch.setattr(gen, "_auto_choice", fake)
     auto_switch.forget()
+    # a real first call prices its choice, measuring the device and the models' anchors on a
+    # fresh store; the scripted one does not, so the first learning call would measure them
+    target, draft, _ = request.getfixturevalue("tiny_pair")
+    latency_tables(target, draft, 1, 64)
     yield answers, asked, anyway
     auto_switch.forget()
 
