@@ -7,9 +7,11 @@ One bench run (module fixture) on the session's tiny pair serves every end-to-en
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 
+import ouroboros_jax as oj
 from ouroboros_jax.bench import cost_model
 from ouroboros_jax.bench.workloads import (read_humaneval, read_prompt_jsonl, read_spec_bench,
                                            limit_per_task)
@@ -612,3 +614,52 @@ def test_spec_bound_is_the_rounds_forwards_against_vanilla_steps():
     half = DepthAgreement((0.5,), 0.5)  # 1 + 0.5 + 0.25
     assert bound_rows([2], half, 1.0, {2: 1.0}, 0.0, 0.0, 10)[0]["decode_bound"] == \
         pytest.approx(1.75)
+
+
+def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny_pair,
+                                                                              monkeypatch):
+    """run_bench: every method's warm-up first, then each prompt by every method in turn (so the
+    machine's drift weighs on every row alike); a background compile of config="auto" is waited
+    out before a fixed config's call and charged to the auto row."""
+    from ouroboros_jax import auto_switch
+    from ouroboros_jax.bench import runner
+    from ouroboros_jax.bench.workloads import Prompt
+
+    target, draft, _ = tiny_pair
+    log = []
+    real = runner._oj_caller
+
+    def logged(run, *a):
+        call, shape_key = real(run, *a)
+
+        def call_logged(ids, n, pool):
+            log.append((run.label, tuple(ids)))
+            return call(ids, n, pool)
+        return call_logged, shape_key
+
+    waits = []
+
+    def background(timeout=None):  # as if auto's last call had started a 0.2 s compile
+        waits.append(1)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(runner, "_oj_caller", logged)
+    monkeypatch.setattr(auto_switch, "wait_for_background", background)
+    prompts = [Prompt("a", "t", ((5, 6, 7),), 6), Prompt("b", "t", ((8, 9, 10, 11),), 6)]
+    runs = [runner.MethodRun("vanilla", "vanilla"),
+            runner.MethodRun("speculative@auto", "speculative", "auto"),
+            runner.MethodRun("speculative", "speculative", oj.SpeculativeConfig(gamma=2))]
+    res = runner.run_bench(target, draft, prompts, runs, progress=False, ignore_eos=True)
+    a, b = (5, 6, 7), (8, 9, 10, 11)
+    labels = [r.label for r in runs]
+    # warm-ups: one call per compiled shape (both prompts share one bucket), method by method
+    assert log[:3] == [(m, a) for m in labels]
+    assert log[3:] == [(m, a) for m in labels] + [(m, b) for m in labels]
+    auto_calls = res["methods"]["speculative@auto"]["per_call"]
+    fixed_calls = res["methods"]["speculative"]["per_call"]
+    # a wait before each fixed call once auto has run, and one at the end: each charged to the
+    # auto call before it (prompt a's: before speculative's a and vanilla's b; b's: the rest)
+    assert len(waits) == 4
+    assert all(c["seconds"] >= 0.4 for c in auto_calls)
+    assert all(c["seconds"] < 0.2 for c in fixed_calls)
+    assert all(m["identical"] for m in res["methods"].values())

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -103,7 +104,7 @@ def predicted(target, draft, method, cfg, slots) -> float:
 
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
     import ouroboros_jax as oj
-    from ..decoding import METHODS
+    from ..decoding import METHODS, auto
     from ..request import cache_slots, pad_prompts
 
     os.environ["OUROBOROS_JAX_CACHE"] = tempfile.mkdtemp(prefix="oj_auto_check_")
@@ -125,21 +126,33 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
 
     def call(r, i):
         d = draft if r["method"] != "vanilla" and METHODS[r["method"]].needs_draft else None
-        w0 = time.perf_counter()
+        c0, w0 = auto.compiles(), time.perf_counter()
         out = oj.generate(target, [ids[i]], draft=d, method=r["method"],
                           config=r["config"] if r["method"] != "vanilla" else None, **kw)
-        return out, time.perf_counter() - w0
+        wall = time.perf_counter() - w0
+        compiled[id(out)] = auto.compiles() - c0  # in the call's thread or in the background
+        return out, wall
 
+    compiled = {}
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(runs) * (1 + calls * len(ids)), unit="call", file=sys.stderr,
+               desc=f"auto_check {workload}: first calls", dynamic_ncols=True)
     first = {}
     for key, r in runs.items():  # first calls: compiles, auto's calibration and agreement
         out, wall = call(r, 0)
         first[key] = wall
+        bar.update(1)
+    bar.set_description(f"auto_check {workload}: timed passes")
     rec = {key: [] for key in runs}
     for _ in range(calls):
         for i in range(len(ids)):
             for key, r in runs.items():
                 out, wall = call(r, i)
                 rec[key].append((i, out, wall))
+                bar.update(1)
+    bar.close()
     ref = {i: o.tokens for i, o, _ in rec[("vanilla", "vanilla")]}
     rows = []
     for key, r in runs.items():
@@ -171,6 +184,8 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
                      "eta": new / max(sum(o.stats["target_calls"] for _, o, _ in rec[key]), 1)})
     for x, key in zip(rows, runs):
         x["pass_tokens_per_second"] = per_pass(rec[key], len(ids))
+        # each timed call: [prompt, wall seconds, compiles during it (any thread)]
+        x["calls"] = [[i, round(w, 3), compiled[id(o)]] for i, o, w in rec[key]]
     van = next(x for x in rows if x["method"] == "vanilla")["tokens_per_second"]
     for x in rows:
         x["x_vanilla"] = x["tokens_per_second"] / van

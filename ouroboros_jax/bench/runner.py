@@ -2,7 +2,10 @@
 
 For each method (a `MethodRun`): a warm-up call per distinct compiled shape (prompt bucket,
 cache bucket) of the first turns, timed and reported as `compile_seconds`; then `repeats`
-passes over the prompts in file order. Compilation that still happens while measuring (a later
+passes over the prompts in file order. This project's methods are timed interleaved
+(`run_interleaved`: every warm-up first, then each prompt run by every method in turn), so
+that the machine's drift during a run weighs on every row alike; the transformers peers run
+after them, one after the other. Compilation that still happens while measuring (a later
 turn landing in a new bucket) is caught through `jax.monitoring` and subtracted from that call's
 time (`recompiled_calls` counts them), so tokens/s never include compilation.
 
@@ -302,6 +305,69 @@ def _next_context(model, ctx: list[int], answer: list[int], turn_text) -> list[i
         if isinstance(turn_text, str) else ctx + list(answer) + list(turn_text)
 
 
+@dataclasses.dataclass
+class _Runner:
+    """One method's state through a bench: its caller, its prompts' first turns as ids, its
+    warm-up, its calls so far and the pool its pass carries from call to call."""
+
+    run: MethodRun
+    call: Any
+    shape_key: Any
+    first: list
+    limit: int
+    compile_s: float = 0.0
+    n_warm: int = 0
+    calls: list = dataclasses.field(default_factory=list)
+    pool: Any = None
+
+
+def _runner(run: MethodRun, target, draft, prompts: list[Prompt], eos, hf) -> _Runner:
+    if run.kind == "hf":
+        call, shape_key = _hf_caller(run, hf, eos)
+    else:
+        call, shape_key = _oj_caller(run, target, draft, eos)
+    limit = target.config.max_position_embeddings
+    first = [_fit(encode(target, p.turns[0]), p.max_new_tokens, limit) for p in prompts]
+    return _Runner(run, call, shape_key, first, limit)
+
+
+def _warm_up(rn: _Runner, prompts: list[Prompt]) -> None:
+    """One call per distinct compiled shape of the first turns (torch: one short call), timed
+    as the method's compile_seconds."""
+    clock = CompileClock.get()
+    clock.take()
+    t0 = time.perf_counter()
+    warm = {}
+    for ids, p in zip(rn.first, prompts):
+        k = rn.shape_key(ids, p.max_new_tokens)
+        if k not in warm and (rn.run.kind == "oj" or not warm):
+            warm[k] = True
+            rn.call(ids, p.max_new_tokens if rn.run.kind == "oj" else min(8, p.max_new_tokens),
+                    None)
+    rn.compile_s, rn.n_warm = time.perf_counter() - t0, len(warm)
+    clock.take()
+
+
+def _run_prompt(rn: _Runner, target, i: int, p: Prompt, repeat: int, progress=None) -> None:
+    """Every turn of prompt i (p) once, timed; the pool carried on within the pass."""
+    clock = CompileClock.get()
+    ctx = rn.first[i]
+    for t, turn in enumerate(p.turns):
+        if t > 0:
+            ctx = _fit(_next_context(target, ctx, rn.calls[-1].tokens, turn), p.max_new_tokens,
+                       rn.limit)
+        clock.take()
+        toks, secs, stats, rn.pool = rn.call(ctx, p.max_new_tokens, rn.pool)
+        comp = clock.take()
+        # config="auto" is measured as users get it: whatever it compiles or probes after the
+        # warm-up call is part of its calls' time
+        if not rn.run.charges_compiles:
+            secs = max(secs - comp, 1e-9)
+        rn.calls.append(_Call(p.id, p.task, t, repeat, toks, secs, comp, stats, len(ctx)))
+        if progress is not None:
+            progress.update(1)
+
+
 def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats: int = 1,
                eos: int = -1, hf: Optional[_HFModels] = None, progress=None,
                settle: float = 0.0) -> tuple[dict, list]:
@@ -310,48 +376,70 @@ def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats:
     settle: seconds of idle before measuring. Thread pools of the previous method (XLA's,
     torch's OpenMP) keep competing for the cores for a moment after their work; on a small
     machine that slows whatever runs next."""
-    clock = CompileClock.get()
-    if run.kind == "hf":
-        call, shape_key = _hf_caller(run, hf, eos)
-    else:
-        call, shape_key = _oj_caller(run, target, draft, eos)
-    limit = target.config.max_position_embeddings
-    first = [_fit(encode(target, p.turns[0]), p.max_new_tokens, limit) for p in prompts]
-
-    # Warm-up: one call per distinct compiled shape of the first turns (torch: one short call).
-    clock.take()
-    t0 = time.perf_counter()
-    warm = {}
-    for ids, p in zip(first, prompts):
-        k = shape_key(ids, p.max_new_tokens)
-        if k not in warm and (run.kind == "oj" or not warm):
-            warm[k] = True
-            call(ids, p.max_new_tokens if run.kind == "oj" else min(8, p.max_new_tokens), None)
-    compile_s = time.perf_counter() - t0
-    clock.take()
+    rn = _runner(run, target, draft, prompts, eos, hf)
+    _warm_up(rn, prompts)
     if settle > 0:
         time.sleep(settle)
-
-    calls: list[_Call] = []
     for r in range(repeats):
-        pool = None  # each pass starts from an empty pool
-        for ids0, p in zip(first, prompts):
-            ctx = ids0
-            for t, turn in enumerate(p.turns):
-                if t > 0:
-                    ctx = _fit(_next_context(target, ctx, calls[-1].tokens, turn),
-                               p.max_new_tokens, limit)
-                clock.take()
-                toks, secs, stats, pool = call(ctx, p.max_new_tokens, pool)
-                comp = clock.take()
-                # config="auto" is measured as users get it: whatever it compiles or probes
-                # after the warm-up call is part of its calls' time
-                if not run.charges_compiles:
-                    secs = max(secs - comp, 1e-9)
-                calls.append(_Call(p.id, p.task, t, r, toks, secs, comp, stats, len(ctx)))
-                if progress is not None:
-                    progress.update(1)
-    return _summarize(run, calls, compile_s, len(warm)), calls
+        rn.pool = None  # each pass starts from an empty pool
+        for i, p in enumerate(prompts):
+            _run_prompt(rn, target, i, p, r, progress)
+    return _summarize(run, rn.calls, rn.compile_s, rn.n_warm), rn.calls
+
+
+def _charge_background(auto_runner: _Runner) -> None:
+    """Waits out any loop config="auto" compiles in the background (`auto_switch`) and adds
+    the wait to the last auto call's time: interleaved, that compile would otherwise overlap
+    another method's timed call. Charged whole, as if it had run serially: an upper bound of
+    what the auto user's next calls lose to it (they share the cores with it)."""
+    from .. import auto_switch
+
+    t0 = time.perf_counter()
+    auto_switch.wait_for_background()
+    if auto_runner.calls:
+        auto_runner.calls[-1].seconds += time.perf_counter() - t0
+
+
+def run_interleaved(runs: list[MethodRun], target, draft, prompts: list[Prompt], *,
+                    repeats: int = 1, eos: int = -1, progress=None, settle: float = 0.0
+                    ) -> list[tuple[dict, list]]:
+    """This project's methods timed side by side: every method's warm-up first, then each
+    prompt of each pass run by every method in turn, so that a machine that slows down or
+    speeds up during the bench (10-15% within one run on a shared 2-core VM: vanilla timed
+    first ran 14% faster than the same loop timed ten minutes later) weighs on every row
+    alike. Returns run_method's (summary, calls) per run, in order."""
+    runners = [_runner(r, target, draft, prompts, eos, None) for r in runs]
+    growth = []
+    for rn in runners:
+        if progress is not None:
+            progress.set_description(f"bench warm-up {rn.run.label}")
+        rss0 = _peak_rss_mib()
+        _warm_up(rn, prompts)
+        growth.append(_peak_rss_mib() - rss0)
+    if progress is not None:
+        progress.set_description("bench (methods interleaved)")
+    if settle > 0:
+        time.sleep(settle)
+    last_auto = None
+    for r in range(repeats):
+        for rn in runners:
+            rn.pool = None  # each pass starts from an empty pool
+        for i, p in enumerate(prompts):
+            for rn in runners:
+                if not rn.run.charges_compiles and last_auto is not None:
+                    _charge_background(last_auto)
+                _run_prompt(rn, target, i, p, r, progress)
+                if rn.run.charges_compiles:
+                    last_auto = rn
+    if last_auto is not None:  # nothing compiles behind the peers' calls either
+        _charge_background(last_auto)
+    out = []
+    for rn, g in zip(runners, growth):
+        summary = _summarize(rn.run, rn.calls, rn.compile_s, rn.n_warm)
+        # ru_maxrss is the process's high-water mark: what the method's warm-up added to it
+        summary["peak_rss_growth_mib"] = g
+        out.append((summary, rn.calls))
+    return out
 
 
 def summed_histograms(histograms) -> list:
@@ -497,7 +585,10 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
     methods: dict[str, dict] = {}
     ref: dict = {}
     hf_greedy_tps = None
-    for r in ok_runs:
+    ours = [r for r in ok_runs if r.kind == "oj"]
+    done = run_interleaved(ours, target, draft, prompts, repeats=repeats, eos=eos, progress=bar,
+                           settle=settle)
+    for r in ok_runs[len(ours):]:  # peers after: torch's threads would slow the next JAX call
         if bar is not None:
             bar.set_description(f"bench {r.label}")
         rss0 = _peak_rss_mib()
@@ -505,6 +596,8 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
                                     progress=bar, settle=settle)
         # ru_maxrss is the process's high-water mark: growth is what this method added to it
         summary["peak_rss_growth_mib"] = summary["peak_rss_mib"] - rss0
+        done.append((summary, calls))
+    for r, (summary, calls) in zip(ok_runs, done):
         try:  # other processes' load on a shared machine skews timings: keep it with them
             summary["load_average_after"] = list(os.getloadavg())
         except OSError:
