@@ -11,7 +11,7 @@ Ouroboros). The GGUFs are read from --gguf-dir (default ~/.cache/ouroboros-real,
 docs for the fetch script); nothing is downloaded.
 
 One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every config of the grid
-and auto make their first (compiling) call first; then `--calls` passes over the prompts, each
+and auto make their first (compiling) calls first, one per prompt bucket; then `--calls` passes over the prompts, each
 pass running vanilla, every grid config and auto in turn on the same prompt (interleaved, so
 load from other processes falls on all alike), timed by the wall clock around `generate`.
 Reported per method: each config's tokens/s, its ratio to vanilla and the one the cost model
@@ -105,7 +105,7 @@ def predicted(target, draft, method, cfg, slots) -> float:
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
     import ouroboros_jax as oj
     from ..decoding import METHODS, auto
-    from ..request import cache_slots, pad_prompts
+    from ..request import bucket, cache_slots, pad_prompts
 
     os.environ["OUROBOROS_JAX_CACHE"] = tempfile.mkdtemp(prefix="oj_auto_check_")
     t0 = time.perf_counter()
@@ -137,13 +137,19 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
 
     from tqdm import tqdm
 
-    bar = tqdm(total=len(runs) * (1 + calls * len(ids)), unit="call", file=sys.stderr,
-               desc=f"auto_check {workload}: first calls", dynamic_ncols=True)
+    # first calls, one per prompt bucket (each compiles its loop at that prompt shape; auto's
+    # first also calibrates and measures the pair): a config's first call on a new bucket in
+    # a timed pass would charge it a compile that a config compiled before it at that shape
+    # (auto choosing a grid config) does not pay
+    shapes = sorted({bucket(len(x)): i for i, x in reversed(list(enumerate(ids)))}.values())
+    bar = tqdm(total=len(runs) * (len(shapes) + calls * len(ids)), unit="call",
+               file=sys.stderr, desc=f"auto_check {workload}: first calls", dynamic_ncols=True)
     first = {}
-    for key, r in runs.items():  # first calls: compiles, auto's calibration and agreement
-        out, wall = call(r, 0)
-        first[key] = wall
-        bar.update(1)
+    for key, r in runs.items():
+        for i in shapes:
+            out, wall = call(r, i)
+            first.setdefault(key, wall)
+            bar.update(1)
     bar.set_description(f"auto_check {workload}: timed passes")
     rec = {key: [] for key in runs}
     for _ in range(calls):

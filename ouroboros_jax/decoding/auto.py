@@ -28,8 +28,9 @@ agrees with the target. Both are priced without charging the user's later calls 
    so). A choice is kept, in the process and on disk for later processes, until another is
    predicted `STICKY_GAIN` faster: a new config costs a compile.
 
-So the first call on a new device pays two matmul compiles, the first call of a pair its two
-prompt forwards, and no later call pays a probe; `stats["auto"]` lists what was measured and
+So the first call on a new device pays two matmul compiles, a model's first call its two
+anchor timers (`model_anchor`: its 1-token and 8-token forwards), the first call of a pair its
+two prompt forwards, and no later call pays a probe; `stats["auto"]` lists what was measured and
 what was assumed.
 
 On an accelerator t(n) is nearly flat up to tens or hundreds of tokens, and the choice lands at
