@@ -10,10 +10,11 @@ lookahead and prompt lookup), `real` (Qwen2.5-Coder 1.5B / 0.5B GGUFs: speculati
 Ouroboros). The GGUFs are read from --gguf-dir (default ~/.cache/ouroboros-real, see
 docs for the fetch script); nothing is downloaded.
 
-One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every config of the grid
-and auto make their first (compiling) calls first, one per prompt bucket; then `--calls` passes over the prompts, each
-pass running vanilla, every grid config and auto in turn on the same prompt (interleaved, so
-load from other processes falls on all alike), timed by the wall clock around `generate`.
+One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every config of the
+grid and auto make their first (compiling) calls first, one per prompt bucket; then `--calls`
+passes over the prompts, each pass running vanilla, every grid config and auto in turn on the
+same prompt (interleaved, so load from other processes falls on all alike), timed by the wall
+clock around `generate`.
 Reported per method: each config's tokens/s, its ratio to vanilla and the one the cost model
 predicts (`pred x`, at auto's final tables and agreement: its ranking of the grid), auto's
 chosen config and its ratio to the grid's best (the gate is 0.95), with the run's noise beside

@@ -174,8 +174,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
     p.add_argument("--settle", type=float, default=None,
-                   help="idle seconds before measuring (after every warm-up; before each transformers "
-                        "peer) (default 1, --quick 0.2)")
+                   help="idle seconds before measuring: after every warm-up, and before each "
+                        "transformers peer (default 1, --quick 0.2)")
     p.add_argument("--torch-threads", type=int,
                    help="torch intra-op threads for the transformers peers (default: torch's; "
                         "on a few loaded cores 1 is often faster for small models)")
