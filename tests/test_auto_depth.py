@@ -157,6 +157,45 @@ def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, mo
     assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
 
 
+def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_target, fresh_auto,
+                                                                         monkeypatch):
+    """A greedy first call priced below vanilla on the prompts' argmax agreement alone runs the
+    method once anyway (`explore`'s vanilla case): vanilla teaches nothing, so a pair whose
+    prompts mislead (the real Qwen pair read 0.41 on a chat template, 0.91-0.94 on its outputs)
+    would otherwise run vanilla for ever. Once measured, the next call is priced with what it
+    realised; a sampled call, which teaches nothing, is not explored; a pair measured and bad
+    is not explored again."""
+    t = tiny_target  # its own draft: every token accepted on its outputs
+    monkeypatch.setattr(auto, "pair_agreement", lambda *a, **k: (0.05, 40))  # a misleading prompt
+    # by hand first: Ouroboros explores with a config whose round teaches (its SD step)
+    off = auto.Choice("vanilla", None, 1.0, 0.05, "no ouroboros setting is predicted to beat "
+                      "vanilla here", (CPU_T, CPU_D))
+    out = auto.explore(off, t, t, "ouroboros")
+    assert out.method == "ouroboros" and auto._teaches("ouroboros", out.config)
+    assert out.config.gamma >= auto.EXPLORE_DEPTH and out.reason.startswith("exploring")
+    assert auto.explore(off, t, t) is off  # the asked method unknown: nothing to explore
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
+    kw = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1)
+    sampled = oj.generate(t, prompts, temperature=1.0, seed=3, **kw)
+    assert sampled.stats["auto"]["method"] == "vanilla"
+    first = oj.generate(t, prompts, **kw)
+    a = first.stats["auto"]
+    assert a["method"] == "speculative" and a["reason"].startswith("exploring")
+    assert eval(a["config"], {"SpeculativeConfig": SpeculativeConfig}).gamma >= auto.EXPLORE_DEPTH
+    assert first.tokens == ref.tokens
+    assert auto.depth_agreement(t, t) is not None  # measured on its outputs: 1.0 at each depth
+    # the next call is priced with the agreement realised by depth, not explored again (the
+    # model drafting for itself costs what it saves here: whatever it runs, it chose it)
+    second = oj.generate(t, prompts, **kw)
+    assert second.stats["auto"]["agreement_by_depth"][0] == 1.0
+    assert "exploring" not in second.stats["auto"]["reason"] and second.tokens == ref.tokens
+    # a pair whose outputs were measured and disagree is left to vanilla
+    bad = f"{auto.model_signature(t)}|{auto.model_signature(t)}"
+    auto._put("depth", bad, [[auto.EXPLORE_ROUNDS, 5], [5, 1]])
+    assert auto.explore(off, t, t, "speculative") is off
+
+
 def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts,
                                                            fresh_auto, monkeypatch):
     """A call with an explicit config that compiled nothing teaches auto its loop's prices,
