@@ -472,6 +472,9 @@ def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_p
     first = auto.auto_config("speculative", target, draft, prompt, plens, 64)
     second = auto.auto_config("speculative", target, draft, prompt, plens, 64)
     assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
+    # the rival named at the prices now: gamma 4's speedup, not its reason's words
+    rival = auto.predicted_rate("speculative", SpeculativeConfig(gamma=4), CPU_T, CPU_D, 0.7)
+    assert f"kept: {rival / cost.vanilla_rate(CPU_T):.2f}x vanilla for another" in second.reason
     third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
     assert third.method == "vanilla"
 

@@ -1044,12 +1044,15 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
             fits_pool(old.config, pool_shape)):
         tt, td, a = new.tables + (new.agreement,)
         keep = predicted_rate(old.method, old.config, tt, td, a)
-        if predicted_rate(new.method, new.config, tt, td, a) < switch_gain * keep:
+        rival = predicted_rate(new.method, new.config, tt, td, a)
+        if rival < switch_gain * keep:
             kept = keep / vanilla_rate(tt)  # at the prices now, not those it was chosen at
+            other = ("vanilla" if new.method == "vanilla" else
+                     f"{rival / vanilla_rate(tt):.2f}x vanilla for another setting")
             out = dataclasses.replace(
                 new, method=old.method, config=old.config, predicted_speedup=kept,
-                reason=f"predicted {kept:.2f}x vanilla (kept: {new.reason.split(' (')[0]} for "
-                f"another setting is not {switch_gain:.2f}x better)")
+                reason=f"predicted {kept:.2f}x vanilla (kept: {other} is not "
+                f"{switch_gain:.2f}x better)")
     if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
         out = explore(out, target, draft, method)
     if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
