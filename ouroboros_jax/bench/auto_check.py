@@ -130,11 +130,8 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
         c0, w0 = auto.compiles(), time.perf_counter()
         out = oj.generate(target, [ids[i]], draft=d, method=r["method"],
                           config=r["config"] if r["method"] != "vanilla" else None, **kw)
-        wall = time.perf_counter() - w0
-        compiled[id(out)] = auto.compiles() - c0  # in the call's thread or in the background
-        return out, wall
-
-    compiled = {}
+        # compiles in the call's thread or in the background
+        return out, time.perf_counter() - w0, auto.compiles() - c0
 
     from tqdm import tqdm
 
@@ -148,16 +145,18 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     first = {}
     for key, r in runs.items():
         for i in shapes:
-            out, wall = call(r, i)
+            out, wall, _ = call(r, i)
             first.setdefault(key, wall)
             bar.update(1)
     bar.set_description(f"auto_check {workload}: timed passes")
     rec = {key: [] for key in runs}
+    compiled = {key: [] for key in runs}
     for _ in range(calls):
         for i in range(len(ids)):
             for key, r in runs.items():
-                out, wall = call(r, i)
+                out, wall, n = call(r, i)
                 rec[key].append((i, out, wall))
+                compiled[key].append(n)
                 bar.update(1)
     bar.close()
     ref = {i: o.tokens for i, o, _ in rec[("vanilla", "vanilla")]}
@@ -192,7 +191,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     for x, key in zip(rows, runs):
         x["pass_tokens_per_second"] = per_pass(rec[key], len(ids))
         # each timed call: [prompt, wall seconds, compiles during it (any thread)]
-        x["calls"] = [[i, round(w, 3), compiled[id(o)]] for i, o, w in rec[key]]
+        x["calls"] = [[i, round(w, 3), n] for (i, _, w), n in zip(rec[key], compiled[key])]
     van = next(x for x in rows if x["method"] == "vanilla")["tokens_per_second"]
     for x in rows:
         x["x_vanilla"] = x["tokens_per_second"] / van

@@ -843,7 +843,8 @@ def _teaches(method: str, cfg) -> bool:
     return learn is not None and learn(cfg, one_round, True) is not None
 
 
-def explore(choice: "Choice", target, draft, asked: Optional[str] = None) -> "Choice":
+def explore(choice: "Choice", target, draft, asked: Optional[str] = None,
+            pool_shape: Optional[tuple] = None) -> "Choice":
     """The choice a greedy call that teaches auto runs: `choice`, or, where it drafts a chain
     shorter than EXPLORE_DEPTH and the pair's depths past the first are not measured yet, the
     same config with a chain of EXPLORE_DEPTH, so that the next choice is priced with the
@@ -856,27 +857,31 @@ def explore(choice: "Choice", target, draft, asked: Optional[str] = None) -> "Ch
     0.41 on one chat prompt's 39 positions (its outputs realise 0.91-0.94), was priced at
     0.75x vanilla, ran vanilla, and as vanilla teaches nothing, ran vanilla for ever."""
     cfg = choice.config
-    counts = _depth_counts(target, draft) if draft is not None else []
-    explored = (sum(c[0] for c in counts[1:]) >= MIN_DEPTH_ROUNDS
-                or (counts and counts[0][0] >= EXPLORE_ROUNDS))
-    if cfg is None and asked is not None and draft is not None and not explored:
-        return _explore_method(choice, asked)
-    if (draft is None or cfg is None or not _teaches(choice.method, cfg)
-            or getattr(cfg, "gamma", EXPLORE_DEPTH) >= EXPLORE_DEPTH or explored):
+    off = cfg is None and asked is not None
+    short = (cfg is not None and _teaches(choice.method, cfg)
+             and getattr(cfg, "gamma", EXPLORE_DEPTH) < EXPLORE_DEPTH)
+    if draft is None or not (off or short):
         return choice
+    counts = _depth_counts(target, draft)  # read only where a case applies
+    if (sum(c[0] for c in counts[1:]) >= MIN_DEPTH_ROUNDS
+            or (counts and counts[0][0] >= EXPLORE_ROUNDS)):
+        return choice
+    if off:
+        return _explore_method(choice, asked, pool_shape)
     return dataclasses.replace(
         choice, config=dataclasses.replace(cfg, gamma=EXPLORE_DEPTH),
         reason=choice.reason + f" (exploring: a chain of {EXPLORE_DEPTH} measures the pair's "
         "agreement past the first token; later calls run the choice priced with it)")
 
 
-def _explore_method(choice: "Choice", method: str) -> "Choice":
-    """`explore`'s vanilla case: the best-priced config of `method` whose greedy calls teach,
-    at a chain of at least EXPLORE_DEPTH; `choice` itself where the method has none."""
+def _explore_method(choice: "Choice", method: str, pool_shape: Optional[tuple]) -> "Choice":
+    """`explore`'s vanilla case: the best-priced config of `method` whose greedy calls teach
+    (among those a passed pool can serve, `_candidates`), at a chain of at least
+    EXPLORE_DEPTH; `choice` itself where the method has none."""
     spec = METHODS.get(method)
     if spec is None or not spec.needs_draft or spec.learn is None:
         return choice
-    teach = [c for c in spec.auto_grid() if _teaches(method, c)]
+    teach = [c for c in _candidates(spec, pool_shape) if _teaches(method, c)]
     if not teach:
         return choice
     tt, td = choice.tables
@@ -934,6 +939,12 @@ def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
     return shape_fits(pool_shape, cfg.guesses, cfg.ngram - 1)
 
 
+def _candidates(spec, pool_shape: Optional[tuple]) -> list:
+    """A method's knob grid (`MethodSpec.auto_grid`), less the configs a passed pool cannot
+    serve (`fits_pool`)."""
+    return [c for c in spec.auto_grid() if fits_pool(c, pool_shape)]
+
+
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],
            pool_shape: Optional[tuple] = None, min_gain: float = MIN_GAIN) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
@@ -943,7 +954,7 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py); with pool_shape
     (a pool the call passes: phrases per key, tokens per phrase) only those it can serve."""
     spec = _spec(method)
-    candidates = [c for c in spec.auto_grid() if fits_pool(c, pool_shape)]
+    candidates = _candidates(spec, pool_shape)
     if not candidates:
         raise ValueError(f"pool: its phrases of {pool_shape[1]} tokens fit no {method} config "
                          "that config='auto' searches; pass the config the pool was made with")
@@ -1054,7 +1065,7 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
                 reason=f"predicted {kept:.2f}x vanilla (kept: {other} is not "
                 f"{switch_gain:.2f}x better)")
     if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
-        out = explore(out, target, draft, method)
+        out = explore(out, target, draft, method, pool_shape)
     if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
         _store_choice(stored_key, out)
     _CHOICES[key] = out
