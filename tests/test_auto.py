@@ -328,14 +328,17 @@ def test_calibration_from_two_matmuls(monkeypatch):
     assert flat[1] == flat[5] == pytest.approx(1e-4 + 0.04)  # weights-bound: the roofline
 
 
-def test_wide_forwards_priced_at_their_own_anchor(tiny_pair, fresh_auto, monkeypatch):
-    """model_anchor times each model's 1-token and WIDE_ANCHOR-token forwards: the prices hit
-    both timings exactly, and a size in between follows the shape from the wide one, not from
-    the 1-token one (on the real 1.5B the shape from t(1) priced t(7) 12% low). Timed once: a
-    second pricing reads both anchors from disk."""
+def test_wide_forwards_priced_at_their_own_anchors(tiny_pair, fresh_auto, monkeypatch):
+    """model_anchor times each model's forwards of 1, 2 and WIDE_ANCHOR tokens: the prices hit
+    all three timings exactly, and a size between 2 and WIDE_ANCHOR is priced by the shape at
+    a factor halfway (in log T) between the 2-token and the wide one's, not at the 1-token one's
+    (on the real 1.5B the shape from t(1) priced t(7) 12% low) nor at the wide one's alone (on
+    the demo target the 8-token anchor priced t(2) 15% low). Timed once: a second pricing reads
+    the anchors from disk."""
     target, draft, _ = tiny_pair
     w = auto.WIDE_ANCHOR
-    timed = {1: 2e-3, w: 9e-3}  # the wide forward 4.5x the 1-token one: not what shapes say
+    assert auto.ANCHOR_SIZES == (1, 2, w) and w == 8  # 4 is halfway from 2 to 8 in log T
+    timed = {1: 2e-3, 2: 5e-3, w: 9e-3}  # 2.5x and 4.5x the 1-token forward: not the shapes'
     calls = []
 
     def timer(model, batch, n, slots, inner=4):
@@ -344,13 +347,15 @@ def test_wide_forwards_priced_at_their_own_anchor(tiny_pair, fresh_auto, monkeyp
 
     monkeypatch.setattr(auto, "_forward_seconds", timer)
     tt, td, anchors = auto._base_tables(target, draft, 1, 64, True)
-    assert sorted(calls) == [1, 1, w, w]
+    assert sorted(calls) == [1, 1, 2, 2, w, w]
     for table in (tt, td):
-        assert cost.interpolate(table, 1) == pytest.approx(timed[1])
-        assert cost.interpolate(table, w) == pytest.approx(timed[w])
+        for n in (1, 2, w):
+            assert cost.interpolate(table, n) == pytest.approx(timed[n])
     rates, _ = auto.device_rates(target.params["embed"].dtype)
-    shape = auto.shape_table(target, 1, 64, (1, 4, w), rates)
-    assert tt[4] == pytest.approx(shape[4] * timed[w] / shape[w])
+    shape = auto.shape_table(target, 1, 64, (1, 2, 4, w), rates)
+    a2, aw = timed[2] / shape[2], timed[w] / shape[w]
+    assert tt[4] == pytest.approx(shape[4] * (a2 + aw) / 2)
+    assert tt[4] != pytest.approx(shape[4] * aw, rel=0.05)
     assert tt[4] != pytest.approx(shape[4] * timed[1] / shape[1], rel=0.05)
     assert auto.prices_known(target, draft, 1)
     calls.clear()

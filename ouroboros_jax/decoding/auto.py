@@ -337,14 +337,14 @@ def compiles() -> int:
 
 
 # ------------------------------------------------------------------------------------ latency
-# A forward's price is t(n) = scale * anchor * shape(n): the shape from the model's bytes and
-# FLOPs at the device's calibrated rates (`shape_table`), the anchor its measured 1-token
-# forward over the shape's for n = 1 and its measured WIDE_ANCHOR-token one's for n > 1
-# (`model_anchor`, once per device kind and model shape), the scale learned from the user's own
+# A forward's price is t(n) = scale * anchor(n) * shape(n): the shape from the model's bytes
+# and FLOPs at the device's calibrated rates (`shape_table`), the anchor its measured forwards
+# of 1, 2 and WIDE_ANCHOR tokens over the shape's prices, read between them (`model_anchor`,
+# `anchor_at`, once per device kind and model shape), the scale learned from the user's own
 # calls (`record_call`: a call's loop time against the price of the forwards it counted). The
-# calibration is two small matmuls, once per device kind and dtype; the anchor two forward
+# calibration is two small matmuls, once per device kind and dtype; the anchor three forward
 # timers per model; the scale costs no run at all. So a first call pays the calibration and
-# the anchors of its models (two compiles each), and no later call, in any process, pays a
+# the anchors of its models (three compiles each), and no later call, in any process, pays a
 # probe.
 def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
@@ -501,9 +501,9 @@ def _timing_key(target, draft, batch: int) -> str:
     d = model_signature(draft) if draft is not None else "-"
     # "anchored": sums of prices from anchored tables (`model_anchor`); older sums priced the
     # bare shapes and would mis-scale these; TIMED: priced from anchors timed the current way;
-    # "wide": with wide forwards priced at their own anchor (before, at the 1-token one's)
+    # "anchors": forwards priced at anchors timed at these sizes (before: 1 and 8 tokens)
     return (f"{device_kind()}|{model_signature(target)}|{d}|B{batch_bucket(batch)}"
-            f"|anchored|{TIMED}|wide{WIDE_ANCHOR}")
+            f"|anchored|{TIMED}|anchors{'-'.join(map(str, ANCHOR_SIZES))}")
 
 
 # Two scales are fitted only where the calls' draft shares differ enough: 1 - rho^2 of their
@@ -599,7 +599,7 @@ def prices_known(target, draft, batch: int) -> bool:
     models = [m for m in (target, draft) if m is not None]
     return (all(_device_key(m.params["embed"].dtype) in data.get("device", {}) for m in models)
             and all(_anchor_key(m, batch, n) in data.get("anchor", {})
-                    for m in models for n in (1, WIDE_ANCHOR)))
+                    for m in models for n in ANCHOR_SIZES))
 
 
 def _anchor_key(model, batch: int, n: int = 1) -> str:
@@ -607,71 +607,85 @@ def _anchor_key(model, batch: int, n: int = 1) -> str:
     return f"{device_kind()}|{model_signature(model)}|B{batch_bucket(batch)}|{TIMED}{wide}"
 
 
-# The second size a model's anchor times: a multi-token forward runs other kernels than the
-# 1-token one (a matrix product, not a matrix-vector one), and on this CPU costs more than its
-# shape prices from the 1-token forward. The real Qwen 1.5B's forwards of 3 / 5 / 7 tokens
-# measured 1.63 / 1.89 / 2.22x its 1-token one where the shape priced 1.32 / 1.64 / 1.96x;
-# the demo target's 5-token forward measured 1.28x, where the shape priced 1.63x. Anchored at 1
-# and at WIDE_ANCHOR tokens, the shape is right within 10% from 3 to 9 tokens on both.
+# The sizes a model's anchor times. A multi-token forward runs other kernels than the 1-token
+# one (a matrix product, not a matrix-vector one), and on this CPU costs more than its shape
+# prices from the 1-token forward, by a factor that falls as the forward widens: measured over
+# the shape anchored at t(1), the real Qwen 1.5B's forwards of 3 / 5 / 7 / 9 tokens cost
+# 1.23 / 1.15 / 1.13 / 1.11x; the demo target's 2 / 3 / 4 / 5 / 6 / 8 tokens 1.18 / 1.10 /
+# 1.08 / 1.00 / 0.98 / 0.98x its shape anchored at t(8) (a jump from 1 to 2 tokens, then
+# nearly flat to 8). So the factor is timed at 1, 2 and WIDE_ANCHOR tokens and read between
+# 2 and WIDE_ANCHOR linearly in log n (`anchored`): within 5% on both from 2 to 9 tokens,
+# where one wide anchor at 8 priced the demo target's 2-token forward 15% low and drew auto's
+# speculative choice to gamma 1 (1.19x vanilla measured, gamma 4 1.32x).
 WIDE_ANCHOR = 8
+ANCHOR_SIZES = (1, 2, WIDE_ANCHOR)
 
 
 def model_anchor(model, batch: int, slots: int, rates: DeviceRates, use_cache: bool = True
-                 ) -> tuple[tuple[float, float], bool]:
-    """((a_1, a_w), whether they were measured by this call): this model's measured 1-token and
-    WIDE_ANCHOR-token forwards over its shape's prices at `rates`, from disk when this model's
-    shape was timed on this device kind at this batch bucket before, else timed now (two
-    compiles) and kept. Keyed without the cache size, so a model is timed once per device, in
-    its first call, whatever shapes follow.
+                 ) -> tuple[tuple, bool]:
+    """((a_1, a_2, a_w), whether they were measured by this call): this model's measured
+    forwards of `ANCHOR_SIZES` tokens over its shape's prices at `rates`, from disk when this
+    model's shape was timed on this device kind at this batch bucket before, else timed now
+    (three compiles) and kept. Keyed without the cache size, so a model is timed once per
+    device, in its first call, whatever shapes follow.
 
     Why: the shape prices weights and FLOPs, but a small model's fixed work per layer weighs
     more than its bytes say, and a call's scale learned from one config cannot tell the
     target's share from the draft's. On the real Qwen pair here the 0.5B draft's forward is
     about 0.47 of the 1.5B's, where their shapes say 0.34: priced by shape, long drafts looked
     cheap (auto chose gamma 12 where 6 ran 1.4x faster). And a forward of several tokens is
-    not the 1-token one's shape away from it (`WIDE_ANCHOR`)."""
-    keys = (_anchor_key(model, batch), _anchor_key(model, batch, WIDE_ANCHOR))
+    not the 1-token one's shape away from it (`ANCHOR_SIZES`)."""
+    keys = tuple(_anchor_key(model, batch, n) for n in ANCHOR_SIZES)
     if use_cache:
         hits = [_read_cache().get("anchor", {}).get(k) for k in keys]
         if all(h is not None for h in hits):
-            return (float(hits[0]), float(hits[1])), False
+            return tuple(float(h) for h in hits), False
     B = batch_bucket(batch)
-    sizes = (1, WIDE_ANCHOR)
-    priced = shape_latency(model_shape(model), rates, B, slots // 2, sizes)
+    priced = shape_latency(model_shape(model), rates, B, slots // 2, ANCHOR_SIZES)
     # the fastest of 5, interleaved (load from other processes only ever adds time; one of 3
     # moved the demo target's anchor between 1.6 and 3.3 on a shared 2-core machine)
-    timed = _measure({n: _forward_seconds(model, B, n, slots) for n in sizes}, 5)
-    ratios = (timed[1] / priced[1], timed[WIDE_ANCHOR] / priced[WIDE_ANCHOR])
+    timed = _measure({n: _forward_seconds(model, B, n, slots) for n in ANCHOR_SIZES}, 5)
+    ratios = tuple(timed[n] / priced[n] for n in ANCHOR_SIZES)
     if use_cache:
         for k, r in zip(keys, ratios):
             _put("anchor", k, r)
     return ratios, True
 
 
-def anchored(table: dict, anchor: tuple[float, float]) -> dict:
-    """A shape table {n: seconds} priced at a model's anchors (a_1, a_w): its 1-token forward
-    times a_1, every wider one times a_w."""
-    a_1, a_w = anchor
-    return {n: t * (a_1 if int(n) == 1 else a_w) for n, t in table.items()}
+def anchor_at(anchor: tuple, n: int) -> float:
+    """A model's anchor factor at n tokens from its factors at `ANCHOR_SIZES` (a_1, a_2, a_w):
+    a_1 at one token, a_w from WIDE_ANCHOR tokens on, and between 2 and WIDE_ANCHOR linear in
+    log n from a_2 to a_w."""
+    a_1, a_2, a_w = anchor
+    if n <= 1:
+        return a_1
+    if n >= WIDE_ANCHOR:
+        return a_w
+    f = math.log(n / 2) / math.log(WIDE_ANCHOR / 2)
+    return a_2 + (a_w - a_2) * f
+
+
+def anchored(table: dict, anchor: tuple) -> dict:
+    """A shape table {n: seconds} priced at a model's anchor factors (`anchor_at`)."""
+    return {n: t * anchor_at(anchor, int(n)) for n, t in table.items()}
 
 
 def _base_tables(target, draft, batch: int, slots: int, use_cache: bool
                  ) -> tuple[dict, Optional[dict], list]:
     """The unscaled (target, draft) tables and the anchors applied ([target's, draft's], each
-    (a_1, a_w)): `shape_table` at the calibrated rates, its 1-token forward scaled to cost what
-    the model's measured one did and every wider one by the measured WIDE_ANCHOR-token one
-    (`model_anchor`; a table probed whole, `probe_latency`, is used as measured: anchors 1).
-    The shape is also priced at 2 tokens, so that 2 and 3 are read between wide prices, not
-    between the 1-token price and the 4-token one."""
+    (a_1, a_2, a_w)): `shape_table` at the calibrated rates, each forward scaled by the
+    model's measured forwards of `ANCHOR_SIZES` tokens (`model_anchor`, `anchor_at`; a table
+    probed whole, `probe_latency`, is used as measured: anchors 1). The shape is also priced
+    at the anchors' sizes and at 3 tokens, where the anchor factor bends."""
     tables, anchors = [], []
     for model, sizes in ((target, TARGET_SIZES), (draft, DRAFT_SIZES)):
         if model is None:
             tables.append(None)
             continue
         rates, _ = device_rates(model.params["embed"].dtype, use_cache)
-        anchor = (1.0, 1.0)
+        anchor = (1.0, 1.0, 1.0)
         if _stored_latency(model, batch, slots, sizes) is None:
-            sizes = tuple(sorted(set(sizes) | {2}))
+            sizes = tuple(sorted(set(sizes) | set(ANCHOR_SIZES) | {3}))
             anchor = model_anchor(model, batch, slots, rates, use_cache)[0]
         tables.append(anchored(shape_table(model, batch, slots, sizes, rates), anchor))
         anchors.append(anchor)
@@ -687,13 +701,14 @@ def latency_tables(target, draft, batch: int, slots: int, use_cache: bool = True
     tt, td, anchors = _base_tables(target, draft, batch, slots, use_cache)
     measured = [f"device: {rates.bandwidth / 1e9:.1f} GB/s, {rates.flops / 1e9:.0f} GFLOP/s "
                 f"(two matmuls, {'calibrated in this call' if now else 'stored'})",
-                f"each model's 1-token and {WIDE_ANCHOR}-token forwards, timed once on this "
-                "device: " + ", ".join(f"{who} x{a[0]:.2f} / x{a[1]:.2f}"
-                                       for who, a in zip(("target", "draft"), anchors))
-                + " their shape's prices"]
+                f"each model's forwards of {' / '.join(map(str, ANCHOR_SIZES))} tokens, timed "
+                "once on this device: " + ", ".join(
+                    f"{who} " + " / ".join(f"x{x:.2f}" for x in a)
+                    for who, a in zip(("target", "draft"), anchors)) + " their shape's prices"]
     assumed = ["each forward's t(T) shaped by its weight bytes and FLOPs at those rates, "
-               f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its measured t(1) and, "
-               f"past 1 token, to its measured t({WIDE_ANCHOR})"]
+               f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its measured "
+               f"t({'), t('.join(map(str, ANCHOR_SIZES))}) and between 2 and {WIDE_ANCHOR} "
+               "tokens by a factor read between those (linear in log T)"]
     s_t, s_s, calls = 1.0, 1.0, 0
     if use_cache:
         s_t, s_s, calls, separated = learned_scales(target, draft, batch)
