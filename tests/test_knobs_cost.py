@@ -97,7 +97,7 @@ def test_rates_priced_from_forward_sizes_by_hand():
     assert METHODS["lookahead"].rate(la, None, tt, None) == pytest.approx(
         (1 + cost.phrase_gain(1, 3)) / 1.75)
     assert cost.phrase_gain(1, 3) == pytest.approx(0.1 * (1 + 0.8))
-    assert cost.vanilla_rate(tt) == pytest.approx(1 / (1 + cost.VANILLA_OVERHEAD))
+    assert cost.vanilla_rate(tt) == pytest.approx(1 / (1 + cost.VANILLA_STEP_SECONDS))
 
 
 def test_round_cost_prices_a_round_by_hand():

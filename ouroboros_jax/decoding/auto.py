@@ -71,8 +71,8 @@ from ..models import causal_mask, forward
 from ..models.timing import forward_timer, matmul_timer
 from ..pool.phrase_pool import shape_fits
 from . import METHODS
-from .cost import (VANILLA_OVERHEAD, DepthAgreement, DeviceRates, ModelShape, interpolate,
-                   loop_seconds, scaled, shape_latency, vanilla_rate)
+from .cost import (DepthAgreement, DeviceRates, ModelShape, interpolate,
+                   loop_seconds, scaled, shape_latency, vanilla_overhead, vanilla_rate)
 from .knobs import recipe_of
 from .spec import chain_agreement
 
@@ -560,7 +560,7 @@ def call_parts(method: str, cfg, stats: dict, prompt_len: int, tt: dict, td: Opt
     loop (`cost.loop_seconds` over stats' target and draft forwards, each target forward with
     its round's work outside the forwards)."""
     if method == "vanilla":
-        sizes, overhead, drafts = (1, 0, 0), VANILLA_OVERHEAD, 0.0
+        sizes, overhead, drafts = (1, 0, 0), vanilla_overhead(tt), 0.0
     else:
         spec = METHODS[method]
         sizes = spec.forward_sizes(cfg)

@@ -34,13 +34,15 @@ import numpy as np
 # (sampling, emit, commit), per round of any method (tree, accept walk, commits), per draft
 # forward (its sampling and cache commit) and per Ouroboros round for the pool (lookups,
 # recycling, inserts).
-# Vanilla's was 0.18 when the timers read one logit and XLA dropped the LM head from them; the
-# timers now read every logit, and a vanilla step measures 0.91x the timed 1-token forward on
-# the real Qwen 1.5B (223.5 against 246.4 ms) and 0.95x on the demo target (4.39 against 4.62
-# ms): nothing outside the forward shows. At 0.18 vanilla was priced 18% above its measured loop
-# relative to every method's round (auto_check on the real pair and on SmolLM2), which
-# overstated every method's gain over vanilla by as much.
-VANILLA_OVERHEAD = 0.0
+# Vanilla's is in seconds per step, not in units of the forward: the while loop's own small ops
+# cost about the same whatever the model. It was 0.18 t_T(1) when the timers read one logit and
+# XLA dropped the LM head from them; with timers that read every logit, a vanilla step measures
+# 0.91x the timed 1-token forward on the real Qwen 1.5B (223.5 against 246.4 ms: nothing
+# outside the forward shows), while on the demo target, whose forward takes 4-5 ms, vanilla's
+# loop measured 12% above its forwards' price relative to the speculative rounds' (auto_check,
+# two runs): about 0.5 ms. At 0.18 t_T(1) the real pair's and SmolLM2's vanilla were priced 18%
+# above their measured loop relative to every method's round.
+VANILLA_STEP_SECONDS = 5e-4
 ROUND_OVERHEAD = 0.1
 DRAFT_STEP_OVERHEAD = 0.06
 POOL_OVERHEAD = 0.25
@@ -232,7 +234,10 @@ class RoundModel:
     overhead: float = 0.0
 
 
-VANILLA_ROUND = RoundModel(tokens=1.0, overhead=VANILLA_OVERHEAD)
+def vanilla_overhead(tt: dict) -> float:
+    """Vanilla's work outside its forward per step, in units of the target's 1-token forward
+    (as `RoundModel.overhead`): VANILLA_STEP_SECONDS over t_T(1)."""
+    return VANILLA_STEP_SECONDS / interpolate(tt, 1)
 
 
 def round_seconds(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float:
@@ -264,4 +269,4 @@ def rate(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float
 
 def vanilla_rate(tt: dict) -> float:
     """Vanilla's predicted tokens per second: one target forward of one token per token."""
-    return rate((1, 0), VANILLA_ROUND, tt, None)
+    return rate((1, 0), RoundModel(tokens=1.0, overhead=vanilla_overhead(tt)), tt, None)
