@@ -98,6 +98,11 @@ def test_rates_priced_from_forward_sizes_by_hand():
         (1 + cost.phrase_gain(1, 3)) / 1.75)
     assert cost.phrase_gain(1, 3) == pytest.approx(0.1 * (1 + 0.8))
     assert cost.vanilla_rate(tt) == pytest.approx(1 / (1 + cost.VANILLA_STEP_SECONDS))
+    # vanilla's fixed work per step weighs on small forwards, up to a cap
+    small = {1: 5e-3, 4: 9e-3}
+    assert cost.vanilla_rate(small) == pytest.approx(1 / (5e-3 + cost.VANILLA_STEP_SECONDS))
+    tiny = {1: 1e-4, 4: 2e-4}
+    assert cost.vanilla_rate(tiny) == pytest.approx(1 / (1e-4 * (1 + cost.VANILLA_OVERHEAD_CAP)))
 
 
 def test_round_cost_prices_a_round_by_hand():
