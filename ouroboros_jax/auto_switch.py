@@ -15,7 +15,10 @@ have run, and:
   compiles, the second runs the loop auto settled on;
 - a later call whose choice has no compiled loop yet runs the last choice that has one
   (`runnable`) and compiles the new one on a background thread; the first call after that
-  thread is done runs it.
+  thread is done runs it. Only where the switch pays (`pays_off`): the compile takes the
+  cores the user's calls run on (an Ouroboros loop of the demo pair compiled in 7.4 s, while
+  its calls take 0.3 s), so the calls made so far, taken as the calls still to come, must
+  save more than the compile of this signature's first call cost.
 
 A loop is compiled by running it on the call's own inputs with every row limited to one new
 token (`warm` callables built by `generate`): the same shapes, so the same compiled program,
@@ -27,6 +30,7 @@ choice is broadcast once and kept).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 from typing import Callable, Optional
@@ -35,6 +39,9 @@ _LOCK = threading.Lock()
 _RAN: dict = {}  # signature -> {(method, config repr): choice} whose loops have run here
 _LAST: dict = {}  # signature -> the last choice run
 _WARMING: dict = {}  # (signature, method, config repr) -> background thread compiling it
+# signature -> [calls run, of which compiled nothing, their loop seconds, most seconds one
+# call compiled]: what a switch of loops would cost and save
+_CALLS: dict = {}
 
 
 def signature(method: str, target, draft, batch: int, prompt_width: int, max_new_tokens: int,
@@ -53,17 +60,58 @@ def _key(choice) -> tuple:
     return choice.method, repr(choice.config)
 
 
+def pays_off(calls: int, call_seconds: float, compile_seconds: float, keep: float,
+             rival: float) -> bool:
+    """Whether switching loops pays: `calls` calls (as many as were made so far are expected
+    to follow) of call_seconds each, faster by the predicted rates rival over keep, save at
+    least one compile of compile_seconds."""
+    return calls * call_seconds * max(0.0, 1.0 - keep / rival) >= compile_seconds
+
+
+def _rates(last, choice) -> tuple[float, float]:
+    """(kept, rival) predicted speedups over vanilla at the prices `choice` was made with (the
+    kept one's from when it ran where `choice` carries no tables)."""
+    tt, td = choice.tables
+    if tt is None:
+        return last.predicted_speedup, choice.predicted_speedup
+    from .decoding.auto import predicted_rate
+    from .decoding.cost import vanilla_rate
+
+    keep = predicted_rate(last.method, last.config, tt, td, choice.agreement) / vanilla_rate(tt)
+    return keep, choice.predicted_speedup
+
+
+def _unpaid(sig: tuple, last, choice) -> Optional[str]:
+    """Why a switch from `last` to `choice` does not pay yet (`pays_off`), or None where it
+    does or nothing is known of this signature's calls."""
+    calls, timed, seconds, compile_s = _CALLS.get(sig, (0, 0, 0.0, 0.0))
+    if not timed or compile_s <= 0:
+        return None
+    keep, rival = _rates(last, choice)
+    if rival <= 0 or pays_off(calls, seconds / timed, compile_s, keep, rival):
+        return None
+    saved = seconds / timed * max(0.0, 1.0 - keep / rival)
+    needed = f"{math.ceil(compile_s / saved)}" if saved > 0 else "never"
+    return (f"kept: {choice.config or choice.method} (predicted {rival:.2f}x vanilla against "
+            f"{keep:.2f}x) pays its compile ({compile_s:.1f} s) after {needed} calls, {calls} "
+            "so far")
+
+
 def runnable(sig: tuple, choice, warm: Callable) -> tuple:
     """(the choice to run now, whether it is auto's own): auto's `choice` when its loop has
     run for this signature, or when nothing has (a first call compiles); else the last choice
     run, with `choice`'s loop compiled on a background thread (`warm(choice)`) that a later call
-    switches to once it is done."""
+    switches to once it is done, where the switch pays (`pays_off`)."""
     with _LOCK:
         ran = _RAN.get(sig)
         if not ran or _key(choice) in ran:
             return choice, True
         last = _LAST[sig]
         pending = (sig,) + _key(choice)
+        unpaid = None if pending in _WARMING else _unpaid(sig, last, choice)
+        if unpaid is not None:
+            why = f"{last.reason.split(' (')[0]} ({unpaid})"
+            return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
         if pending not in _WARMING:
             # not a daemon: a script that ends while it compiles waits for it (a daemon
             # thread is stopped inside XLA at exit, and the process aborts)
@@ -90,13 +138,18 @@ def _warm_quietly(sig: tuple, choice, warm: Callable) -> None:
         _RAN.setdefault(sig, {})[_key(choice)] = choice
 
 
-def record(sig: tuple, choice) -> bool:
-    """After a call ran `choice`'s loop: kept as compiled and as the last choice -> whether it
-    was the first auto call of this signature."""
+def record(sig: tuple, choice, seconds: float = 0.0, compile_s: float = 0.0) -> bool:
+    """After a call ran `choice`'s loop in `seconds`, compile_s of them compiling: kept as
+    compiled and as the last choice, the call counted (`pays_off`) -> whether it was the
+    first auto call of this signature."""
     with _LOCK:
         first = sig not in _RAN
         _RAN.setdefault(sig, {})[_key(choice)] = choice
         _LAST[sig] = choice
+        calls, timed, total, most = _CALLS.get(sig, (0, 0, 0.0, 0.0))
+        quiet = compile_s <= 0
+        _CALLS[sig] = (calls + 1, timed + quiet, total + (seconds if quiet else 0.0),
+                       max(most, compile_s))
         return first
 
 
@@ -129,6 +182,7 @@ def forget() -> None:
         _RAN.clear()
         _LAST.clear()
         _WARMING.clear()
+        _CALLS.clear()
 
 
 @dataclasses.dataclass
@@ -143,8 +197,8 @@ class Switcher:
     def runnable(self, choice):
         return runnable(self.sig, choice, self.warm)[0]
 
-    def after(self, ran) -> None:
-        """After the call ran `ran`: recorded; on the signature's first call, auto asked
-        again and its new choice compiled now."""
-        if record(self.sig, ran):
+    def after(self, ran, seconds: float = 0.0, compile_s: float = 0.0) -> None:
+        """After the call ran `ran` in `seconds` (compile_s of them compiling): recorded; on
+        the signature's first call, auto asked again and its new choice compiled now."""
+        if record(self.sig, ran, seconds, compile_s):
             settle(self.sig, self.again(), self.warm)

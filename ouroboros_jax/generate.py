@@ -128,9 +128,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
     limits, sp = row_knobs(B, max_new_tokens, *knobs)
 
-    from .decoding.auto import compiles
+    from .decoding.auto import compile_seconds, compiles
 
-    compiled = compiles()
+    compiled, compiled_s = compiles(), compile_seconds()
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
@@ -145,7 +145,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
         _after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots,
-                    learn=compiles() == compiled and is_leader() and not multi)
+                    learn=compiles() == compiled and is_leader() and not multi,
+                    compile_s=compile_seconds() - compiled_s)
     elif compiles() == compiled and is_leader() and not multi:
         _learn_prices(method, cfg, target, draft, stats, seconds, B, P,
                       cache_slots(P, max_new_tokens, 0, max_cache_len))
@@ -226,17 +227,18 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
 
 
 def _after_auto(choice, switch, target, draft, stats: dict, seconds: float, B: int, P: int,
-                auto_slots: int, learn: bool) -> None:
+                auto_slots: int, learn: bool, compile_s: float = 0.0) -> None:
     """After an auto call: its loop's time against its counted forwards' price kept, what the
     next choice is priced with (learn: not from a call whose loop compiled, whose time is the
-    compiler's); the choice recorded as run (`auto_switch`)."""
+    compiler's); the choice recorded as run, with the call's loop seconds and the seconds
+    compiled during it (`auto_switch`: what a switch of loops would cost and save)."""
     if learn:
         from .decoding.auto import record_call
 
         record_call(choice.method, choice.config, target, draft, stats, seconds, B, P,
                     auto_slots, choice.agreement)
     if switch is not None:
-        switch.after(choice)
+        switch.after(choice, seconds, compile_s)
 
 
 def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,

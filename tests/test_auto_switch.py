@@ -45,9 +45,11 @@ def scripted(monkeypatch, request):
     auto_switch.forget()
 
 
-def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
+def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted, monkeypatch):
     target, draft, _ = tiny_pair
     answers, asked, anyway = scripted
+    # every switch pays at once here (when one pays: the test after this one)
+    monkeypatch.setattr(auto_switch, "pays_off", lambda *a: True)
     prompt = [[5, 6, 7, 8, 9, 10]]
     kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
     ref = oj.generate(target, prompt, max_new_tokens=12, eos_token_id=-1).tokens
@@ -84,6 +86,33 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     assert compiles() == before
     assert fourth.stats["auto"]["config"] == "SpeculativeConfig(gamma=5)"
     assert fourth.tokens == ref
+
+
+def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
+    """A later call's switch compiles only once the calls made so far (taken as the calls to
+    come) would save the compile's seconds: here a first call that compiled for 2 s, later
+    calls of 0.3 s, and a rival predicted 1.40x vanilla against 1.30x, which saves
+    0.3 * (1 - 1.30 / 1.40) = 0.0214 s a call: 93 calls do not pay, 94 do."""
+    auto_switch.forget()
+    sig = ("p",)
+    last, rival = choice(1), choice(4)
+    last.predicted_speedup, rival.predicted_speedup = 1.30, 1.40
+    warmed = []
+    auto_switch.record(sig, last, 3.0, 2.0)  # the signature's first call: it compiled 2 s
+    for _ in range(92):
+        auto_switch.record(sig, last, 0.3, 0.0)
+    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    assert not own and ran.config.gamma == 1 and "pays its compile (2.0 s) after 94 calls, 93 so far" in ran.reason
+    auto_switch.wait_for_background()
+    assert not warmed  # nothing compiles
+    auto_switch.record(sig, last, 0.3, 0.0)  # call 94
+    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    assert not own and ran.config.gamma == 1 and "compiles in the background" in ran.reason
+    auto_switch.wait_for_background()
+    assert warmed == [rival]
+    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    assert own and ran.config.gamma == 4
+    auto_switch.forget()
 
 
 def test_the_signature_follows_what_decides_the_loop(tiny_pair):
@@ -130,6 +159,8 @@ target, draft = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
 answers = [2, 2, 5]
 gen._auto_choice = lambda *a, **k: (Choice("speculative", SpeculativeConfig(gamma=answers.pop(0)),
                                             1.5, 0.7, "scripted"), 64)
+from ouroboros_jax import auto_switch
+auto_switch.pays_off = lambda *a: True  # the switch pays at once (when one does: tested apart)
 kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
 oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2 (asked again at its end: 2)
 out = oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 5 starts compiling in the background

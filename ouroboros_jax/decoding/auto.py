@@ -314,11 +314,13 @@ def batch_bucket(batch: int) -> int:
 # or read back from jax's persistent compilation cache. A call whose loop was built measured
 # the compiler (or the cache) as well as the loop, so it teaches auto nothing.
 _COMPILES = [0]
+_COMPILE_SECONDS = [0.0]
 
 
 def _on_duration(name: str, secs: float, **kw) -> None:
     if name == "/jax/core/compile/backend_compile_duration":
         _COMPILES[0] += 1
+        _COMPILE_SECONDS[0] += secs
 
 
 def _on_event(name: str, **kw) -> None:
@@ -334,6 +336,12 @@ def compiles() -> int:
     """Programs compiled (or read from the persistent compilation cache) in this process since
     auto was imported."""
     return _COMPILES[0]
+
+
+def compile_seconds() -> float:
+    """Seconds the backend spent compiling in this process (any thread) since auto was
+    imported (programs read from the persistent cache add nothing)."""
+    return _COMPILE_SECONDS[0]
 
 
 # ------------------------------------------------------------------------------------ latency
