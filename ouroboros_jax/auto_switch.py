@@ -83,8 +83,16 @@ def _rates(last, choice) -> tuple[float, float]:
 
 def _unpaid(sig: tuple, last, choice) -> Optional[str]:
     """Why a switch from `last` to `choice` does not pay yet (`pays_off`), or None where it
-    does or nothing is known of this signature's calls."""
+    does or nothing is known of this signature's calls. The compile is priced at the most
+    seconds one of this signature's calls compiled, or, where none compiled (its first call
+    ran a loop another signature's call had built, e.g. vanilla's), at the longest compile
+    in this process (`auto.longest_compile_seconds`): 0 where everything came from the
+    persistent cache, and then a switch starts at once."""
     calls, timed, seconds, compile_s = _CALLS.get(sig, (0, 0, 0.0, 0.0))
+    if compile_s <= 0:
+        from .decoding.auto import longest_compile_seconds
+
+        compile_s = longest_compile_seconds()
     if not timed or compile_s <= 0:
         return None
     keep, rival = _rates(last, choice)

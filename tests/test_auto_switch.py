@@ -12,6 +12,7 @@ import pytest
 
 import ouroboros_jax as oj
 from ouroboros_jax import auto_switch
+from ouroboros_jax.decoding import auto
 from ouroboros_jax.decoding.auto import Choice, compiles, latency_tables
 
 gen = importlib.import_module("ouroboros_jax.generate")  # the module (oj.generate is the function)
@@ -88,7 +89,7 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted, 
     assert fourth.tokens == ref
 
 
-def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
+def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile(monkeypatch):
     """A later call's switch compiles only once the calls made so far (taken as the calls to
     come) would save the compile's seconds: here a first call that compiled for 2 s, later
     calls of 0.3 s, and a rival predicted 1.40x vanilla against 1.30x, which saves
@@ -112,6 +113,16 @@ def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
     assert warmed == [rival]
     ran, own = auto_switch.runnable(sig, rival, warmed.append)
     assert own and ran.config.gamma == 4
+    # a signature whose first call compiled nothing (its loop built by another's call) prices
+    # a switch at the longest compile of the process
+    auto_switch.forget()
+    monkeypatch.setattr(auto, "_COMPILE_SECONDS", [9.0, 2.0])
+    auto_switch.record(sig, last, 0.3, 0.0)
+    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    assert "pays its compile (2.0 s) after 94 calls, 1 so far" in ran.reason
+    monkeypatch.setattr(auto, "_COMPILE_SECONDS", [0.0, 0.0])  # all from the persistent cache
+    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    assert "compiles in the background" in ran.reason
     auto_switch.forget()
 
 
@@ -129,7 +140,8 @@ def test_the_signature_follows_what_decides_the_loop(tiny_pair):
         assert auto_switch.signature("speculative", target, draft, *changed) != sig
 
 
-def test_a_failed_background_compile_keeps_the_last_choice(capsys):
+def test_a_failed_background_compile_keeps_the_last_choice(capsys, monkeypatch):
+    monkeypatch.setattr(auto_switch, "pays_off", lambda *a: True)
     auto_switch.forget()
     sig = ("s",)
     auto_switch.record(sig, choice(2))
