@@ -10,7 +10,9 @@ lookahead and prompt lookup), `real` (Qwen2.5-Coder 1.5B / 0.5B GGUFs: speculati
 Ouroboros). The GGUFs are read from --gguf-dir (default ~/.cache/ouroboros-real, see
 docs for the fetch script); nothing is downloaded.
 
-One process, a fresh auto store (a temp dir as $OUROBOROS_JAX_CACHE). Every config of the
+One process, two fresh auto stores (temp dirs as $OUROBOROS_JAX_CACHE): one for auto's calls,
+as a user of the defaults has, one for the grid's explicit calls (which teach prices and the
+pair's agreement too). Every config of the
 grid and auto make their first (compiling) calls first, one per prompt bucket; then `--calls`
 passes over the prompts, each pass running vanilla, every grid config and auto in turn on the
 same prompt (interleaved, so load from other processes falls on all alike), timed by the wall
@@ -109,7 +111,13 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     from ..decoding import METHODS, auto
     from ..request import bucket, cache_slots, pad_prompts
 
-    os.environ["OUROBOROS_JAX_CACHE"] = tempfile.mkdtemp(prefix="oj_auto_check_")
+    # auto learns in a store of its own, as a user who runs the defaults does: the grid's
+    # explicit calls teach their prices and the pair's agreement by depth too, and in one
+    # shared store auto's first call found the pair already measured by the grid's calls (no
+    # exploring) and its prices learned from configs it never ran
+    stores = {"grid": tempfile.mkdtemp(prefix="oj_auto_check_grid_"),
+              "auto": tempfile.mkdtemp(prefix="oj_auto_check_auto_")}
+    os.environ["OUROBOROS_JAX_CACHE"] = stores["auto"]
     t0 = time.perf_counter()
     target, draft, texts = load(workload, gguf_dir)
     load_s = time.perf_counter() - t0
@@ -128,6 +136,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
 
     def call(r, i):
         d = draft if r["method"] != "vanilla" and METHODS[r["method"]].needs_draft else None
+        os.environ["OUROBOROS_JAX_CACHE"] = stores["auto" if r["config"] == "auto" else "grid"]
         c0, w0 = auto.compiles(), time.perf_counter()
         out = oj.generate(target, [ids[i]], draft=d, method=r["method"],
                           config=r["config"] if r["method"] != "vanilla" else None, **kw)
@@ -166,6 +175,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
                 compiled[key].append(n)
                 bar.update(1)
     bar.close()
+    os.environ["OUROBOROS_JAX_CACHE"] = stores["auto"]  # the prices below are auto's
     ref = {i: o.tokens for i, o, _ in rec[("vanilla", "vanilla")]}
     rows = []
     for key, r in runs.items():
