@@ -155,7 +155,7 @@ def record(sig: tuple, choice, seconds: float = 0.0, compile_s: float = 0.0) -> 
         _RAN.setdefault(sig, {})[_key(choice)] = choice
         _LAST[sig] = choice
         calls, timed, total, most = _CALLS.get(sig, (0, 0, 0.0, 0.0))
-        quiet = compile_s <= 0
+        quiet = compile_s <= 0 and seconds > 0  # (0 s: a call not timed, e.g. a cached loop)
         _CALLS[sig] = (calls + 1, timed + quiet, total + (seconds if quiet else 0.0),
                        max(most, compile_s))
         return first

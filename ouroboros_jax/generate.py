@@ -237,8 +237,8 @@ def _after_auto(choice, switch, target, draft, stats: dict, seconds: float, B: i
 
         record_call(choice.method, choice.config, target, draft, stats, seconds, B, P,
                     auto_slots, choice.agreement)
-    if switch is not None:
-        switch.after(choice, seconds, compile_s)
+    if switch is not None:  # (a loop read from the persistent cache: not a timed call)
+        switch.after(choice, seconds if learn else 0.0, compile_s)
 
 
 def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,

@@ -143,8 +143,8 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
         if r["config"] == "auto":
             # a loop auto compiles in the background is waited out here and charged whole to
             # the auto call that started it: interleaved, it would otherwise slow the next
-            # rows' timed calls (stop 45's demo run: lookahead's and prompt lookup's vanilla
-            # rows lost 9% to Ouroboros auto's compile)
+            # rows' timed calls (on the demo pair, lookahead's and prompt lookup's vanilla rows
+            # lost 9% to Ouroboros auto's compile)
             auto_switch.wait_for_background()
         # compiles in the call's thread or in the background
         return out, time.perf_counter() - w0, auto.compiles() - c0

@@ -80,9 +80,9 @@ from .spec import chain_agreement
 # the last is extrapolated linearly from the last two.
 TARGET_SIZES = (1, 4, 8, 16, 64)
 DRAFT_SIZES = (1, 4, 16, 64)
-# Predicted speedup a speculative setting needs, else the call runs vanilla. Until this stop
-# vanilla was priced 15-30% over its loop against the methods' rounds (its step overhead,
-# VANILLA_STEP_SECONDS in cost.py, counted the LM head twice), and the margins were 1.15 (a
+# Predicted speedup a speculative setting needs, else the call runs vanilla. While vanilla's
+# step overhead counted the LM head twice (VANILLA_STEP_SECONDS in cost.py), vanilla was priced
+# 15-30% over its loop against the methods' rounds, and the margins were 1.15 (a
 # realised rate) and 1.05 (TRY_GAIN: a rate estimated from the prompts or a prior, which runs
 # low: the real pair's prompt argmax agreement 0.84, its chains' realised 0.91 by depth), so
 # that a predicted gain within that error ran vanilla. With vanilla priced at its loop (the
@@ -627,7 +627,7 @@ def _anchor_key(model, batch: int, n: int = 1) -> str:
 # 1.23 / 1.15 / 1.13 / 1.11x; the demo target's 2 / 3 / 4 / 5 / 6 / 8 tokens 1.18 / 1.10 /
 # 1.08 / 1.00 / 0.98 / 0.98x its shape anchored at t(8) (a jump from 1 to 2 tokens, then
 # nearly flat to 8). So the factor is timed at 1, 2 and WIDE_ANCHOR tokens and read between
-# 2 and WIDE_ANCHOR linearly in log n (`anchored`): within 5% on both from 2 to 9 tokens,
+# 2 and WIDE_ANCHOR linearly in log n (`anchor_at`): within 5% on both from 2 to 9 tokens,
 # where one wide anchor at 8 priced the demo target's 2-token forward 15% low and drew auto's
 # speculative choice to gamma 1 (1.19x vanilla measured, gamma 4 1.32x).
 WIDE_ANCHOR = 8
