@@ -145,8 +145,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
         _after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots,
-                    learn=compiles() == compiled and is_leader() and not multi,
-                    compile_s=compile_seconds() - compiled_s)
+                    compiles() == compiled and is_leader() and not multi, compiled_s)
     elif compiles() == compiled and is_leader() and not multi:
         _learn_prices(method, cfg, target, draft, stats, seconds, B, P,
                       cache_slots(P, max_new_tokens, 0, max_cache_len))
@@ -227,18 +226,19 @@ def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, m
 
 
 def _after_auto(choice, switch, target, draft, stats: dict, seconds: float, B: int, P: int,
-                auto_slots: int, learn: bool, compile_s: float = 0.0) -> None:
+                auto_slots: int, learn: bool, compiled_s: float) -> None:
     """After an auto call: its loop's time against its counted forwards' price kept, what the
     next choice is priced with (learn: not from a call whose loop compiled, whose time is the
     compiler's); the choice recorded as run, with the call's loop seconds and the seconds
-    compiled during it (`auto_switch`: what a switch of loops would cost and save)."""
-    if learn:
-        from .decoding.auto import record_call
+    compiled since `compiled_s` (`auto.compile_seconds` before the loop): what a switch of
+    loops would cost and save (`auto_switch`)."""
+    from .decoding.auto import compile_seconds, record_call
 
+    if learn:
         record_call(choice.method, choice.config, target, draft, stats, seconds, B, P,
                     auto_slots, choice.agreement)
     if switch is not None:  # (a loop read from the persistent cache: not a timed call)
-        switch.after(choice, seconds if learn else 0.0, compile_s)
+        switch.after(choice, seconds if learn else 0.0, compile_seconds() - compiled_s)
 
 
 def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
