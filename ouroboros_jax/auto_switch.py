@@ -74,11 +74,10 @@ def _rates(last, choice) -> tuple[float, float]:
     tt, td = choice.tables
     if tt is None:
         return last.predicted_speedup, choice.predicted_speedup
-    from .decoding.auto import predicted_rate
-    from .decoding.cost import vanilla_rate
+    from .decoding.auto import predicted_speedup
 
-    keep = predicted_rate(last.method, last.config, tt, td, choice.agreement) / vanilla_rate(tt)
-    return keep, choice.predicted_speedup
+    return (predicted_speedup(last.method, last.config, tt, td, choice.agreement),
+            choice.predicted_speedup)
 
 
 def _unpaid(sig: tuple, last, choice) -> Optional[str]:

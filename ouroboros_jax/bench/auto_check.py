@@ -99,10 +99,9 @@ def predicted(target, draft, method, cfg, slots) -> float:
     """The cost model's speedup over vanilla for one config at auto's tables and agreement now
     (what auto weighs when it chooses: its ranking of the grid)."""
     from ..decoding import auto
-    from ..decoding.cost import vanilla_rate
 
     tt, td, a = auto_view(target, draft, method, slots)
-    return auto.predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt)
+    return auto.predicted_speedup(method, cfg, tt, td, a)
 
 
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:

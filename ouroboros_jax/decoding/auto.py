@@ -1004,6 +1004,12 @@ def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[f
     return _spec(method).rate(cfg, a, tt, td)
 
 
+def predicted_speedup(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float]
+                      ) -> float:
+    """`predicted_rate` over vanilla's at the same tables (1 for vanilla)."""
+    return predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt)
+
+
 def _spec(method: str):
     """The registered MethodSpec of a method `config="auto"` can size."""
     spec = METHODS.get(method)
@@ -1082,12 +1088,12 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     if old is not None and (old.method, old.config) != (new.method, new.config) and (
             fits_pool(old.config, pool_shape)):
         tt, td, a = new.tables + (new.agreement,)
-        keep = predicted_rate(old.method, old.config, tt, td, a)
-        rival = predicted_rate(new.method, new.config, tt, td, a)
-        if rival < switch_gain * keep:
-            kept = keep / vanilla_rate(tt)  # at the prices now, not those it was chosen at
+        # at the prices now, not those it was chosen at
+        kept = predicted_speedup(old.method, old.config, tt, td, a)
+        rival = predicted_speedup(new.method, new.config, tt, td, a)
+        if rival < switch_gain * kept:
             other = ("vanilla" if new.method == "vanilla" else
-                     f"{rival / vanilla_rate(tt):.2f}x vanilla for another setting")
+                     f"{rival:.2f}x vanilla for another setting")
             out = dataclasses.replace(
                 new, method=old.method, config=old.config, predicted_speedup=kept,
                 reason=f"predicted {kept:.2f}x vanilla (kept: {other} is not "
