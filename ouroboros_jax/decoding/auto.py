@@ -366,8 +366,9 @@ def _forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
 
 
 # Ends every key whose value came from `models.timing`'s timers: since they read every logit
-# (before, one logit let XLA skip the LM head), entries timed the old way are not reused.
-TIMED = "head"
+# and every new K/V (before, one logit let XLA skip the LM head; unread K/V changed the
+# projections' fusion), entries timed the old ways are not reused.
+TIMED = "kv"
 
 
 def _latency_key(model, batch: int, slots: int) -> str:

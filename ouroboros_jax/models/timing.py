@@ -32,6 +32,19 @@ def _inputs(model, n: int, context: int, slots: int, batch: int):
     return tokens, pos, mask, cache
 
 
+def read_all(logits: jax.Array, kv) -> jax.Array:
+    """A scalar that depends on every logit [B,T,V] and every new K and V [L,B,T,K,D] of a
+    forward, so a timed forward computes all of what decoding reads:
+    - every logit, as decoding's argmax over each scored node reads them: one element
+      (logits[0, -1, 0]) let XLA slice the LM head down to one column, which priced
+      Qwen2.5-0.5B's 1-token forward at 70 ms where its decode step takes 95;
+    - every new K/V, as decoding writes them to its cache: dropped, they let XLA fuse each
+      layer's projections differently, which priced the demo target's 2- and 5-token forwards
+      at 4.78 / 5.18 ms where its prompt-lookup rounds (a 2- or 5-token forward each, with
+      the round's other work) take 4.38 / 4.84; read, they time 4.14 / 4.29 ms."""
+    return jnp.max(logits) + jnp.max(kv.k) + jnp.max(kv.v)
+
+
 def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int = 8):
     """steps: [(model, n), ...] forwards run in this order -> a callable returning seconds per
     pass over the sequence. A step (model, n, q) computes logits for q of its n nodes only (a
@@ -50,11 +63,8 @@ def sequence_timer(steps, context: int, slots: int, batch: int = 1, inner: int =
         for m, p, (t, q, mask, c), sel in zip(models, params, inputs, selects):
             # the input depends on the carry, so no forward can be hoisted out of the loop
             t = t + (acc > 1e30).astype(jnp.int32)
-            logits = forward(p, m.config, t, q, mask, c, select=sel)[0]
-            # every logit, as decoding's argmax over each scored node reads them: one element
-            # (logits[0, -1, 0]) let XLA slice the LM head down to one column, which priced
-            # Qwen2.5-0.5B's 1-token forward at 70 ms where its decode step takes 95
-            acc = acc + jnp.max(logits)
+            logits, kv = forward(p, m.config, t, q, mask, c, select=sel)
+            acc = acc + read_all(logits, kv)
         return acc
 
     # params and inputs are arguments, not constants, so XLA cannot fold any of the work away
