@@ -253,3 +253,52 @@ def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_pr
     assert list(twice["depth"].values()) == [[[2 * r, 2 * a] for r, a in depth]]
     ((s1, n1),), ((s2, n2),) = once["realised"].values(), twice["realised"].values()
     assert n2 == 2 * n1 and s2 == pytest.approx(2 * s1)
+
+
+def test_rounds_short_of_the_threshold_move_the_prompt_estimate(tiny_pair, fresh_auto):
+    """A first call's rounds count before MIN_REALISED_ROUNDS of them have run: the prompts'
+    estimate moves toward what they realised by their share of the threshold (the real pair's
+    first call explored 15 rounds at 0.92 where its prompts said 0.64, and priced at 0.64 it
+    ran vanilla from then on, never realising the rest)."""
+    target, draft, _ = tiny_pair
+    key = f"{auto.model_signature(target)}|{auto.model_signature(draft)}"
+    auto._add("agreement", key, (40, 80), (0, 0))  # the prompts: 0.5 over 80 positions
+    assert auto.known_agreement(target, draft) == pytest.approx(0.5)
+    half = auto.MIN_REALISED_ROUNDS // 2
+    auto.record_realised(target, draft, 0.9, half)
+    assert auto.realised_agreement(target, draft) is None
+    assert auto.known_agreement(target, draft) == pytest.approx(0.5 * 0.9 + 0.5 * 0.5)
+    auto.record_realised(target, draft, 0.9, auto.MIN_REALISED_ROUNDS - half)
+    assert auto.known_agreement(target, draft) == pytest.approx(0.9)
+
+
+def _timing_sums(calls):
+    sums = [0.0] * 5 + [0]
+    for x_t, x_s, y in calls:
+        sums = [a + b for a, b in zip(sums, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y,
+                                              x_s * y, 1))]
+    return sums
+
+
+def test_the_drafts_own_scale_waits_for_three_calls_that_ran_it(tiny_pair, fresh_auto):
+    """Eleven vanilla calls at 1.08x their price and one speculative call 19% over its price
+    (the real pair's store): solved freely, that one call alone sets the draft's scale (1.37x);
+    below MIN_SPLIT_CALLS calls with the draft, one scale prices both models. Three calls that
+    say the draft is dearer than its price give it its own."""
+    target, draft, _ = tiny_pair
+    alone = auto._timing_key(target, None, 1)
+    pair = auto._timing_key(target, draft, 1)
+    auto._add("timing", alone, tuple(_timing_sums([(15.5, 0.0, 15.5 * 1.08)] * 11)),
+              (0.0,) * 5 + (0,))
+    one_call = _timing_sums([(7.44, 4.76, 1.19 * 1.08 * (7.44 + 4.76))])
+    auto._add("timing", pair, tuple(one_call), (0.0,) * 5 + (0,))
+    free = auto.solve_scales([a + b for a, b in zip(
+        _timing_sums([(15.5, 0.0, 15.5 * 1.08)] * 11), one_call)])
+    assert free[2] and free[1] > 1.3  # what the lone call would have said
+    s_t, s_s, calls, separated = auto.learned_scales(target, draft, 1)
+    assert calls == 12 and not separated and s_t == s_s
+    assert s_t == pytest.approx(1.08, rel=0.03)
+    more = _timing_sums([(7.0, 4.0, 1.08 * 7.0 + 1.3 * 4.0), (6.0, 6.0, 1.08 * 6.0 + 1.3 * 6.0)])
+    auto._add("timing", pair, tuple(more), (0.0,) * 5 + (0,))
+    s_t, s_s, calls, separated = auto.learned_scales(target, draft, 1)
+    assert calls == 14 and separated and s_s > s_t

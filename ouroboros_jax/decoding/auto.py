@@ -530,6 +530,20 @@ SEPARATION = 0.1
 MAX_SPLIT = 2.0
 
 
+# Beside the target's own calls, the draft's scale rests on the calls that ran it; one such
+# call fixes it exactly, noise and all. On the real Qwen pair one first call 19% over its price
+# (after 11 vanilla calls) gave the draft x1.37 against the target's x1.08, and auto priced
+# every gamma under vanilla. Fewer pair calls than this: one scale for both.
+MIN_SPLIT_CALLS = 3
+
+
+def common_scale(sums) -> float:
+    """The one scale for both models that prices the calls' forwards at their measured time,
+    least squares (`solve_scales`' sums; calls present)."""
+    tt, ts, ss, ty, sy, _ = sums
+    return (ty + sy) / (tt + 2 * ts + ss)
+
+
 def solve_scales(sums) -> tuple[float, float, bool]:
     """(s_T, s_S, separated) from the least-squares sums: the scales that price the calls'
     counted forwards at their measured time. Calls whose draft shares are too alike to tell
@@ -542,7 +556,7 @@ def solve_scales(sums) -> tuple[float, float, bool]:
     if ss <= 0:  # the draft never ran: its scale follows the target's
         s = ty / tt
         return s, s, False
-    one = (ty + sy) / (tt + 2 * ts + ss)  # one scale for both
+    one = common_scale(sums)
     det = tt * ss - ts * ts
     if det <= SEPARATION * tt * ss:
         return one, one, False
@@ -555,15 +569,21 @@ def solve_scales(sums) -> tuple[float, float, bool]:
 def learned_scales(target, draft, batch: int) -> tuple[float, float, int, bool]:
     """(s_T, s_S, calls learned from, separated) for this pair and batch bucket: `solve_scales`
     over the sums of the pair's calls and of the target's calls without the draft (vanilla,
-    lookahead, prompt lookup, or speculation turned off), which price the target alone."""
+    lookahead, prompt lookup, or speculation turned off), which price the target alone; one
+    scale for both while fewer than MIN_SPLIT_CALLS calls ran the draft."""
     timing = _read_cache().get("timing", {})
     sums = list(timing.get(_timing_key(target, None, batch), [0.0] * 5 + [0]))
+    pair_calls = 0
     if draft is not None:
         pair = timing.get(_timing_key(target, draft, batch), [0.0] * 5 + [0])
         sums = [a + b for a, b in zip(sums, pair)]
+        pair_calls = int(pair[5])
     if sums[5] <= 0:
         return 1.0, 1.0, 0, False
     s_t, s_s, sep = solve_scales(sums)
+    if sep and pair_calls < MIN_SPLIT_CALLS:
+        s_t = s_s = common_scale(sums)
+        sep = False
     return s_t, s_s, int(sums[5]), sep
 
 
@@ -754,14 +774,30 @@ def known_agreement(target, draft):
     a = depth_agreement(target, draft) or realised_agreement(target, draft)
     if a is not None:
         return a
-    agree, n = _read_cache().get("agreement", {}).get(
-        f"{model_signature(target)}|{model_signature(draft)}", [0, 0])
+    key = f"{model_signature(target)}|{model_signature(draft)}"
+    agree, n = _read_cache().get("agreement", {}).get(key, [0, 0])
     if int(n) <= 0:
         return None
     if n < MIN_AGREEMENT_TOKENS:  # shrink a few positions' estimate toward the prior
         w = n / MIN_AGREEMENT_TOKENS
-        return w * (agree / n) + (1 - w) * DEFAULT_AGREEMENT
-    return agree / n
+        return partly_realised(w * (agree / n) + (1 - w) * DEFAULT_AGREEMENT, key)
+    return partly_realised(agree / n, key)
+
+
+def partly_realised(prompt_estimate: float, key: str) -> float:
+    """The prompts' agreement moved toward what fewer than MIN_REALISED_ROUNDS rounds of
+    earlier calls realised, by their share of MIN_REALISED_ROUNDS (unchanged without any).
+
+    Why: the prompts' argmax agreement runs low (the real Qwen pair: 0.64 over two short code
+    prompts, where its chains realise 0.92), and a first call that explored gamma 4 over 64
+    tokens ran 15 rounds, one short of both thresholds; priced at the prompts' 0.64 every
+    later call ran vanilla (predicted 0.86x), so the pair never realised the rounds that
+    would have corrected it."""
+    s, rounds = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    if rounds <= 0:
+        return prompt_estimate
+    w = min(1.0, rounds / MIN_REALISED_ROUNDS)
+    return w * (s / rounds) + (1 - w) * prompt_estimate
 
 # ------------------------------------------------------------------------------------ agreement
 @partial(jax.jit, static_argnums=(1, 3))
@@ -1161,8 +1197,11 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
                                      "earlier calls")
         elif a is not None:
             n = _read_cache()["agreement"][f"{pair[1]}|{pair[2]}"][1]
-            notes["measured"].append(f"agreement {a:.3f}: the pair's argmax over {n} prompt "
-                                     "positions of earlier calls")
+            r = _read_cache().get("realised", {}).get(f"{pair[1]}|{pair[2]}", [0.0, 0])[1]
+            notes["measured"].append(
+                f"agreement {a:.3f}: the pair's argmax over {n} prompt positions of earlier "
+                "calls" + (f", moved {r}/{MIN_REALISED_ROUNDS} of the way to the {r} rounds "
+                           "they realised" if r else ""))
         elif pair not in _AGREED or not use_cache:
             _AGREED.add(pair)
             a, n = pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
