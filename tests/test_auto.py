@@ -571,3 +571,18 @@ def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeyp
     oj.generate(t, [[1, 2, 3]], method="prompt_lookup", config=cfg, max_new_tokens=24,
                 temperature=1.0)  # sampled: teaches nothing
     assert realised() == {key: [s1, n1]}
+
+
+def test_anchors_take_the_second_fastest_round():
+    """`_measure`: the fastest round by default, the (rank+1)-th fastest with rank, and still
+    monotone in n. One lucky round (the real 1.5B's 1-token timer read 187 ms once in five
+    whose median was 234) must not set an anchor, so `model_anchor` passes rank 1."""
+    seq = {1: iter([0.30, 0.187, 0.25, 0.234, 0.24]), 2: iter([0.31, 0.30, 0.32, 0.33, 0.29])}
+    timers = {n: (lambda it=it: next(it)) for n, it in seq.items()}
+    table = auto._measure(timers, 5, rank=1)
+    assert table == {1: 0.234, 2: 0.30}
+    seq = {1: iter([0.30, 0.187]), 2: iter([0.10, 0.12])}
+    timers = {n: (lambda it=it: next(it)) for n, it in seq.items()}
+    assert auto._measure(timers, 2) == {1: 0.187, 2: 0.187}  # monotone: never cheaper wider
+    import inspect
+    assert "rank=1" in inspect.getsource(auto.model_anchor)
