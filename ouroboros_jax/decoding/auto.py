@@ -797,7 +797,7 @@ def partly_realised(prompt_estimate: float, key: str) -> float:
     tokens ran 15 rounds, one short of both thresholds; priced at the prompts' 0.64 every
     later call ran vanilla (predicted 0.86x), so the pair never realised the rounds that
     would have corrected it."""
-    s, rounds = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    s, rounds = realised_counts(key)
     if rounds <= 0:
         return prompt_estimate
     w = min(1.0, rounds / MIN_REALISED_ROUNDS)
@@ -966,9 +966,16 @@ def _explore_method(choice: "Choice", method: str, pool_shape: Optional[tuple]) 
         "that, later calls run the choice priced with it")
 
 
+def realised_counts(key: str) -> tuple:
+    """(sum of realised agreement x rounds, rounds) pooled on disk under a `_realised_key`
+    ((0.0, 0) before any call)."""
+    s, n = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    return s, n
+
+
 def realised_agreement(target, draft, method: Optional[str] = None) -> Optional[float]:
     key = _realised_key(target, draft, method)
-    s, n = _read_cache().get("realised", {}).get(key, [0.0, 0])
+    s, n = realised_counts(key)
     return s / n if n >= MIN_REALISED_ROUNDS else None
 
 
@@ -1201,7 +1208,7 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
                                      "earlier calls")
         elif a is not None:
             n = _read_cache()["agreement"][f"{pair[1]}|{pair[2]}"][1]
-            r = _read_cache().get("realised", {}).get(f"{pair[1]}|{pair[2]}", [0.0, 0])[1]
+            r = realised_counts(f"{pair[1]}|{pair[2]}")[1]
             notes["measured"].append(
                 f"agreement {a:.3f}: the pair's argmax over {n} prompt positions of earlier "
                 "calls" + (f", moved {r}/{MIN_REALISED_ROUNDS} of the way to the {r} rounds "
