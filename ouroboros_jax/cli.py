@@ -350,6 +350,7 @@ def _cmd_serve(a):
 
 def _serve_http(a, engine, procs, gate: dict) -> None:
     """Process 0's part: the programs compiled (with progress), then HTTP until Ctrl-C."""
+    from .heap import freeze_heap
     from .serving.server import create_app, serve
     from .serving.warmup import default_widths
 
@@ -358,6 +359,7 @@ def _serve_http(a, engine, procs, gate: dict) -> None:
     try:
         if hasattr(engine, "warmup"):  # compile now, not on the first requests
             engine.warmup(default_widths(engine.limit), progress=_progress)
+        freeze_heap()  # full GC passes skip the models and programs from now on (heap.py)
         where = f", {procs[1]} processes" if procs else ""
         _say(f"{name} ({engine.method}, {engine.slots} slots{where}) on "
              f"http://{a.host}:{a.port}/v1")

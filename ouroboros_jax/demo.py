@@ -18,6 +18,7 @@ import numpy as np
 
 from .decoding import METHODS
 from .generate import generate
+from .heap import freeze_heap
 
 FALLBACK_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -112,6 +113,7 @@ def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int)
         generate(target, prompts[:1], method=m, max_new_tokens=max_new_tokens, **kws[m])
         res[m] = {"outs": [None] * len(prompts), "secs": [float("inf")] * len(prompts),
                   "compile_seconds": time.perf_counter() - tc}
+    freeze_heap()  # full GC passes skip the warmed-up heap (heap.py)
     for rep in range(2):
         for i, p in enumerate(prompts):
             _log(f"[demo] pass {rep + 1}/2, prompt {i + 1}/{len(prompts)}: {', '.join(methods)}")

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..heap import freeze_heap
 from .workloads import Prompt
 
 HF_PEERS = {"hf-greedy": {}, "hf-assisted": {"assistant": True},
@@ -378,6 +379,7 @@ def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats:
     machine that slows whatever runs next."""
     rn = _runner(run, target, draft, prompts, eos, hf)
     _warm_up(rn, prompts)
+    freeze_heap()  # what lives from here on is the run's: full GC passes skip it (heap.py)
     if settle > 0:
         time.sleep(settle)
     for r in range(repeats):
@@ -418,6 +420,7 @@ def run_interleaved(runs: list[MethodRun], target, draft, prompts: list[Prompt],
         growth.append(_peak_rss_mib() - rss0)
     if progress is not None:
         progress.set_description("bench (methods interleaved)")
+    freeze_heap()  # full GC passes skip the warmed-up heap (heap.py)
     if settle > 0:
         time.sleep(settle)
     last_auto = None
