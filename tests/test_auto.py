@@ -586,3 +586,27 @@ def test_anchors_take_the_second_fastest_round():
     assert auto._measure(timers, 2) == {1: 0.187, 2: 0.187}  # monotone: never cheaper wider
     import inspect
     assert "rank=1" in inspect.getsource(auto.model_anchor)
+
+
+def test_model_signature_remembered_per_array_and_config(tiny_pair):
+    """The remembered signature is the computed one, follows a new dtype (new arrays) and a
+    new config on the same arrays, and is forgotten with the arrays."""
+    import dataclasses
+    import gc
+
+    import jax.numpy as jnp
+
+    target, _, _ = tiny_pair
+    sig = auto.model_signature(target)
+    assert sig == auto._signature(target) == auto.model_signature(target)
+    half = dataclasses.replace(target, params={k: (v.astype(jnp.bfloat16) if k == "embed" else v)
+                                               for k, v in target.params.items()})
+    assert auto.model_signature(half) == auto._signature(half) != sig
+    other = dataclasses.replace(target, config=dataclasses.replace(target.config,
+                                                                   rope_theta=1234.0))
+    assert auto.model_signature(other) == auto._signature(other) != sig
+    leaf = id(half.params["embed"])
+    assert leaf in auto._SIGNATURES
+    del half
+    gc.collect()
+    assert leaf not in auto._SIGNATURES

@@ -138,3 +138,29 @@ def test_round_cost_fit_prices_sd_as_speculative():
     # tokens per round; a draft dearer than the target cannot pay
     assert round_cost.speculative_vs_vanilla({1: 1.0}, {1: 1e-9}, 0.9) > 3
     assert round_cost.speculative_vs_vanilla({1: 1.0}, {1: 2.0}, 0.9) < 1
+
+
+@pytest.mark.parametrize("method", ["speculative", "ouroboros", "lookahead", "prompt_lookup"])
+def test_dense_tables_price_every_config_as_the_measured_tables_do(method):
+    # measured at a few sizes only (string keys, as the store's JSON gives them): every config
+    # of the grid must be priced the same from auto's dense tables, whose sizes are exact hits
+    from ouroboros_jax.decoding import auto
+
+    tt = {"1": 0.004, "2": 0.0047, "5": 0.0051, "9": 0.007, "17": 0.0091}
+    td = {"1": 0.0011, "4": 0.0013, "16": 0.0024}
+    spec = METHODS[method]
+    grid = list(spec.auto_grid())
+    dt, dd = auto.dense_tables({spec.forward_sizes(c) for c in grid}, tt, td)
+    assert all(isinstance(n, int) for n in dt)  # exact hits, not a copy of the string keys
+    for a in (0.5, 0.9):
+        for c in grid:
+            assert spec.rate(c, a, dt, dd) == pytest.approx(spec.rate(c, a, tt, td), rel=1e-12)
+    best = auto.choose(method, tt, td, 0.9, min_gain=0.0)  # never vanilla
+    assert best.config in grid and best.predicted_speedup == pytest.approx(
+        max(spec.rate(c, 0.9, tt, td) for c in grid) / cost.vanilla_rate(tt))
+
+
+def test_interpolate_returns_a_held_size_as_is_and_interpolates_the_rest():
+    t = {1: 1.0, 3: 3.0, 8: 5.0}
+    assert cost.interpolate(t, 3) == 3.0 and cost.interpolate(t, 2) == 2.0
+    assert cost.interpolate(t, 10) == pytest.approx(5.8)

@@ -53,6 +53,7 @@ import os
 import time
 import uuid
 import warnings
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -285,8 +286,26 @@ def _add(section: str, key: str, counts: tuple, zero: tuple) -> list:
     return _update_cache(change)
 
 
+# id(embedding leaf) -> {config: signature}: auto reads a model's signature some 37 times a
+# call (2-3 ms of `dataclasses.asdict` and hashing on a 0.3 s demo call); dropped with the leaf
+_SIGNATURES: dict = {}
+
+
 def model_signature(model) -> str:
-    """Shape, dtype and placement of a model: what its forward's cost depends on."""
+    """Shape, dtype and placement of a model: what its forward's cost depends on. Remembered
+    per embedding array and config (a model placed anew has new arrays)."""
+    leaf = model.params["embed"]
+    known = _SIGNATURES.get(id(leaf))
+    if known is None:
+        known = _SIGNATURES[id(leaf)] = {}
+        weakref.finalize(leaf, _SIGNATURES.pop, id(leaf), None)
+    sig = known.get(model.config)
+    if sig is None:
+        sig = known[model.config] = _signature(model)
+    return sig
+
+
+def _signature(model) -> str:
     cfg = dataclasses.asdict(model.config)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         cfg.pop(k, None)
@@ -1018,7 +1037,23 @@ def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
 def _candidates(spec, pool_shape: Optional[tuple]) -> list:
     """A method's knob grid (`MethodSpec.auto_grid`), less the configs a passed pool cannot
     serve (`fits_pool`)."""
-    return [c for c in spec.auto_grid() if fits_pool(c, pool_shape)]
+    return [c for c in _auto_grid(spec.config_type) if fits_pool(c, pool_shape)]
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_grid(config_type) -> tuple:
+    # built once per method: Ouroboros' 736 configs took 6 ms to build on every call
+    return tuple(config_type.KNOBS.auto_grid(config_type))
+
+
+def dense_tables(sizes, tt: dict, td: Optional[dict]) -> tuple[dict, Optional[dict]]:
+    """(tt, td) interpolated once at every forward size in `sizes` ((n_T, n_S, ...) tuples)
+    and at 1: `interpolate` returns a table's own value at a size it holds, so a grid's rates
+    read these as they would the measured tables, without sorting them per config."""
+    nt = {1} | {s[0] for s in sizes}
+    ns = {s[1] for s in sizes if s[1]}
+    return ({n: interpolate(tt, n) for n in nt},
+            None if td is None else {n: interpolate(td, n) for n in ns | {1}})
 
 
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],
@@ -1034,6 +1069,7 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     if not candidates:
         raise ValueError(f"pool: its phrases of {pool_shape[1]} tokens fit no {method} config "
                          "that config='auto' searches; pass the config the pool was made with")
+    tt, td = dense_tables({spec.forward_sizes(c) for c in candidates}, tt, td)
     rates = [spec.rate(c, agreement, tt, td) for c in candidates]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order

@@ -68,6 +68,8 @@ def interpolate(table: dict, n: int) -> float:
     largest, and the smallest size's time below it (a forward never gets cheaper than that)."""
     if not table:
         raise ValueError("latency table is empty")
+    if n in table:  # a measured (or `auto.dense_tables`) size: its own value
+        return float(table[n])
     pts = sorted((int(k), float(v)) for k, v in table.items())
     xs = [x for x, _ in pts]
     ys = [y for _, y in pts]
