@@ -76,8 +76,8 @@ def _rates(last, choice) -> tuple[float, float]:
         return last.predicted_speedup, choice.predicted_speedup
     from .decoding.auto import predicted_speedup
 
-    return (predicted_speedup(last.method, last.config, tt, td, choice.agreement),
-            choice.predicted_speedup)
+    return (predicted_speedup(last.method, last.config, tt, td, choice.agreement,
+                              choice.price_factor), choice.predicted_speedup)
 
 
 def _unpaid(sig: tuple, last, choice) -> Optional[str]:

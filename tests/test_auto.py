@@ -14,7 +14,7 @@ import pytest
 
 import ouroboros_jax as oj
 from ouroboros_jax import auto_switch
-from ouroboros_jax.decoding import auto, cost
+from ouroboros_jax.decoding import METHODS, auto, cost
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
@@ -549,6 +549,8 @@ def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeyp
     prior = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
     assert prior.method == "prompt_lookup" and "prior" in " ".join(prior.notes["assumed"])
     auto.record_realised(t, None, 0.02, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    # (its rounds timed at their price: the margin is the realised rate's)
+    monkeypatch.setattr(auto, "relative_factor", lambda *a: (1.0, 5, 5))
     learned = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
     assert learned.method == "vanilla"
     assert "realised over" in " ".join(learned.notes["measured"])
@@ -610,3 +612,74 @@ def test_model_signature_remembered_per_array_and_config(tiny_pair):
     del half
     gc.collect()
     assert leaf not in auto._SIGNATURES
+
+
+def test_a_methods_timed_rounds_teach_a_factor_of_their_own(tiny_target, fresh_auto):
+    """Each method's timed calls teach what its loops measure over their price at the learned
+    scales, pooled with one call at its price; relative to vanilla's, it divides every
+    predicted speedup of the method."""
+    t = tiny_target
+    assert auto.method_factor(t, None, 1, "prompt_lookup") == (1.0, 0)
+    base = auto._timing_key(t, None, 1)
+    # the target's scale: 1 (vanilla calls priced 2 s that took 2 s)
+    auto._add("timing", base, (4.0, 0.0, 0.0, 4.0, 0.0, 1), (0.0,) * 5 + (0,))
+    auto._add("rounds", f"{base}|vanilla", (2.0, 0.0, 2.0, 1), (0.0, 0.0, 0.0, 0))
+    # one prompt-lookup call priced 1 s that took 0.8 s: half way to 0.8
+    auto._add("rounds", f"{base}|prompt_lookup", (1.0, 0.0, 0.8, 1), (0.0, 0.0, 0.0, 0))
+    assert auto.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.9), 1)
+    # two more at 0.8: (2.4 + 1) / (3 + 1)
+    auto._add("rounds", f"{base}|prompt_lookup", (2.0, 0.0, 1.6, 2), (0.0, 0.0, 0.0, 0))
+    assert auto.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.85), 3)
+    # against vanilla's loops, measured 10% over their price
+    auto._add("rounds", f"{base}|vanilla", (0.0, 0.0, 0.4, 0), (0.0, 0.0, 0.0, 0))
+    f, n_m, n_v = auto.relative_factor(t, None, 1, "prompt_lookup")
+    assert (n_m, n_v) == (3, 1) and f == pytest.approx(0.85 / ((2.4 + 2) / 4))
+    # what auto's choice divides by: a config's predicted speedup rises as 1 / f
+    cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
+    plain = auto.predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1)
+    assert auto.predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1, f) == pytest.approx(
+        plain / f)
+    assert auto.predicted_speedup("vanilla", None, CPU_T, None, 0.1, f) == 1.0
+
+
+def test_record_call_adds_the_methods_own_sums(tiny_target, fresh_auto):
+    """A timed call adds its loop's unscaled price and measured seconds under its method, the
+    same price the scales' sums pool."""
+    t = tiny_target
+    stats = {"target_calls": 40, "draft_calls": 0, "new_tokens": 48, "eta": 1.2}
+    cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
+    auto.record_call("prompt_lookup", cfg, t, None, stats, 0.5, 1, 8, 64)
+    data = auto._read_cache()
+    base = auto._timing_key(t, None, 1)
+    x_t, x_s, y, n = data["rounds"][f"{base}|prompt_lookup"]
+    sums = data["timing"][base]
+    assert n == 1 and y == 0.5 and x_s == 0.0
+    assert x_t * x_t == pytest.approx(sums[0]) and x_t * y == pytest.approx(sums[3])
+    assert f"{base}|vanilla" not in data["rounds"]
+
+
+def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_auto,
+                                                            monkeypatch):
+    """A method predicted under MIN_GAIN but over TRY_GAIN runs while no call has timed its
+    rounds (its calls then teach its factor); timed at its price it needs MIN_GAIN, and timed
+    10% under its price it runs again."""
+    t = tiny_target
+    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
+        CPU_T, None, {"measured": [], "assumed": []}))
+    prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
+    grid = list(METHODS["prompt_lookup"].auto_grid())
+    # a copy hit rate at which the best config is predicted 1.02x
+    hit = next(h / 1000 for h in range(1, 400)
+               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
+                             for c in grid) < 1.03)
+    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    ask = functools.partial(auto._auto_choice, "prompt_lookup", t, None, prompt, plens, 64, True)
+    auto._choose_memo.cache_clear()
+    untimed = ask()
+    assert untimed.method == "prompt_lookup" and untimed.price_factor == 1.0
+    assert "no call of it timed yet" in " ".join(untimed.notes["assumed"])
+    for f, method in ((1.0, "vanilla"), (0.9, "prompt_lookup"), (1.1, "vanilla")):
+        monkeypatch.setattr(auto, "relative_factor", lambda *a, f=f: (f, 4, 4))
+        c = ask()
+        assert c.method == method and c.price_factor == f, (f, c.reason)
+        assert f"x{f:.3f} their price" in " ".join(c.notes["measured"])

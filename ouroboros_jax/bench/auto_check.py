@@ -87,21 +87,24 @@ def auto_view(target, draft, method, slots) -> tuple:
 
 
 def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
-    """The cost model's seconds for a finished call's counted forwards, at auto's tables now."""
-    from ..decoding import auto
+    """The cost model's seconds for a finished call's counted forwards, at auto's tables now,
+    times the factor auto's own calls of the method taught (`auto.method_factor`)."""
+    from ..decoding import METHODS, auto
 
     x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width,
                                *auto_view(target, draft, method, slots))
-    return x_t + x_s
+    used = draft if method != "vanilla" and METHODS[method].needs_draft else None
+    return (x_t + x_s) * auto.method_factor(target, used, 1, method)[0]
 
 
 def predicted(target, draft, method, cfg, slots) -> float:
-    """The cost model's speedup over vanilla for one config at auto's tables and agreement now
-    (what auto weighs when it chooses: its ranking of the grid)."""
+    """The cost model's speedup over vanilla for one config at auto's tables, agreement and
+    method factor now (what auto weighs when it chooses: its ranking of the grid)."""
     from ..decoding import auto
 
     tt, td, a = auto_view(target, draft, method, slots)
-    return auto.predicted_speedup(method, cfg, tt, td, a)
+    f = 1.0 if method == "vanilla" else auto.relative_factor(target, draft, 1, method)[0]
+    return auto.predicted_speedup(method, cfg, tt, td, a, f)
 
 
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:

@@ -116,7 +116,8 @@ def cache_path() -> Path:
 # In-process copy of what this process read or wrote, by cache path: no file reads per call.
 _MEMO: dict = {}
 _WARNED: set = set()  # (path, what) pairs already warned about in this process
-SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor", "depth")
+SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor", "depth",
+            "rounds")
 
 
 def _count(v) -> bool:
@@ -133,7 +134,8 @@ def _valid_entry(section: str, value) -> bool:
     [sum of per-round agreements, rounds] with 0 <= sum <= rounds; device {"bandwidth",
     "flops"} finite and > 0; timing five finite sums (the two squares >= 0) and a count of
     calls; choice {"method": name, "config": {field: int or bool} or None}; anchor a finite
-    ratio > 0; depth 1 to MAX_DEPTH [reached, accepted] counts with accepted <= reached."""
+    ratio > 0; depth 1 to MAX_DEPTH [reached, accepted] counts with accepted <= reached;
+    rounds three finite sums >= 0 and a count of calls."""
     if section == "device":
         return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
                 and all(_number(v) and v > 0 for v in value.values()))
@@ -143,6 +145,9 @@ def _valid_entry(section: str, value) -> bool:
         return (isinstance(value, list) and 1 <= len(value) <= MAX_DEPTH and all(
             isinstance(d, list) and len(d) == 2 and _count(d[0]) and _count(d[1])
             and d[1] <= d[0] for d in value))
+    if section == "rounds":
+        return (isinstance(value, list) and len(value) == 4
+                and all(_number(v) and v >= 0 for v in value[:3]) and _count(value[3]))
     if section == "timing":
         return (isinstance(value, list) and len(value) == 6 and all(_number(v) for v in value[:5])
                 and value[0] >= 0 and value[2] >= 0 and _count(value[5]))
@@ -641,9 +646,44 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
     if x_t <= 0:
         return
     y = float(seconds)
-    _add("timing", _timing_key(target, draft if used_draft else None, batch),
-         (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
+    key = _timing_key(target, draft if used_draft else None, batch)
+    _add("timing", key, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
          (0.0, 0.0, 0.0, 0.0, 0.0, 0))
+    _add("rounds", f"{key}|{method}", (x_t, x_s, y, 1), (0.0, 0.0, 0.0, 0))
+
+
+# The learned scales price each model's forwards; what is left between a method's priced and
+# measured loop is its own work outside the forwards, which the round models price from a fit
+# on one pair (`cost.ROUND_OVERHEAD`, `VANILLA_STEP_SECONDS`): on the demo pair prompt lookup's
+# rounds measure 0.89 of their price against vanilla's steps (5.63 ms for a 5-token round
+# priced 5.00, vanilla's 5.25 priced 4.60, t(1) 3.70 ms), so auto priced the 1.13-1.26x it
+# measures at 1.01-1.03x, under the margin, and ran vanilla. So each method's timed calls teach
+# a factor of their own over the scaled price, pooled with one call at the price (a first call
+# moves it half way; a noisy call cannot lock a method out).
+FACTOR_PRIOR_CALLS = 1
+
+
+def method_factor(target, draft, batch: int, method: str) -> tuple[float, int]:
+    """(factor, calls): what `method`'s timed calls of this pair measured over their price at
+    the learned scales (`learned_scales`), pooled with FACTOR_PRIOR_CALLS calls at their price;
+    (1.0, 0) before any. draft: the draft the method runs, None without one."""
+    key = f"{_timing_key(target, draft, batch)}|{method}"
+    x_t, x_s, y, n = _read_cache().get("rounds", {}).get(key, (0.0, 0.0, 0.0, 0))
+    s_t, s_s, _, _ = learned_scales(target, draft, batch)
+    priced = s_t * x_t + s_s * x_s
+    if n <= 0 or priced <= 0:
+        return 1.0, 0
+    prior = FACTOR_PRIOR_CALLS * priced / n
+    return (y + prior) / (priced + prior), int(n)
+
+
+def relative_factor(target, draft, batch: int, method: str) -> tuple[float, int, int]:
+    """(factor of `method` over vanilla's, method's timed calls, vanilla's): what auto divides
+    a config's predicted speedup by (`predicted_speedup`'s price_factor)."""
+    used = draft if METHODS[method].needs_draft else None
+    f_m, n_m = method_factor(target, used, batch, method)
+    f_v, n_v = method_factor(target, None, batch, "vanilla")
+    return f_m / f_v, n_m, n_v
 
 
 def prices_known(target, draft, batch: int) -> bool:
@@ -977,7 +1017,7 @@ def _explore_method(choice: "Choice", method: str, pool_shape: Optional[tuple]) 
     best = max(teach, key=lambda c: spec.rate(c, a, tt, td))
     if getattr(best, "gamma", EXPLORE_DEPTH) < EXPLORE_DEPTH:
         best = dataclasses.replace(best, gamma=EXPLORE_DEPTH)
-    gain = spec.rate(best, a, tt, td) / vanilla_rate(tt)
+    gain = spec.rate(best, a, tt, td) / vanilla_rate(tt) / choice.price_factor
     return dataclasses.replace(
         choice, method=method, config=best, predicted_speedup=gain,
         reason=f"exploring: {choice.reason.split(':')[0]} on the prompts' agreement "
@@ -1010,6 +1050,9 @@ class Choice:
     # {"measured": [...], "assumed": [...]}: what stands behind the prices and the agreement
     notes: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0  # host time auto took in this call (calibration, agreement, search)
+    # the method's rounds' learned cost over their price, relative to vanilla's steps'
+    # (`relative_factor`): the predicted speedups above are divided by it
+    price_factor: float = 1.0
 
     def as_stats(self, asked: str) -> dict:
         return {"asked": asked, "method": self.method,
@@ -1057,13 +1100,16 @@ def dense_tables(sizes, tt: dict, td: Optional[dict]) -> tuple[dict, Optional[di
 
 
 def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float],
-           pool_shape: Optional[tuple] = None, min_gain: float = MIN_GAIN) -> Choice:
+           pool_shape: Optional[tuple] = None, min_gain: float = MIN_GAIN,
+           price_factor: float = 1.0) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
     {n: seconds} and the pair's agreement; vanilla when nothing beats it by min_gain
     (MIN_GAIN; TRY_GAIN where the method's rate is not realised yet, `_auto_choice`). The
     candidates are the method's knob grid (`MethodSpec.auto_grid`, from its config's `KNOBS`)
     and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py); with pool_shape
-    (a pool the call passes: phrases per key, tokens per phrase) only those it can serve."""
+    (a pool the call passes: phrases per key, tokens per phrase) only those it can serve;
+    price_factor: the method's rounds' measured cost over their price relative to vanilla's
+    (`relative_factor`), dividing every config's predicted speedup."""
     spec = _spec(method)
     candidates = _candidates(spec, pool_shape)
     if not candidates:
@@ -1073,12 +1119,14 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
     rates = [spec.rate(c, agreement, tt, td) for c in candidates]
     best_rate = max(rates)
     best = candidates[rates.index(best_rate)]  # the first of equals, in grid order
-    gain = best_rate / vanilla_rate(tt)
+    gain = best_rate / vanilla_rate(tt) / price_factor
     if gain < min_gain:
         return Choice("vanilla", None, 1.0, agreement,
                       f"no {method} setting is predicted to beat vanilla here (best {gain:.2f}x "
-                      f"< {min_gain:.2f}x): speculation is off for this call")
-    return Choice(method, best, gain, agreement, f"predicted {gain:.2f}x vanilla")
+                      f"< {min_gain:.2f}x): speculation is off for this call",
+                      price_factor=price_factor)
+    return Choice(method, best, gain, agreement, f"predicted {gain:.2f}x vanilla",
+                  price_factor=price_factor)
 
 
 def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float]) -> float:
@@ -1088,10 +1136,13 @@ def predicted_rate(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[f
     return _spec(method).rate(cfg, a, tt, td)
 
 
-def predicted_speedup(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float]
-                      ) -> float:
-    """`predicted_rate` over vanilla's at the same tables (1 for vanilla)."""
-    return predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt)
+def predicted_speedup(method: str, cfg, tt: dict, td: Optional[dict], a: Optional[float],
+                      price_factor: float = 1.0) -> float:
+    """`predicted_rate` over vanilla's at the same tables (1 for vanilla), over price_factor
+    (the method's rounds' learned factor over vanilla's, `relative_factor`)."""
+    if cfg is None or method == "vanilla":
+        return 1.0
+    return predicted_rate(method, cfg, tt, td, a) / vanilla_rate(tt) / price_factor
 
 
 def _spec(method: str):
@@ -1173,8 +1224,9 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
             fits_pool(old.config, pool_shape)):
         tt, td, a = new.tables + (new.agreement,)
         # at the prices now, not those it was chosen at
-        kept = predicted_speedup(old.method, old.config, tt, td, a)
-        rival = predicted_speedup(new.method, new.config, tt, td, a)
+        f = new.price_factor
+        kept = predicted_speedup(old.method, old.config, tt, td, a, f)
+        rival = predicted_speedup(new.method, new.config, tt, td, a, f)
         if rival < switch_gain * kept:
             other = ("vanilla" if new.method == "vanilla" else
                      f"{rival:.2f}x vanilla for another setting")
@@ -1260,10 +1312,31 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
     if a is not None and not isinstance(a, DepthAgreement):  # (by depth: rounded already)
         a = round(a, 3)
-    # a method whose calls would teach its rate is tried on a smaller predicted gain (TRY_GAIN)
-    min_gain = TRY_GAIN if spec.learn is not None and not realised else MIN_GAIN
-    choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape, min_gain)
+    f, timed = _price_factor(method, target, draft if with_draft else None, B, use_cache, notes)
+    # a method whose calls would teach its rate, or whose rounds no call has timed yet, is
+    # tried on a smaller predicted gain (TRY_GAIN): what its calls measure then decides
+    min_gain = (TRY_GAIN if (spec.learn is not None and not realised) or not timed
+                else MIN_GAIN)
+    choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape, min_gain, f)
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
+
+
+def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict
+                  ) -> tuple[float, bool]:
+    """(`relative_factor` to 3 decimals, whether any call of the method was timed), said in
+    notes; (1.0, True) without use_cache (nothing learned is used)."""
+    if not use_cache:
+        return 1.0, True
+    f, n_m, n_v = relative_factor(target, draft, B, method)
+    if n_m:
+        notes["measured"].append(
+            f"{method}'s loops x{f:.3f} their price against vanilla's: {n_m} timed call"
+            f"{'s' if n_m != 1 else ''} of it and {n_v} of vanilla, each pooled with "
+            f"{FACTOR_PRIOR_CALLS} at its price")
+    else:
+        notes["assumed"].append(f"{method}'s rounds at their price (no call of it timed yet: "
+                                f"tried from {TRY_GAIN:.2f}x)")
+    return round(f, 3), n_m > 0
 
 
 def _frozen(table: Optional[dict]):
@@ -1271,8 +1344,10 @@ def _frozen(table: Optional[dict]):
 
 
 @functools.lru_cache(maxsize=256)
-def _choose_memo(method, tt, td, a, pool_shape=None, min_gain: float = MIN_GAIN) -> Choice:
+def _choose_memo(method, tt, td, a, pool_shape=None, min_gain: float = MIN_GAIN,
+                 price_factor: float = 1.0) -> Choice:
     """`choose` once per (method, tables, agreement, pool shape, margin): a grid search of a
     few ms per call is not repeated on every `generate` call once the tables and agreement
     have settled."""
-    return choose(method, dict(tt), None if td is None else dict(td), a, pool_shape, min_gain)
+    return choose(method, dict(tt), None if td is None else dict(td), a, pool_shape, min_gain,
+                  price_factor)
