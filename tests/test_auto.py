@@ -683,3 +683,28 @@ def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_a
         c = ask()
         assert c.method == method and c.price_factor == f, (f, c.reason)
         assert f"x{f:.3f} their price" in " ".join(c.notes["measured"])
+
+
+def test_a_stalled_call_moves_the_factor_only_to_the_clip(tiny_target, fresh_auto):
+    """Once FACTOR_CLIP_CALLS calls back the factor, a call measured far from it is pooled at
+    FACTOR_CLIP of what the factor predicts; the first calls are pooled as measured."""
+    t = tiny_target
+    stats = {"target_calls": 40, "draft_calls": 0, "new_tokens": 48, "eta": 1.2}
+    cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
+    key = f"{auto._timing_key(t, None, 1)}|prompt_lookup"
+    call = functools.partial(auto.record_call, "prompt_lookup", cfg, t, None, stats)
+    call(0.5, 1, 8, 64)
+    x_t = auto._read_cache()["rounds"][key][0]
+    call(0.5 * 3, 1, 8, 64)  # the second call: as measured (one call backs nothing yet)
+    assert auto._read_cache()["rounds"][key][2] == pytest.approx(2.0)
+    f, n = auto.method_factor(t, None, 1, "prompt_lookup")
+    s_t = auto.learned_scales(t, None, 1)[0]
+    call(10.0, 1, 8, 64)  # stalled: pooled at the clip
+    assert auto._read_cache()["rounds"][key][2] == pytest.approx(
+        2.0 + auto.FACTOR_CLIP * f * s_t * x_t)
+    f, n = auto.method_factor(t, None, 1, "prompt_lookup")
+    s_t = auto.learned_scales(t, None, 1)[0]
+    before = auto._read_cache()["rounds"][key][2]
+    call(1e-4, 1, 8, 64)  # and from below
+    x = auto._read_cache()["rounds"][key]
+    assert x[3] == 4 and x[2] == pytest.approx(before + f * s_t * x_t / auto.FACTOR_CLIP)

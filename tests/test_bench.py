@@ -663,3 +663,20 @@ def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny
     assert all(c["seconds"] >= 0.4 for c in auto_calls)
     assert all(c["seconds"] < 0.2 for c in fixed_calls)
     assert all(m["identical"] for m in res["methods"].values())
+
+
+def test_auto_check_median_calls_ignore_one_stalled_call():
+    """median_calls: each prompt's calls at their median wall time (a stalled call moves it no
+    more than any other), tokens per prompt as its calls made them."""
+    from types import SimpleNamespace
+
+    from ouroboros_jax.bench.auto_check import median_calls
+
+    def c(i, n, w):
+        return (i, SimpleNamespace(stats={"new_tokens": n}), w)
+
+    calls = [c(0, 64, 0.30), c(1, 32, 0.20), c(0, 64, 0.32), c(1, 32, 0.22), c(0, 64, 5.0),
+             c(1, 32, 0.21)]
+    assert median_calls(calls) == pytest.approx((64 + 32) / (0.32 + 0.21))
+    # even passes: the mean of the middle two
+    assert median_calls(calls[:4]) == pytest.approx(96 / (0.31 + 0.21))

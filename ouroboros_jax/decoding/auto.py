@@ -646,10 +646,24 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
     if x_t <= 0:
         return
     y = float(seconds)
-    key = _timing_key(target, draft if used_draft else None, batch)
+    used = draft if used_draft else None
+    key = _timing_key(target, used, batch)
+    y_f = _clipped(y, x_t, x_s, target, used, batch, method)  # (at the prices before it)
     _add("timing", key, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
          (0.0, 0.0, 0.0, 0.0, 0.0, 0))
-    _add("rounds", f"{key}|{method}", (x_t, x_s, y, 1), (0.0, 0.0, 0.0, 0))
+    _add("rounds", f"{key}|{method}", (x_t, x_s, y_f, 1), (0.0, 0.0, 0.0, 0))
+
+
+def _clipped(y: float, x_t: float, x_s: float, target, draft, batch: int, method: str) -> float:
+    """A call's measured seconds as its method's factor pools them: within FACTOR_CLIP of what
+    the factor so far predicts, once FACTOR_CLIP_CALLS calls back it (one call the machine
+    stalled, 2.2x its row's median on the demo pair, moved Ouroboros' factor 10%)."""
+    f, n = method_factor(target, draft, batch, method)
+    if n < FACTOR_CLIP_CALLS:
+        return y
+    s_t, s_s, _, _ = learned_scales(target, draft, batch)
+    expect = f * (s_t * x_t + s_s * x_s)
+    return min(max(y, expect / FACTOR_CLIP), expect * FACTOR_CLIP)
 
 
 # The learned scales price each model's forwards; what is left between a method's priced and
@@ -661,6 +675,7 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
 # a factor of their own over the scaled price, pooled with one call at the price (a first call
 # moves it half way; a noisy call cannot lock a method out).
 FACTOR_PRIOR_CALLS = 1
+FACTOR_CLIP, FACTOR_CLIP_CALLS = 1.25, 2
 
 
 def method_factor(target, draft, batch: int, method: str) -> tuple[float, int]:
