@@ -205,7 +205,7 @@ def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: 
              else (int(pool.guesses), int(pool.phrase_len)))
     auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
     return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
-                       pool_shape=shape, explore_depth=greedy,
+                       pool_shape=shape, explore_depth=greedy, timed=True,
                        switch_gain=SETTLE_GAIN if compiles_anyway else STICKY_GAIN), auto_slots
 
 

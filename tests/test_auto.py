@@ -708,3 +708,26 @@ def test_a_stalled_call_moves_the_factor_only_to_the_clip(tiny_target, fresh_aut
     call(1e-4, 1, 8, 64)  # and from below
     x = auto._read_cache()["rounds"][key]
     assert x[3] == 4 and x[2] == pytest.approx(before + f * s_t * x_t / auto.FACTOR_CLIP)
+
+
+def test_an_untimed_method_needs_the_full_margin_where_no_call_will_time_it(
+        tiny_target, fresh_auto, monkeypatch):
+    """The serving engine's choices (`auto_config` without `timed`) teach no factor, so there a
+    method no call has timed needs MIN_GAIN, as before; generate's calls try it from TRY_GAIN."""
+    t = tiny_target
+    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
+        CPU_T, None, {"measured": [], "assumed": []}))
+    prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
+    grid = list(METHODS["prompt_lookup"].auto_grid())
+    hit = next(h / 1000 for h in range(1, 400)
+               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
+                             for c in grid) < 1.03)
+    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    auto._choose_memo.cache_clear()
+    served = auto.auto_config("prompt_lookup", t, None, prompt, plens, 64)
+    assert served.method == "vanilla"
+    assert "tried from" not in " ".join(served.notes["assumed"])
+    monkeypatch.setattr(auto, "_CHOICES", {})
+    asked = auto.auto_config("prompt_lookup", t, None, prompt, plens, 64, timed=True,
+                             switch_gain=1.0)
+    assert asked.method == "prompt_lookup", asked.reason

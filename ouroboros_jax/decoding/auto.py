@@ -1217,19 +1217,22 @@ def _store_choice(key: str, choice: Choice) -> None:
 
 def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache: bool = True,
                 pool_shape: Optional[tuple] = None, explore_depth: bool = False,
-                switch_gain: float = STICKY_GAIN) -> Choice:
+                switch_gain: float = STICKY_GAIN, timed: bool = False) -> Choice:
     """Price (`latency_tables`) and recall the pair's agreement, then `choose`, keeping the
     earlier choice for the same shapes (this process's, else the store's) unless the new one
     is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN at the end of a kind's first
     call, `auto_switch.settle`). pool_shape: (phrases per key, tokens per phrase) of a pool
     the call passes, which the chosen config must fit (`fits_pool`). explore_depth: the call
-    is greedy and teaches auto, so it may draft deeper once (`explore`)."""
+    is greedy and teaches auto, so it may draft deeper once (`explore`). timed: the call's
+    loop will be timed and teach its method's factor (`generate`'s calls, `record_call`), so a
+    method no call has timed yet is tried from TRY_GAIN (`_auto_choice`)."""
     t0 = time.perf_counter()
     B = int(prompt.shape[0])
     key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
     if model_spans_processes(target):
         return _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape)
-    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape)
+    new = _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape,
+                       timed)
     stored_key = key.rsplit("|", 1)[0]
     old = _CHOICES.get(key)
     if old is None and use_cache:
@@ -1271,8 +1274,8 @@ def _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape=None
     return old
 
 
-def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape=None
-                 ) -> Choice:
+def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape=None,
+                 timed: bool = True) -> Choice:
     """The predicted-fastest config now. With use_cache (generate's calls): the device's
     calibration and the learned scales from disk (`latency_tables`), the agreement realised by
     earlier calls or counted on earlier prompts; only where this pair's agreement has never
@@ -1327,19 +1330,22 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
     if a is not None and not isinstance(a, DepthAgreement):  # (by depth: rounded already)
         a = round(a, 3)
-    f, timed = _price_factor(method, target, draft if with_draft else None, B, use_cache, notes)
-    # a method whose calls would teach its rate, or whose rounds no call has timed yet, is
-    # tried on a smaller predicted gain (TRY_GAIN): what its calls measure then decides
-    min_gain = (TRY_GAIN if (spec.learn is not None and not realised) or not timed
-                else MIN_GAIN)
+    f, was_timed = _price_factor(method, target, draft if with_draft else None, B, use_cache,
+                                 notes, timed)
+    # a method whose calls would teach its rate, or whose rounds no call has timed yet (where
+    # this one will be: `timed`), is tried on a smaller predicted gain (TRY_GAIN): what its
+    # calls measure then decides
+    min_gain = (TRY_GAIN if (spec.learn is not None and not realised)
+                or (timed and not was_timed) else MIN_GAIN)
     choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape, min_gain, f)
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 
 
-def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict
+def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict, timed: bool
                   ) -> tuple[float, bool]:
     """(`relative_factor` to 3 decimals, whether any call of the method was timed), said in
-    notes; (1.0, True) without use_cache (nothing learned is used)."""
+    notes (timed: this call will be); (1.0, True) without use_cache (nothing learned is
+    used)."""
     if not use_cache:
         return 1.0, True
     f, n_m, n_v = relative_factor(target, draft, B, method)
@@ -1349,8 +1355,8 @@ def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict
             f"{'s' if n_m != 1 else ''} of it and {n_v} of vanilla, each pooled with "
             f"{FACTOR_PRIOR_CALLS} at its price")
     else:
-        notes["assumed"].append(f"{method}'s rounds at their price (no call of it timed yet: "
-                                f"tried from {TRY_GAIN:.2f}x)")
+        notes["assumed"].append(f"{method}'s rounds at their price (no call of it timed yet"
+                                + (f": tried from {TRY_GAIN:.2f}x)" if timed else ")"))
     return round(f, 3), n_m > 0
 
 
