@@ -673,7 +673,8 @@ def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_a
                if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
                              for c in grid) < 1.03)
     auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
-    ask = functools.partial(auto._auto_choice, "prompt_lookup", t, None, prompt, plens, 64, True)
+    ask = functools.partial(auto._auto_choice, "prompt_lookup", t, None, prompt, plens, 64, True,
+                            timed=True)
     auto._choose_memo.cache_clear()
     untimed = ask()
     assert untimed.method == "prompt_lookup" and untimed.price_factor == 1.0
@@ -683,6 +684,16 @@ def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_a
         c = ask()
         assert c.method == method and c.price_factor == f, (f, c.reason)
         assert f"x{f:.3f} their price" in " ".join(c.notes["measured"])
+    # timed by fewer than TRY_CALLS calls: still tried down to UNTIMED_GAIN
+    for f, method in ((1.15, "prompt_lookup"), (1.25, "vanilla")):
+        monkeypatch.setattr(auto, "relative_factor", lambda *a, f=f: (f, auto.TRY_CALLS - 1, 4))
+        c = ask()
+        assert c.method == method, (f, c.reason)
+        assert ("trying it" in c.reason) == (method == "prompt_lookup")
+    # and where no call will time it (the serving engine), the full margin
+    monkeypatch.setattr(auto, "relative_factor", lambda *a: (1.15, auto.TRY_CALLS - 1, 4))
+    assert ask().method == "prompt_lookup"
+    assert auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True).method == "vanilla"
 
 
 def test_a_stalled_call_moves_the_factor_only_to_the_clip(tiny_target, fresh_auto):

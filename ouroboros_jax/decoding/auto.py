@@ -93,6 +93,14 @@ DRAFT_SIZES = (1, 4, 16, 64)
 # margins are now what remains of the error: 5% on a realised rate, none before one.
 TRY_GAIN = 1.0
 MIN_GAIN = 1.05
+# A method whose loop fewer than TRY_CALLS calls have timed is tried from UNTIMED_GAIN (the
+# first call's settle then keeps it, `auto_switch`): its price rests on anchors timed once, in
+# the first call, and one anchor the machine slowed there (the real 1.5B's 2-token forward
+# read 1.78 of its shape where it reads 1.25-1.3) priced every speculative round 25% over its
+# loop; auto then predicted 0.91x for what measures 1.39-1.59x, ran vanilla, and vanilla's
+# calls never teach a method's price. Tried, its calls teach its factor (`method_factor`).
+UNTIMED_GAIN = 0.85
+TRY_CALLS = 3
 DEFAULT_AGREEMENT = 0.5  # before the pair has been measured on 32 prompt positions
 MIN_AGREEMENT_TOKENS = 32
 # Once a pair's agreement rests on this many prompt positions, later calls reuse it without
@@ -1225,7 +1233,7 @@ def auto_config(method: str, target, draft, prompt, plens, slots: int, use_cache
     the call passes, which the chosen config must fit (`fits_pool`). explore_depth: the call
     is greedy and teaches auto, so it may draft deeper once (`explore`). timed: the call's
     loop will be timed and teach its method's factor (`generate`'s calls, `record_call`), so a
-    method no call has timed yet is tried from TRY_GAIN (`_auto_choice`)."""
+    method fewer than TRY_CALLS calls have timed is tried from UNTIMED_GAIN (`_auto_choice`)."""
     t0 = time.perf_counter()
     B = int(prompt.shape[0])
     key = _choice_key(method, target, draft, B, slots, pool_shape) + "|" + str(cache_path())
@@ -1275,7 +1283,7 @@ def _auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape=None
 
 
 def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_shape=None,
-                 timed: bool = True) -> Choice:
+                 timed: bool = False) -> Choice:
     """The predicted-fastest config now. With use_cache (generate's calls): the device's
     calibration and the learned scales from disk (`latency_tables`), the agreement realised by
     earlier calls or counted on earlier prompts; only where this pair's agreement has never
@@ -1330,24 +1338,28 @@ def _auto_choice(method, target, draft, prompt, plens, slots, use_cache, pool_sh
     # to 3 decimals: a realised agreement moves a little with every call (`_choose_memo`)
     if a is not None and not isinstance(a, DepthAgreement):  # (by depth: rounded already)
         a = round(a, 3)
-    f, was_timed = _price_factor(method, target, draft if with_draft else None, B, use_cache,
-                                 notes, timed)
-    # a method whose calls would teach its rate, or whose rounds no call has timed yet (where
-    # this one will be: `timed`), is tried on a smaller predicted gain (TRY_GAIN): what its
-    # calls measure then decides
-    min_gain = (TRY_GAIN if (spec.learn is not None and not realised)
-                or (timed and not was_timed) else MIN_GAIN)
+    f, n_timed = _price_factor(method, target, draft if with_draft else None, B, use_cache,
+                               notes, timed)
+    # a method whose calls would teach its rate is tried on a smaller predicted gain
+    # (TRY_GAIN), and one whose rounds fewer than TRY_CALLS calls have timed (where this one
+    # will be: `timed`) on a smaller still (UNTIMED_GAIN): what its calls measure then decides
+    trying = timed and n_timed < TRY_CALLS
+    min_gain = (UNTIMED_GAIN if trying else
+                TRY_GAIN if spec.learn is not None and not realised else MIN_GAIN)
     choice = _choose_memo(method, _frozen(tt), _frozen(td), a, pool_shape, min_gain, f)
+    if trying and choice.method != "vanilla" and choice.predicted_speedup < MIN_GAIN:
+        choice = dataclasses.replace(choice, reason=choice.reason + (
+            f" (trying it: {n_timed} of its calls timed, {TRY_CALLS} teach its price)"))
     return dataclasses.replace(choice, tables=(tt, td), notes=notes)
 
 
 def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict, timed: bool
-                  ) -> tuple[float, bool]:
-    """(`relative_factor` to 3 decimals, whether any call of the method was timed), said in
-    notes (timed: this call will be); (1.0, True) without use_cache (nothing learned is
+                  ) -> tuple[float, int]:
+    """(`relative_factor` to 3 decimals, how many calls of the method were timed), said in
+    notes (timed: this call will be); (1.0, TRY_CALLS) without use_cache (nothing learned is
     used)."""
     if not use_cache:
-        return 1.0, True
+        return 1.0, TRY_CALLS
     f, n_m, n_v = relative_factor(target, draft, B, method)
     if n_m:
         notes["measured"].append(
@@ -1356,8 +1368,8 @@ def _price_factor(method, target, draft, B: int, use_cache: bool, notes: dict, t
             f"{FACTOR_PRIOR_CALLS} at its price")
     else:
         notes["assumed"].append(f"{method}'s rounds at their price (no call of it timed yet"
-                                + (f": tried from {TRY_GAIN:.2f}x)" if timed else ")"))
-    return round(f, 3), n_m > 0
+                                + (f": tried from {UNTIMED_GAIN:.2f}x)" if timed else ")"))
+    return round(f, 3), n_m
 
 
 def _frozen(table: Optional[dict]):
