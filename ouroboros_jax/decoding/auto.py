@@ -1127,7 +1127,8 @@ def choose(method: str, tt: dict, td: Optional[dict], agreement: Optional[float]
            price_factor: float = 1.0) -> Choice:
     """The predicted-fastest config of `method` from latency tables tt (target) and td (draft)
     {n: seconds} and the pair's agreement; vanilla when nothing beats it by min_gain
-    (MIN_GAIN; TRY_GAIN where the method's rate is not realised yet, `_auto_choice`). The
+    (MIN_GAIN; TRY_GAIN where the method's rate is not realised yet, UNTIMED_GAIN where few
+    calls have timed it: `_auto_choice`). The
     candidates are the method's knob grid (`MethodSpec.auto_grid`, from its config's `KNOBS`)
     and their rates the cost model's (`MethodSpec.rate`, decoding/cost.py); with pool_shape
     (a pool the call passes: phrases per key, tokens per phrase) only those it can serve;
