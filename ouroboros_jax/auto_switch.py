@@ -80,6 +80,15 @@ def _rates(last, choice) -> tuple[float, float]:
                               choice.price_factor), choice.predicted_speedup)
 
 
+def _kept(last, choice) -> str:
+    """What the kept loop is predicted at now: the kept choice's own reason may be an
+    exploring first call's ("exploring: no speculative setting is predicted to beat vanilla
+    here ..."), which read as if the call ran vanilla."""
+    if last.method == "vanilla" or last.config is None:
+        return "vanilla"
+    return f"predicted {_rates(last, choice)[0]:.2f}x vanilla"
+
+
 def _unpaid(sig: tuple, last, choice) -> Optional[str]:
     """Why a switch from `last` to `choice` does not pay yet (`pays_off`), or None where it
     does or nothing is known of this signature's calls. The compile is priced at the most
@@ -117,7 +126,7 @@ def runnable(sig: tuple, choice, warm: Callable) -> tuple:
         pending = (sig,) + _key(choice)
         unpaid = None if pending in _WARMING else _unpaid(sig, last, choice)
         if unpaid is not None:
-            why = f"{last.reason.split(' (')[0]} ({unpaid})"
+            why = f"{_kept(last, choice)} ({unpaid})"
             return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
         if pending not in _WARMING:
             # not a daemon: a script that ends while it compiles waits for it (a daemon
@@ -126,7 +135,7 @@ def runnable(sig: tuple, choice, warm: Callable) -> tuple:
                                       name="ouroboros-auto-warm", daemon=False)
             _WARMING[pending] = thread
             thread.start()
-    why = (f"{last.reason.split(' (')[0]}; kept while {choice.config or choice.method} "
+    why = (f"{_kept(last, choice)}; kept while {choice.config or choice.method} "
            f"({choice.reason.split(' (')[0]}) compiles in the background")
     return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
 
