@@ -658,21 +658,25 @@ def test_record_call_adds_the_methods_own_sums(tiny_target, fresh_auto):
     assert f"{base}|vanilla" not in data["rounds"]
 
 
+def _prompt_lookup_at_1_02x(t, monkeypatch):
+    """(target, prompt, plens) with CPU-like prices and a realised copy hit rate at which
+    prompt lookup's best config is predicted 1.02x vanilla: between TRY_GAIN and MIN_GAIN."""
+    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
+        CPU_T, None, {"measured": [], "assumed": []}))
+    grid = list(METHODS["prompt_lookup"].auto_grid())
+    hit = next(h / 1000 for h in range(1, 400)
+               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
+                             for c in grid) < 1.03)
+    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    return t, np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
+
+
 def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_auto,
                                                             monkeypatch):
     """A method predicted under MIN_GAIN but over TRY_GAIN runs while no call has timed its
     rounds (its calls then teach its factor); timed at its price it needs MIN_GAIN, and timed
     10% under its price it runs again."""
-    t = tiny_target
-    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
-        CPU_T, None, {"measured": [], "assumed": []}))
-    prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
-    grid = list(METHODS["prompt_lookup"].auto_grid())
-    # a copy hit rate at which the best config is predicted 1.02x
-    hit = next(h / 1000 for h in range(1, 400)
-               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
-                             for c in grid) < 1.03)
-    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    t, prompt, plens = _prompt_lookup_at_1_02x(tiny_target, monkeypatch)
     ask = functools.partial(auto._auto_choice, "prompt_lookup", t, None, prompt, plens, 64, True,
                             timed=True)
     auto._choose_memo.cache_clear()
@@ -725,15 +729,7 @@ def test_an_untimed_method_needs_the_full_margin_where_no_call_will_time_it(
         tiny_target, fresh_auto, monkeypatch):
     """The serving engine's choices (`auto_config` without `timed`) teach no factor, so there a
     method no call has timed needs MIN_GAIN, as before; generate's calls try it from TRY_GAIN."""
-    t = tiny_target
-    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
-        CPU_T, None, {"measured": [], "assumed": []}))
-    prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
-    grid = list(METHODS["prompt_lookup"].auto_grid())
-    hit = next(h / 1000 for h in range(1, 400)
-               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
-                             for c in grid) < 1.03)
-    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    t, prompt, plens = _prompt_lookup_at_1_02x(tiny_target, monkeypatch)
     auto._choose_memo.cache_clear()
     served = auto.auto_config("prompt_lookup", t, None, prompt, plens, 64)
     assert served.method == "vanilla"
