@@ -291,11 +291,19 @@ def _put(section: str, key: str, value, path: Optional[Path] = None) -> None:
 def _add(section: str, key: str, counts: tuple, zero: tuple) -> list:
     """Adds counts to the entry (pooled with what every process has added before); returns
     the new total."""
+    return _add_all((section, key, counts, zero))[0]
+
+
+def _add_all(*entries: tuple) -> list:
+    """`_add` for several (section, key, counts, zero) entries in one locked write; returns
+    their new totals."""
     def change(data):
-        old = data.setdefault(section, {}).get(key, list(zero))
-        new = [type(z)(o + c) for o, c, z in zip(old, counts, zero)]
-        data[section][key] = new
-        return new
+        out = []
+        for section, key, counts, zero in entries:
+            old = data.setdefault(section, {}).get(key, list(zero))
+            out.append([type(z)(o + c) for o, c, z in zip(old, counts, zero)])
+            data[section][key] = out[-1]
+        return out
     return _update_cache(change)
 
 
@@ -657,9 +665,10 @@ def record_call(method: str, cfg, target, draft, stats: dict, seconds: float, ba
     used = draft if used_draft else None
     key = _timing_key(target, used, batch)
     y_f = _clipped(y, x_t, x_s, target, used, batch, method)  # (at the prices before it)
-    _add("timing", key, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
-         (0.0, 0.0, 0.0, 0.0, 0.0, 0))
-    _add("rounds", f"{key}|{method}", (x_t, x_s, y_f, 1), (0.0, 0.0, 0.0, 0))
+    # one locked write of the store for both entries
+    _add_all(("timing", key, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y, x_s * y, 1),
+              (0.0, 0.0, 0.0, 0.0, 0.0, 0)),
+             ("rounds", f"{key}|{method}", (x_t, x_s, y_f, 1), (0.0, 0.0, 0.0, 0)))
 
 
 def _clipped(y: float, x_t: float, x_s: float, target, draft, batch: int, method: str) -> float:
@@ -1103,13 +1112,7 @@ def fits_pool(cfg, pool_shape: Optional[tuple]) -> bool:
 def _candidates(spec, pool_shape: Optional[tuple]) -> list:
     """A method's knob grid (`MethodSpec.auto_grid`), less the configs a passed pool cannot
     serve (`fits_pool`)."""
-    return [c for c in _auto_grid(spec.config_type) if fits_pool(c, pool_shape)]
-
-
-@functools.lru_cache(maxsize=None)
-def _auto_grid(config_type) -> tuple:
-    # built once per method: Ouroboros' 736 configs took 6 ms to build on every call
-    return tuple(config_type.KNOBS.auto_grid(config_type))
+    return [c for c in spec.auto_grid() if fits_pool(c, pool_shape)]
 
 
 def dense_tables(sizes, tt: dict, td: Optional[dict]) -> tuple[dict, Optional[dict]]:

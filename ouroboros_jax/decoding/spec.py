@@ -53,6 +53,7 @@ argmax path (`sampling.greedy_where`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 from ..pool import pool_bytes
@@ -148,7 +149,11 @@ class MethodSpec:
 
     def auto_grid(self, values: Optional[dict] = None) -> list:
         """The configs `config="auto"` chooses among: the knob space's grid over `values`
-        ({knob: values}, default each knob's auto values), with its switch variants."""
+        ({knob: values}, default each knob's auto values), with its switch variants. The
+        default grid is built once per config type (Ouroboros' 736 configs took 6 ms, which
+        auto paid on every call)."""
+        if values is None:
+            return list(_default_grid(self.config_type))
         return self.knobs.auto_grid(self.config_type, values)
 
     def rate(self, cfg, agreement, tt: dict, td: Optional[dict]) -> float:
@@ -166,3 +171,9 @@ def chain_agreement(agreement, cfg):
 
 class NoConfig:
     """Vanilla decoding has no configuration."""
+
+
+@functools.lru_cache(maxsize=None)
+def _default_grid(config_type) -> tuple:
+    """`MethodSpec.auto_grid()` at the knobs' own values (configs are frozen: shared safely)."""
+    return tuple(config_type.KNOBS.auto_grid(config_type))
