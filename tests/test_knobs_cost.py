@@ -87,8 +87,7 @@ def test_rates_priced_from_forward_sizes_by_hand():
     td = {1: 0.1}
     a, g = 0.5, 4
     # speculative: 4 one-token draft forwards + a 5-token target forward + overhead
-    want = cost.expected_tokens(a, g) / (4 * 0.1 + 2.0 + (cost.ROUND_OVERHEAD
-                                                          + cost.DRAFT_STEP_OVERHEAD * 4) * 1.0)
+    want = cost.expected_tokens(a, g) / (4 * 0.1 + 2.0 + cost.ROUND_OVERHEAD * 1.0)
     assert METHODS["speculative"].rate(SpeculativeConfig(gamma=g), a, tt, td) == pytest.approx(want)
     assert cost.expected_tokens(a, g) == pytest.approx(1 + .5 + .25 + .125 + .0625)
     # lookahead W 1 N 3 G 1: a (1+1)*2 = 4-token forward, no overhead

@@ -31,9 +31,16 @@ import numpy as np
 
 # Work outside the forwards, in units of the target's 1-token forward, fitted on the demo pair at
 # batch 1 (measured seconds minus the probe's forward times, per round): per vanilla step
-# (sampling, emit, commit), per round of any method (tree, accept walk, commits), per draft
-# forward (its sampling and cache commit) and per Ouroboros round for the pool (lookups,
-# recycling, inserts).
+# (sampling, emit, commit), per round of any method (tree, accept walk, commits) and per
+# Ouroboros round for the pool (lookups, recycling, inserts).
+# A draft forward carries none: inside the loop a draft step (forward, sampling, cache commit)
+# measures at or under the draft's timed 1-token forward. Speculative rounds at gamma 1-8 in one
+# process, least squares over gamma of the round less its verify forward: the demo pair 0.87 ms
+# a step against t_S(1) 1.01 ms; the real Qwen pair (gamma 1/2/4/6) 90 ms against t_S(1) 84 ms,
+# a slope the prompt's prefill, shared by fewer rounds at longer chains, inflates. At the 0.06
+# t_T(1) a step once carried (0.25 ms on the demo pair, 14 ms on the real one), every longer
+# chain was priced over its loop (demo price/measured 0.85 at gamma 1 rising to 1.13 at 6), and
+# auto settled on gamma 1 after its first call where gamma 3-4 measured 1.2x faster.
 # Vanilla's is in seconds per step, not in units of the forward: the while loop's own small ops
 # cost about the same whatever the model. It was 0.18 t_T(1) when the timers read one logit and
 # XLA dropped the LM head from them; with timers that read every logit, a vanilla step measures
@@ -52,7 +59,6 @@ import numpy as np
 VANILLA_STEP_SECONDS = 9e-4
 VANILLA_OVERHEAD_CAP = 0.18
 ROUND_OVERHEAD = 0.1
-DRAFT_STEP_OVERHEAD = 0.06
 POOL_OVERHEAD = 0.25
 # Pool priors: the chance that one pool phrase (or one Jacobi n-gram) for the current key is the
 # right continuation, and the chance that each further token of a right phrase is also right;

@@ -64,7 +64,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction,
                      proposing, source_labels,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step)
-from .cost import (DRAFT_STEP_OVERHEAD, POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
+from .cost import (POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
 from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, KnobSpace,
                     Switch, Variant)
@@ -485,7 +485,7 @@ def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
     pool = POOL_OVERHEAD if (cfg.phrase_drafting or cfg.lengthening or cfg.recycling) else 0.0
     return RoundModel(
         tokens=expected_tokens(a, cfg.gamma) + gain, draft_forwards=draft_forwards,
-        overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * draft_forwards + pool)
+        overhead=ROUND_OVERHEAD + pool)
 
 
 def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):

@@ -53,7 +53,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, 
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows, source_labels)
-from .cost import (DRAFT_STEP_OVERHEAD, ROUND_OVERHEAD, RoundModel, agreement_from_eta,
+from .cost import (ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    depth_counts, expected_tokens)
 from .knobs import GAMMA, KnobSpace
 from .logprobs import walk_logprobs
@@ -377,9 +377,9 @@ def _learn(cfg: SpeculativeConfig, stats: dict, greedy: bool):
 
 
 def _round_model(cfg: SpeculativeConfig, a: float) -> RoundModel:
-    # gamma one-token draft forwards, each with its sampling and cache commit
+    # gamma one-token draft forwards (their sampling and cache commits within their price)
     return RoundModel(tokens=expected_tokens(a, cfg.gamma), draft_forwards=cfg.gamma,
-                      overhead=ROUND_OVERHEAD + DRAFT_STEP_OVERHEAD * cfg.gamma)
+                      overhead=ROUND_OVERHEAD)
 
 
 SPEC = MethodSpec(runner=_run_speculative, needs_draft=True, config_type=SpeculativeConfig,
