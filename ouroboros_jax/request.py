@@ -364,6 +364,9 @@ def place_models(target: Model, draft: Optional[Model], mesh, multi: bool):
     if mesh is None:
         return target, draft
     from .sharding import check_heads, shard_model
+    from .xla_cpu import check_mesh_flags
+
+    check_mesh_flags(mesh)
 
     if multi:
         check_heads(target, mesh, "target")

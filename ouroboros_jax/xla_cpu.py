@@ -11,10 +11,18 @@ T = gamma + 1 tokens (a tree of 5-30), so with YNNPACK a 5-token target forward 
 `apply()` appends the flag with an empty value (no YNNPACK fusions) to `XLA_FLAGS` when:
 - jaxlib is 0.9 or later (older jaxlibs do not know the flag, and XLA aborts on an unknown one);
 - the user's `XLA_FLAGS` does not set it already (theirs wins);
-- `OUROBOROS_JAX_KEEP_XLA_FLAGS` is not set to a non-empty value (the opt-out).
+- `OUROBOROS_JAX_KEEP_XLA_FLAGS` is not set to a non-empty value (the opt-out);
+- the process has one CPU device: neither `--xla_force_host_platform_device_count` in
+  `XLA_FLAGS` nor `JAX_NUM_CPU_DEVICES` asks for more (issue 51, docs/exactness.md). With
+  several CPU devices in one process and XLA's own dots (multi-threaded Eigen/oneDNN), the
+  speculative methods returned tokens vanilla does not (demo pair, a 2 x 1 mesh with two rows
+  per device, first wrong token at 17-30; an AMD EPYC with AVX2); YNNPACK's dots (XLA's
+  default) or single-threaded Eigen gave vanilla's tokens there. A multi-device CPU process is
+  a test or development mesh, so it keeps XLA's default and pays YNNPACK's few-row cost.
 It must run before JAX creates its CPU client, so the package calls it first thing; a process
-that ran JAX computations before importing ouroboros_jax keeps the flags it started with. On
-GPU and TPU the flag changes nothing (it only affects the CPU backend).
+that ran JAX computations before importing ouroboros_jax keeps the flags it started with (and
+`check_mesh_flags` warns where a multi-device CPU mesh then runs with the flag on). On GPU and
+TPU the flag changes nothing (it only affects the CPU backend).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from typing import Mapping, Optional
 FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 OPT_OUT = "OUROBOROS_JAX_KEEP_XLA_FLAGS"
 FIRST_JAXLIB = (0, 9)  # the first jaxlib whose XLA has the flag (checked in the wheels' binaries)
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+DEVICE_COUNT_ENV = "JAX_NUM_CPU_DEVICES"  # jax's `jax_num_cpu_devices`, read from the environment
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -46,7 +56,49 @@ def flags_with_ours(xla_flags: str, jaxlib_version: Optional[str],
         return xla_flags
     if _version(jaxlib_version) < FIRST_JAXLIB or FLAG in xla_flags:
         return xla_flags
+    if cpu_device_count(xla_flags, env) > 1:
+        return xla_flags
     return f"{xla_flags} {FLAG}=".strip()
+
+
+def cpu_device_count(xla_flags: str, env: Mapping[str, str]) -> int:
+    """The CPU devices a process started with these flags and environment will have: the last
+    `--xla_force_host_platform_device_count=N` in xla_flags, else `JAX_NUM_CPU_DEVICES`, else 1
+    (a value that is not a number counts as 1: XLA or JAX refuses it itself)."""
+    count = None
+    for part in xla_flags.split():
+        name, _, value = part.partition("=")
+        if name == DEVICE_COUNT_FLAG:
+            count = value
+    if count is None:
+        count = env.get(DEVICE_COUNT_ENV)
+    try:
+        return max(1, int(count)) if count is not None else 1
+    except ValueError:
+        return 1
+
+
+def flag_in_effect(xla_flags: str) -> bool:
+    """Whether xla_flags turn YNNPACK's dots off (our flag, or the user's, with an empty value)."""
+    return any(part == f"{FLAG}=" for part in xla_flags.split())
+
+
+def check_mesh_flags(mesh) -> None:
+    """Warns once where a mesh of several CPU devices runs with YNNPACK's dots off: `apply()`
+    leaves them on in such a process, so this happens only where the device count was set after
+    `import ouroboros_jax` (`jax.config.update("jax_num_cpu_devices", n)`) or the user turned
+    them off. That combination gave wrong tokens on one CPU (module docstring)."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or devices.size < 2 or devices.flat[0].platform != "cpu":
+        return
+    if not flag_in_effect(os.environ.get("XLA_FLAGS", "")):
+        return
+    from .notices import say_once
+
+    say_once("xla_cpu_mesh", f"a mesh of {devices.size} CPU devices runs with {FLAG}= (YNNPACK "
+             "dots off), which gave tokens vanilla does not give on some CPUs (docs/exactness.md); "
+             f"set the device count in XLA_FLAGS ({DEVICE_COUNT_FLAG}=N) or {DEVICE_COUNT_ENV} "
+             "before importing ouroboros_jax, so that it keeps XLA's default dots")
 
 
 def apply() -> None:

@@ -77,7 +77,21 @@ def test_a_head_step_equals_a_full_step(tiny_pair, method, greedy):
     a, b = _settled(head_dev), _settled(full_dev)
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert_same_state(np.asarray(x), np.asarray(y))
+
+
+def assert_same_state(x: np.ndarray, y: np.ndarray) -> None:
+    """What is exact by construction (tokens, counts, lengths, flags: every integer and bool
+    leaf) bit for bit; floats within rounding. The K/V a 2-row step writes come from dots of
+    another shape than the 4-row step's, and how the dot kernel splits its sums depends on the
+    shape and the CPU: bit-identical on AVX-512 Xeons, 224 of 16,384 elements apart by at most
+    3.4e-5 relative where oneDNN runs its AVX2 kernels (an AMD EPYC, or
+    ONEDNN_MAX_CPU_ISA=AVX2). A wrong row or slot is off by O(1), far outside the tolerance."""
+    assert x.dtype == y.dtype and x.shape == y.shape
+    if np.issubdtype(x.dtype, np.floating):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+    else:
+        np.testing.assert_array_equal(x, y)
 
 
 def test_one_request_runs_one_row_steps(tiny_target, monkeypatch):
