@@ -1,7 +1,8 @@
 """Hostile clients against the OpenAI server (serving/guard.py, pump.py, runner.py): oversized,
 endless, malformed and abandoned bodies, missing keys, foreign hosts and origins, HEAD, a
-shutdown past its drain time, and fields past their bounds (stop strings, message roles). After each case the server must still be healthy: /health
-answers, and the greedy request every test sends first and last gets the same text.
+shutdown past its drain time, and fields past their bounds (stop strings, message roles). After
+each case the server must still be healthy: /health answers, and the greedy request every test
+sends first and last gets the same text.
 
 Servers run with uvicorn on 127.0.0.1 in a thread of this process (`ServerThread`) over one
 engine (the tiny chat pair, vanilla) that every app shares (manage_engine=False); the shutdown
