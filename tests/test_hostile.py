@@ -1,7 +1,8 @@
 """Hostile clients against the OpenAI server (serving/guard.py, pump.py, runner.py): oversized,
-endless, malformed and abandoned bodies, missing keys, foreign hosts and origins, HEAD, and a
-shutdown past its drain time. After each case the server must still be healthy: /health
-answers, and the greedy request every test sends first and last gets the same text.
+endless, malformed and abandoned bodies, missing keys, foreign hosts and origins, HEAD, a
+shutdown past its drain time, and fields past their bounds (stop strings, message roles). After
+each case the server must still be healthy: /health answers, and the greedy request every test
+sends first and last gets the same text.
 
 Servers run with uvicorn on 127.0.0.1 in a thread of this process (`ServerThread`) over one
 engine (the tiny chat pair, vanilla) that every app shares (manage_engine=False); the shutdown
@@ -9,6 +10,7 @@ case runs `ouroboros-jax serve` in a process of its own. Raw sockets send what n
 library would (headers with no body, a chunked body that never ends, a half upload).
 """
 
+import http.client
 import json
 import os
 import signal
@@ -21,10 +23,13 @@ import time
 import httpx
 import openai
 import pytest
+import requests
 
 import ouroboros_jax as oj
 from ouroboros_jax.serving.engine import Engine
+from ouroboros_jax.serving import guard
 from ouroboros_jax.serving.guard import DEFAULT_MAX_BODY_BYTES, Limits, host_name
+from ouroboros_jax.serving.openai_api import KNOWN_ROLES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from ouroboros_jax.serving.server import ServerThread, create_app
 
 MODEL = "tiny"
@@ -80,9 +85,11 @@ def healthy(srv, baseline, key: str = "-") -> None:
 
 
 def _raw(srv, data: bytes, timeout: float = 20.0) -> bytes:
-    """Sends data on a fresh connection and reads until the server closes it."""
+    """Sends data on a fresh connection, says it sends no more (so the server does not wait
+    for the rest of a refused body, guard.py's drain) and reads until the server closes it."""
     with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
         s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
         return _read_to_close(s, timeout)
 
 
@@ -243,12 +250,148 @@ def test_chunked_body_past_the_cap_413(engine, baseline):
             piece = b"x" * 4096
             for _ in range(cap // len(piece) + 1):  # one piece past the cap, never the end
                 s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            s.shutdown(socket.SHUT_WR)  # no more: the server's drain of the rest ends at once
             status, err, head = _status_and_error(_read_to_close(s, 20))
         assert status == 413 and err["code"] == "body_too_large"
         assert b"connection: close" in head
         healthy(srv, baseline)
     finally:
         srv.stop()
+
+
+ERR413 = 'ouroboros:request_errors_total{status="413"}'
+
+
+@pytest.mark.parametrize("size", [12 * MB, 60 * MB], ids=["12MB", "60MB"])
+def test_body_past_the_cap_sent_whole_gets_its_413(plain, baseline, size):
+    """A body past --max-body-bytes (8 MiB), sent in one piece by ordinary clients. Each
+    writes the whole body before it reads, so a server that closed with the body unread reset
+    the connection under them and they never saw the 413 (http.client: ConnectionResetError or
+    BrokenPipeError); guard.py drains the body first."""
+    before = _prom(plain.url).get(ERR413, 0)
+    payload = json.dumps(dict(GREEDY, user="u" * size)).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", plain.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=payload,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        status, closes, err = r.status, r.getheader("connection"), json.loads(r.read())["error"]
+    finally:
+        conn.close()
+    assert status == 413 and closes == "close" and err["code"] == "body_too_large"
+    assert f"{len(payload)} bytes" in err["message"] and "--max-body-bytes" in err["message"]
+    r = requests.post(plain.url + "/v1/completions", data=payload, timeout=60,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    c = openai.OpenAI(base_url=plain.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(**GREEDY, user="u" * size)
+    assert e.value.status_code == 413 and e.value.body["code"] == "body_too_large"
+    assert _prom(plain.url)[ERR413] == before + 3
+    healthy(plain, baseline)
+
+
+def _read_answer(s, timeout: float = 20.0) -> bytes:
+    """One response, its headers and its Content-Length of body, not waiting for a close."""
+    buf, t_end = b"", time.monotonic() + timeout
+    while True:
+        head, sep, body = buf.partition(b"\r\n\r\n")
+        if sep:
+            length = next(int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+                          if line.startswith(b"content-length:"))
+            if len(body) >= length:
+                return buf
+        assert time.monotonic() < t_end, "no whole answer in time"
+        got = s.recv(65536)
+        assert got, f"closed before the whole answer came: {buf!r}"
+        buf += got
+
+
+def test_413_comes_before_the_body_which_is_then_drained(plain, baseline):
+    """The answer is on the wire before any byte of the body; the body sent after it is read
+    to its end, and the connection then closes in order (a FIN, not a reset)."""
+    n = DEFAULT_MAX_BODY_BYTES + 1
+    with socket.create_connection(("127.0.0.1", plain.port), timeout=20) as s:
+        s.sendall(_post_head("/v1/completions", f"Content-Length: {n}\r\n"))
+        status, err, head = _status_and_error(_read_answer(s))
+        assert status == 413 and err["code"] == "body_too_large"
+        assert b"connection: close" in head
+        s.sendall(b"x" * n)
+        assert s.recv(1) == b""  # a reset would raise ConnectionResetError here
+    healthy(plain, baseline)
+
+
+@pytest.fixture
+def patient_drain(monkeypatch):
+    """The drain's time bounds raised to 30 s each, so a test sees which bound ended it."""
+    monkeypatch.setattr(guard, "DRAIN_SECONDS", 30.0)
+    monkeypatch.setattr(guard, "DRAIN_IDLE_SECONDS", 30.0)
+    return monkeypatch
+
+
+def _closed_within(s, seconds: float) -> float:
+    """Waits (reading and dropping) for the server to close; -> how long that took."""
+    t0 = time.monotonic()
+    s.settimeout(seconds)
+    while True:
+        try:
+            if not s.recv(65536):
+                break
+        except ConnectionResetError:
+            break
+    return time.monotonic() - t0
+
+
+def test_no_drain_past_its_bounds(plain, baseline, patient_drain):
+    """No drain for a body declared bigger than the drain takes, nor for a client that sent
+    `Expect: 100-continue` (it sends nothing until told to): closed at once, not after 30 s."""
+    cases = (f"Content-Length: {guard.DRAIN_BYTES + 2 * DEFAULT_MAX_BODY_BYTES + 1}\r\n",
+             f"Content-Length: {DEFAULT_MAX_BODY_BYTES + 1}\r\nExpect: 100-continue\r\n")
+    for extra in cases:
+        with socket.create_connection(("127.0.0.1", plain.port), timeout=20) as s:
+            s.sendall(_post_head("/v1/completions", extra))
+            answer = _read_answer(s)
+            assert _closed_within(s, 20) < 10, extra
+        assert _status_and_error(answer)[0] == 413 and b"100 continue" not in answer.lower()
+    healthy(plain, baseline)
+
+
+def test_drain_ends_at_its_idle_time_total_time_and_bytes(plain, baseline, patient_drain):
+    """Each bound alone ends a drain: a client that goes quiet (DRAIN_IDLE_SECONDS), one that
+    trickles (DRAIN_SECONDS), one that sends without end (DRAIN_BYTES: the server closes while
+    the client is still writing)."""
+    head = _post_head("/v1/completions", f"Content-Length: {DEFAULT_MAX_BODY_BYTES + 1}\r\n")
+    patient_drain.setattr(guard, "DRAIN_IDLE_SECONDS", 0.5)
+    with socket.create_connection(("127.0.0.1", plain.port), timeout=20) as s:
+        s.sendall(head)
+        _read_answer(s)
+        assert 0.3 < _closed_within(s, 20) < 10
+    patient_drain.setattr(guard, "DRAIN_IDLE_SECONDS", 30.0)
+    patient_drain.setattr(guard, "DRAIN_SECONDS", 1.0)
+    with socket.create_connection(("127.0.0.1", plain.port), timeout=20) as s:
+        s.sendall(head)
+        _read_answer(s)
+        t0, closed = time.monotonic(), False
+        while not closed and time.monotonic() - t0 < 15:
+            s.sendall(b"x")
+            s.settimeout(0.1)
+            try:
+                closed = s.recv(65536) == b""
+            except socket.timeout:
+                pass
+        assert closed and time.monotonic() - t0 < 10
+    patient_drain.setattr(guard, "DRAIN_SECONDS", 30.0)
+    patient_drain.setattr(guard, "DRAIN_BYTES", 0)  # the floor: 2 x the 8 MiB cap
+    sent, piece = 0, b"%x\r\n%s\r\n" % (MB, b"x" * MB)
+    with socket.create_connection(("127.0.0.1", plain.port), timeout=20) as s:
+        s.sendall(_post_head("/v1/completions", "Transfer-Encoding: chunked\r\n"))
+        with pytest.raises(OSError):  # reset or broken pipe: the server stopped reading
+            while sent < 256 * MB:
+                s.sendall(piece)
+                sent += len(piece)
+    # the cap, the drain's 16 MiB, and what the two sockets' buffers hold
+    assert sent < 8 * MB + 16 * MB + 24 * MB, sent
+    healthy(plain, baseline)
 
 
 def test_body_that_never_ends_408_and_connection_closed(plain, baseline):
@@ -396,6 +539,53 @@ def test_head_wherever_get(plain, keyed, baseline):
     r = httpx.head(keyed.url + "/v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
     assert httpx.head(keyed.url + "/v1/models").status_code == 401
+    healthy(plain, baseline)
+
+
+# -- 6. fields past their bounds ---------------------------------------------------------------
+
+def test_stop_strings_bounded_400_naming_stop(plain, baseline):
+    """Too many stop strings, or one too long, get a 400 naming `stop` (each is searched for at
+    every step, and a long one holds back the stream); the message never echoes the value.
+    At the bounds, the stop strings still cut the text."""
+    c = openai.OpenAI(base_url=plain.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    never = [f"{i:02d}" + "\x01" * (MAX_STOP_CHARS - 2) for i in range(MAX_STOP_STRINGS)]
+    for stop, says in ((never + ["x"], f"holds {MAX_STOP_STRINGS + 1} strings"),
+                       ([f"s{i}" for i in range(20000)], "holds 20000 strings"),
+                       ("s" * (MAX_STOP_CHARS + 1), f"stop[0] is {MAX_STOP_CHARS + 1} char"),
+                       (["ok", "s" * (2 * MB)], f"stop[1] is {2 * MB} char"),
+                       (["ok", 7], "stop[1] must be a non-empty string"),
+                       ({"a": "b"}, "a string or a list of strings")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(**GREEDY, stop=stop)
+        err = e.value.body
+        assert err["param"] == "stop" and says in err["message"], err
+        assert len(err["message"]) < 200
+    assert len(baseline) >= 4, baseline
+    cut = baseline[len(baseline) // 2:][:2]
+    at_bounds = never[:-1] + [cut]  # MAX_STOP_STRINGS, all but one MAX_STOP_CHARS long
+    r = c.completions.create(**GREEDY, stop=at_bounds)
+    assert r.choices[0].text == baseline[:baseline.index(cut)]
+    assert r.choices[0].finish_reason == "stop"
+    healthy(plain, baseline)
+
+
+def test_unknown_role_400_naming_it(plain, baseline):
+    """A message role that is not OpenAI's gets a 400 naming `messages[i].role`; OpenAI's
+    roles pass the check."""
+    c = openai.OpenAI(base_url=plain.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    chat = dict(model=MODEL, max_tokens=4, temperature=0)
+    for role, says in (("hacker", "'hacker'"), ("u" * MB, "characters)")):
+        msgs = [{"role": "system", "content": "be brief"}, {"role": role, "content": "hi"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(messages=msgs, **chat)
+        err = e.value.body
+        assert err["param"] == "messages[1].role" and says in err["message"], err
+        assert "user" in err["message"] and len(err["message"]) < 200
+    for role in KNOWN_ROLES:  # the tiny chat template renders any role
+        msgs = [{"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]
+        r = c.chat.completions.create(messages=msgs, **chat)
+        assert r.choices[0].finish_reason in ("stop", "length"), role
     healthy(plain, baseline)
 
 

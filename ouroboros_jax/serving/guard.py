@@ -22,6 +22,17 @@ read would otherwise be taken for the next request):
   debug level and counted as a cancelled request (`request_success{finished_reason=
   "cancelled"}`), not as an error.
 
+A refusal's body still on its way is drained before the connection closes (`drain`). Closing
+a socket with unread bytes in it makes the kernel answer with a reset, which throws away the
+answer the client has not read yet. Most clients (`http.client`, and whatever is built on it)
+send the whole body before they read anything, so they would see "connection reset" instead of
+the 413. So the refusal's headers and body go out first, with the message kept open; the rest
+of the upload is then read and dropped, at most DRAIN_BYTES (or 2 x max_body_bytes if that is
+more), DRAIN_SECONDS in all and DRAIN_IDLE_SECONDS between pieces; then the message ends and
+uvicorn closes. There is no drain for a body that is declared bigger than that, for a client
+that sent `Expect: 100-continue` (it waits for a go-ahead, and the refusal tells it not to
+send), or after a 408 (the client is too slow to wait for).
+
 The body is read here, once, then handed to the app as one message, so a handler never waits
 on a slow client.
 """
@@ -42,6 +53,11 @@ log = logging.getLogger("ouroboros_jax.serving")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2 ** 20
 DEFAULT_BODY_TIMEOUT = 30.0
+# the drain of a refused upload (module docstring): a 60 MB body on one connection is read to
+# its end; a client that stops sending, or sends more, is cut off soon
+DRAIN_BYTES = 128 * 2 ** 20
+DRAIN_SECONDS = 10.0
+DRAIN_IDLE_SECONDS = 2.0
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -118,11 +134,12 @@ class Guard:
             return await self.app(scope, receive, send)  # a preflight: CORS answers it
         err = err or self.unauthorized(scope, headers)
         if err is not None:
-            return await self.reply(send, err)
+            return await self.reply(send, err, receive if self.may_drain(headers) else None)
         try:
             body = await self.read_body(scope, receive, headers)
-        except APIError as e:
-            return await self.reply(send, e)
+        except APIError as e:  # a 408 is not drained: that client is too slow to wait for
+            drain = e.status == 413 and self.may_drain(headers)
+            return await self.reply(send, e, receive if drain else None)
         if body is None:  # the client left mid-upload: nobody to answer
             return None
         await self.app(scope, _replay(body, receive), send)
@@ -212,7 +229,23 @@ class Guard:
                   scope["path"], size)
         self.metrics.cancelled(_ENDPOINTS.get(scope["path"], scope["path"]))
 
-    async def reply(self, send, e: APIError) -> None:
+    # -- the refusal -----------------------------------------------------------------------
+    def drain_bytes(self) -> int:
+        return max(DRAIN_BYTES, 2 * self.limits.max_body_bytes)
+
+    def may_drain(self, headers: dict) -> bool:
+        """Whether a refused request may still be sending a body worth reading to its end
+        (see the module docstring)."""
+        if headers.get("expect", "").strip().lower() == "100-continue":
+            return False
+        length = headers.get("content-length", "").strip()
+        if length.isdigit():
+            return 0 < int(length) <= self.drain_bytes()
+        return "chunked" in headers.get("transfer-encoding", "").lower()
+
+    async def reply(self, send, e: APIError, receive=None) -> None:
+        """Answers the refusal `e` and closes the connection; with `receive`, the body still
+        on its way is drained first (`drain`)."""
         self.metrics.error(e.status)
         body = json.dumps(e.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
@@ -220,7 +253,32 @@ class Guard:
         if e.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         await send({"type": "http.response.start", "status": e.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        # the whole answer is on the wire now; ending the message is what makes uvicorn close
+        # the connection (and stop giving us the request's body), so that waits for the drain
+        await send({"type": "http.response.body", "body": body,
+                    "more_body": receive is not None})
+        if receive is not None:
+            await self.drain(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def drain(self, receive) -> int:
+        """Reads and drops the request's body until it ends, the client leaves, or a bound
+        is reached (drain_bytes(), DRAIN_SECONDS, DRAIN_IDLE_SECONDS); -> the bytes dropped."""
+        loop = asyncio.get_running_loop()
+        deadline, dropped = loop.time() + DRAIN_SECONDS, 0
+        while dropped <= self.drain_bytes():
+            left = min(deadline - loop.time(), DRAIN_IDLE_SECONDS)
+            if left <= 0:
+                break
+            try:
+                async with asyncio.timeout(left):
+                    message = await receive()
+            except TimeoutError:
+                break
+            dropped += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+        return dropped
 
 
 def _replay(body: bytes, receive):

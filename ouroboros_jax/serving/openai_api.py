@@ -6,8 +6,9 @@ What a field may hold is checked once, in `request.py` (`RequestParams`, `check_
 `check_fits`); here only what OpenAI's format adds: its field names (`max_completion_tokens`),
 its defaults (temperature 1, a random seed), vLLM's `top_k=-1` and `ignore_eos`, its range for
 temperature ([0, 2]), `logprobs` / `top_logprobs` (chat: a bool and 0..20; completions: 0..20),
-`n` (choices, each its own engine request), the `speculation` switch ("on" / "off") and the
-fields this server refuses rather than ignore. The logprob objects of responses are
+`n` (choices, each its own engine request), `stop` (at most MAX_STOP_STRINGS strings of at most
+MAX_STOP_CHARS characters), the message roles (KNOWN_ROLES), the `speculation` switch ("on" /
+"off") and the fields this server refuses rather than ignore. The logprob objects of responses are
 `openai_logprobs.py`'s.
 """
 
@@ -39,6 +40,14 @@ UNSUPPORTED = (
 )
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_CHOICES = 32  # n: each choice takes a slot of its own
+# stop: every stop string is searched for in each step's new text, and the text that could
+# still begin one (its length - 1 characters) is held back from the stream, so both the count
+# and the length are bounded (OpenAI takes 4 strings; these are far past what clients send)
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+# the roles of OpenAI's chat messages; a chat template renders any string it is given, so an
+# unknown role would reach the model as a turn it was never trained on
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class APIError(Exception):
@@ -62,6 +71,12 @@ def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _brief(v, limit: int = 40) -> str:
+    """repr(v) cut to `limit` characters: an error message never echoes a huge value."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
 def parse_body(raw: bytes) -> dict:
@@ -119,8 +134,32 @@ def parse_messages(msgs) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if m["role"] not in KNOWN_ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(KNOWN_ROLES)}; got "
+                      f"{_brief(m['role'])}", f"messages[{i}].role")
         out.append({"role": m["role"], "content": _content(i, m.get("content"))})
     return out
+
+
+def stop_strings(stop) -> tuple:
+    """OpenAI's `stop` (a string, a list of strings, or null) -> RequestParams.stop; 400
+    naming `stop` past MAX_STOP_STRINGS strings or MAX_STOP_CHARS characters in one."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        raise bad(f"stop must be a string or a list of strings, got {type(stop).__name__}",
+                  "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise bad(f"stop[{i}] must be a non-empty string, got {_brief(s)}", "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise bad(f"stop[{i}] is {len(s)} characters long; at most {MAX_STOP_CHARS}",
+                      "stop")
+    return tuple(stop)
 
 
 def _stop_ids(body: dict, default_eos: tuple) -> Optional[tuple]:
@@ -197,14 +236,12 @@ def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
                   "temperature")
     top_k = body.get("top_k")
     seed = body.get("seed")
-    stop = body.get("stop")
     out = dict(temperature=temperature,
                top_p=1.0 if body.get("top_p") is None else body["top_p"],
                top_k=0 if top_k in (None, -1) else top_k,  # vLLM's -1 = off
                seed=secrets.randbits(31) if seed is None else seed,  # no seed: not reproducible
                stop_token_ids=_stop_ids(body, default_eos),
-               stop=() if stop is None else tuple([stop] if isinstance(stop, str) else stop)
-               if isinstance(stop, (str, list)) else stop,
+               stop=stop_strings(body.get("stop")),
                logprobs=logprob_count(body, chat), speculation=speculation_of(body))
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None:
