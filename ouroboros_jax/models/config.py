@@ -87,7 +87,7 @@ class ModelConfig:
     # ("linear", factor) or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
     # or ("factors", (one divisor per frequency, D/2 floats)): a GGUF's `rope_freqs` tensor
     # or ("longrope", short_factors, long_factors, original_max_pos, attention_factor): Phi-3's
-    # LongRoPE in its short regime (see `_parse_longrope`)
+    # LongRoPE in its short regime (see `families/phi3.py`)
     rope_scaling: Optional[tuple] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False

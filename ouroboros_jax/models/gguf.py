@@ -25,7 +25,7 @@ RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, P
 Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
 divisor per rotary frequency, no rope-scaling metadata): it is read into the config
 (`rope_factors`, `ModelConfig.rope_scaling = ("factors", ...)`) and divides the frequencies as
-llama.cpp does, which gives transformers' llama3 frequencies (`config.llama3_factors`).
+llama.cpp does, which gives transformers' llama3 frequencies (`families.llama.llama3_factors`).
 """
 
 from __future__ import annotations
@@ -303,8 +303,8 @@ def _vocab_size(reader, path: str, pre: str, names: set) -> int:
 def rope_factors(reader, path: str, head_dim: int) -> tuple:
     """The `rope_freqs.weight` tensor: D/2 positive divisors of the rotary inverse frequencies,
     the llama3 scaling factors transformers computes from a config.json's `rope_scaling`
-    (`config.llama3_factors`); llama.cpp divides each frequency by its factor, and so does
-    `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
+    (`families.llama.llama3_factors`); llama.cpp divides each frequency by its factor, and so
+    does `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
     t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
     w = dequantize_tensor(t, path).reshape(-1)
     if w.shape[0] != head_dim // 2:
@@ -352,8 +352,8 @@ def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
 
 
 def _split_fused_gguf(t, config: ModelConfig, path: str):
-    """A fused tensor of the file (`Family.gguf_fused`) -> [(its parts' names in `_gguf_names`, HF
-    layout array)], its shape checked as a whole; [] when `t` is not one."""
+    """A fused tensor of the file (`Family.gguf_fused`) -> [(its parts' names in
+    `_gguf_names`, HF layout array)], its shape checked as a whole; [] when `t` is not one."""
     for fused, leaves in family_of(config.model_type).gguf_fused.items():
         for i in range(config.num_layers):
             if t.name != fused.format(i=i):
@@ -418,8 +418,9 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, family: Family) -> 
         if parts:
             continue
         if t.name not in names:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {family.gguf_arch} model "
-                             f"with {config.num_layers} layers as its metadata says)")
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a "
+                             f"{family.gguf_arch} model with {config.num_layers} layers as its "
+                             "metadata says)")
         leaf, _ = names[t.name]
         check_tensor_type(t, path)
         want = leaf.hf_shape(config)

@@ -19,7 +19,7 @@ from .base import Family
 _HELPERS = ("base",)  # modules here that define no family
 
 
-def _family_modules() -> tuple[ModuleType, ...]:
+def discover_modules() -> tuple[ModuleType, ...]:
     """Every family module of this package, in name order; ImportError naming a module that
     exports no FAMILIES (a file added here that registers nothing would be a silent no-op)."""
     modules = []
@@ -36,7 +36,7 @@ def _family_modules() -> tuple[ModuleType, ...]:
     return tuple(modules)
 
 
-def _index(modules, key: str) -> dict[str, Family]:
+def index_by(modules, key: str) -> dict[str, Family]:
     """{family.<key>: family} over every family that has one; ImportError on a duplicate."""
     out: dict[str, Family] = {}
     for module in modules:
@@ -50,10 +50,10 @@ def _index(modules, key: str) -> dict[str, Family]:
     return out
 
 
-MODULES = _family_modules()
+MODULES = discover_modules()
 # model_type -> Family, and GGUF general.architecture -> Family
-BY_MODEL_TYPE = MappingProxyType(_index(MODULES, "model_type"))
-BY_GGUF_ARCH = MappingProxyType(_index(MODULES, "gguf_arch"))
+BY_MODEL_TYPE = MappingProxyType(index_by(MODULES, "model_type"))
+BY_GGUF_ARCH = MappingProxyType(index_by(MODULES, "gguf_arch"))
 SUPPORTED_MODEL_TYPES = tuple(BY_MODEL_TYPE)
 GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCH)
 # config.json fields some family's checkpoints carry without effect (accepted in every config,
@@ -69,5 +69,6 @@ def family_of(model_type: str) -> Family:
     return BY_MODEL_TYPE[model_type]
 
 
-__all__ = ["Family", "MODULES", "BY_MODEL_TYPE", "BY_GGUF_ARCH", "SUPPORTED_MODEL_TYPES",
-           "GGUF_ARCHITECTURES", "HF_NEUTRAL_VALUES", "HF_IGNORED_FIELDS", "family_of"]
+__all__ = ["Family", "discover_modules", "index_by", "MODULES", "BY_MODEL_TYPE", "BY_GGUF_ARCH",
+           "SUPPORTED_MODEL_TYPES", "GGUF_ARCHITECTURES", "HF_NEUTRAL_VALUES", "HF_IGNORED_FIELDS",
+           "family_of"]

@@ -17,10 +17,9 @@ import math
 
 from .base import Family, as_int, rope_kind
 
-_LAYER = "model.layers.{i}."
 # q/k/v as one Linear and gate/up as one (the gate's rows first): fused name -> its leaves
-HF_FUSED = {_LAYER + "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
-            _LAYER + "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
+HF_FUSED = {"model.layers.{i}.self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
+            "model.layers.{i}.mlp.gate_up_proj.weight": ("w_gate", "w_up")}
 GGUF_FUSED = {"blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"),
               "blk.{i}.ffn_up.weight": ("w_gate", "w_up")}
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
