@@ -4,9 +4,9 @@
 A family is everything that differs between checkpoints the one forward (`models/llama.py`)
 runs: the names its config.json and GGUF files use, the `ModelConfig` features it switches on,
 the tensors it stores fused, and its full-size presets. `config.py`, `gguf.py`, `params.py` and
-`presets.py` read these records; none of them names a family. Nothing here imports those
+`presets.py` read these records and never branch on a family. Nothing here imports those
 modules (they import this package), so a family's hooks see a config as a plain object and a
-GGUF file through the view `gguf.py` passes them.
+GGUF file through the view `gguf.py` passes them (`gguf.GGUFKeys`).
 """
 
 from __future__ import annotations
