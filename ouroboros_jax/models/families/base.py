@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+
 class HFRope(NamedTuple):
     """The RoPE fields every config.json shares, as `ModelConfig.from_hf_dict` read them before
     a family's `from_hf` runs: `scaling` is the rope_scaling object (or transformers 5's
