@@ -2,27 +2,34 @@
 
 `ModelConfig.from_hf_dict` is strict: a field it does not understand, or a value it does not
 implement, is refused with a `ValueError` naming the field, because silently ignoring (say) an
-attention bias would load weights "fine" and then produce wrong tokens.
+attention bias would load weights "fine" and then produce wrong tokens. It reads the fields
+every family shares; each family's own (names, defaults, translation both ways) live in its
+module under `models/families/`, which this module consults and never branches on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Any, Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+from .families import (BY_MODEL_TYPE, HF_IGNORED_FIELDS, SUPPORTED_MODEL_TYPES, Family,
+                       family_of)
+from .families import HF_NEUTRAL_VALUES as _FAMILY_NEUTRAL_VALUES
+from .families.base import HFFields, HFRope, as_int
+# the Llama 3 RoPE: a GGUF's rope_freqs written back as a config.json (re-exported)
+from .families.llama import llama3_factors, llama3_from_factors  # noqa: F401
 
-# Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself.
+# Fields of a Hugging Face config.json that `from_hf_dict` reads (or checks) itself, in every
+# family; a family's own fields are its `Family.hf_fields` (models/families/).
 _READ_HF_FIELDS = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
     "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
     "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
     "bos_token_id", "eos_token_id", "pad_token_id",
-    # phi3 only (refused elsewhere)
+    # transformers reads it for some RoPE types of any model; refused by name (`_hf_rope`)
+    # unless the family reads it (Phi-3's LongRoPE)
     "original_max_position_embeddings",
 })
 
@@ -48,37 +55,22 @@ HF_TRAINING_FIELDS = frozenset({
     "attention_dropout", "embd_pdrop", "resid_pdrop", "hidden_dropout", "initializer_range",
     "pretraining_tp",
 })
-# Qwen2 bookkeeping that only matters with use_sliding_window=true (refused).
-HF_QWEN2_WINDOW_FIELDS = frozenset({"max_window_layers", "layer_types"})
 # Fields accepted only at the value that leaves the numerics as implemented; any other value
-# is refused by name.
+# is refused by name (unless the config's family implements it: `Family.hf_fields`). The
+# families' own (SmolLM2's rope_interleaved, ...) are declared in their modules.
 HF_NEUTRAL_VALUES: dict[str, tuple] = {
-    "rope_interleaved": (False,),  # SmolLM2: rotate-half rope, as implemented
-    "use_mrope": (False,),  # Qwen2.5: multimodal rope off
     "partial_rotary_factor": (1, 1.0),  # rope over the whole head (phi3 reads it)
-    # Phi-4-mini: fields of its remote code that transformers' Phi3 does not read, at the
-    # values that mean the plain model (every layer full attention, no interpolation)
-    "lm_head_bias": (False,),
-    "full_attn_mod": (1,),
-    "interpolate_factor": (1,),
+    **_FAMILY_NEUTRAL_VALUES,
 }
-# Gemma 2 / Gemma 3 fields, read by `_gemma_fields` (and refused for every other model type);
-# `_sliding_window_pattern` is transformers' private copy, overwritten from
-# `sliding_window_pattern` when it loads a config.
-HF_GEMMA_FIELDS = frozenset({
-    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
-    "final_logit_softcapping", "layer_types", "sliding_window_pattern", "_sliding_window_pattern",
-    "rope_local_base_freq", "use_bidirectional_attention", "sliding_window_size",
-})
-NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_QWEN2_WINDOW_FIELDS
+NUMERICS_NEUTRAL_FIELDS = (HF_METADATA_FIELDS | HF_TRAINING_FIELDS | HF_IGNORED_FIELDS
                            | frozenset(HF_NEUTRAL_VALUES))
 _IGNORED_HF_FIELDS = _READ_HF_FIELDS | NUMERICS_NEUTRAL_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2), and of
-    Gemma 2 / Gemma 3 text through the feature fields below `pad_token_id`.
+    """Shapes and constants of the decoder every family runs (models/families/): the Llama
+    one, and the features other families switch on through the fields below `pad_token_id`.
 
     Dimension letters: E = hidden_size, F = intermediate_size, L = num_layers,
     H = num_heads, K = num_kv_heads, D = head_dim, V = vocab_size.
@@ -95,7 +87,7 @@ class ModelConfig:
     # ("linear", factor) or ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
     # or ("factors", (one divisor per frequency, D/2 floats)): a GGUF's `rope_freqs` tensor
     # or ("longrope", short_factors, long_factors, original_max_pos, attention_factor): Phi-3's
-    # LongRoPE in its short regime (see `_parse_longrope`)
+    # LongRoPE in its short regime (see `families/phi3.py`)
     rope_scaling: Optional[tuple] = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -109,7 +101,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     # Phi-3 / Phi-4-mini: RoPE rotates only the first int(D * factor) dims of each head
     partial_rotary_factor: float = 1.0
-    # Gemma 2 / 3 features (`_gemma_fields`), each off for the Llama family:
+    # Gemma 2 / 3 features (families/gemma2.py, gemma3.py), each off for the Llama family:
     # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, tanh GELU)
     hidden_act: str = "silu"
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + w) instead of w
@@ -149,7 +141,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rms_norm_eps must be a number in (0, 1), got {eps!r}")
         object.__setattr__(self, "eos_token_id",
                            normalize_eos(self.eos_token_id, "ModelConfig.eos_token_id"))
-        _check_gemma_features(self)
+        _check_features(self)
 
     @property
     def rotary_dim(self) -> int:
@@ -178,141 +170,62 @@ class ModelConfig:
     # ---------------------------------------------------------------- Hugging Face interop
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Strictly converts a Hugging Face config dict; raises ValueError naming the field."""
-
+        """Strictly converts a Hugging Face config dict; raises ValueError naming the field.
+        The fields every family shares are read here, the family's own by its
+        `Family.from_hf` (models/families/)."""
         if not isinstance(d, dict):
             raise ValueError(f"{source}: must hold a JSON object of config fields, got a "
                              f"{type(d).__name__}")
-
-        def need(name):
-            if name not in d or d[name] is None:
-                raise ValueError(f"{source}: required field {name!r} is missing")
-            return _int(d[name], name, source)
-
-        def opt_int(name, default):
-            v = d.get(name)
-            return default if v is None else _int(v, name, source)
-
-        def opt_float(name, default):
-            v = d.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{source}: field {name!r} must be a number, got {v!r}")
-            return float(v)
-
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        gemma = model_type in GEMMA_MODEL_TYPES
-        if model_type == "gemma3_text":
-            d = _flat_gemma3_rope(d, source)
-        unknown = sorted(k for k in d if k not in _IGNORED_HF_FIELDS
-                         and not (gemma and k in HF_GEMMA_FIELDS))
-        if unknown:
-            raise ValueError(f"{source}: unsupported config field(s) {unknown}; refusing to load "
-                             "a model whose numerics might differ from what is implemented")
-        for name, allowed in HF_NEUTRAL_VALUES.items():
-            if model_type == "phi3" and name == "partial_rotary_factor":
-                continue  # implemented for phi3
-            if name in d and d[name] is not None and (
-                    isinstance(d[name], bool) != isinstance(allowed[0], bool)
-                    or d[name] not in allowed):
-                raise ValueError(f"{source}: {name}={d[name]!r} is unsupported (only "
-                                 f"{allowed[0]!r} is implemented)")
-        if not gemma and d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} unsupported (only 'silu')")
-        if d.get("mlp_bias"):
-            raise ValueError(f"{source}: mlp_bias=true is unsupported")
-        if d.get("attention_bias"):
-            raise ValueError(f"{source}: attention_bias=true is unsupported")
-
-        # transformers >= 5 stores rope settings in `rope_parameters`; older ones use
-        # `rope_theta` + `rope_scaling`.
-        rope = dict(d.get("rope_parameters") or {})
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise ValueError(f"{source}: field 'rope_theta' must be a positive number, got "
-                             f"{theta!r}")
-        scaling_src = d.get("rope_scaling") or {}
-        if not isinstance(scaling_src, dict):
-            raise ValueError(f"{source}: field 'rope_scaling' must be an object, got "
-                             f"{scaling_src!r}")
-        if not scaling_src and rope.get("rope_type", "default") != "default":
-            scaling_src = rope
-        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        if model_type != "phi3":
-            if "original_max_position_embeddings" in d:
-                raise ValueError(f"{source}: field 'original_max_position_embeddings' is "
-                                 f"unsupported for {model_type} (a phi3 field)")
-        elif isinstance(partial, bool) or not isinstance(partial, (int, float)) \
-                or not 0 < partial <= 1:
-            raise ValueError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got "
-                             f"{partial!r}")
-        max_pos = opt_int("max_position_embeddings", 2048)
-        if model_type == "phi3" and scaling_src.get("rope_type",
-                                                    scaling_src.get("type")) == "longrope":
-            head_dim = opt_int("head_dim", None) or need("hidden_size") // need(
-                "num_attention_heads")
-            rope_scaling = _parse_longrope(scaling_src, d, source, int(head_dim * partial),
-                                           max_pos)
-            max_pos = min(max_pos, rope_scaling[3])  # the short regime only (see there)
-        else:
-            rope_scaling = _parse_rope_scaling(scaling_src, source)
-
-        sliding = None
-        if model_type in ("mistral", "phi3"):
-            sliding = d.get("sliding_window")
-        elif model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is unsupported for "
-                             f"{model_type}")
-        gemma_kw = _gemma_fields(d, source, model_type, need) if gemma else {}
-        if gemma:
-            sliding = d["sliding_window"]
-
-        heads = need("num_attention_heads")
+        family = family_of(model_type)
+        f = HFFields(family.normalize_hf(d, source), source)
+        _check_hf_fields(f, family)
+        theta, rope = _hf_rope(f, family)
+        own = dict(family.from_hf(f, rope))
+        if "rope_scaling" not in own:
+            own["rope_scaling"] = _parse_rope_scaling(rope.scaling, source)
+        if "partial_rotary_factor" not in own:
+            own["partial_rotary_factor"] = float(rope.partial)
+        heads = f.need("num_attention_heads")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings", "sliding_window"):
-            if d.get(name) is not None and _int(d[name], name, source) <= 0:
-                raise ValueError(f"{source}: field {name!r} must be positive, got {d[name]!r}")
-        eps = opt_float("rms_norm_eps", 1e-6)
+            if f.get(name) is not None and as_int(f.get(name), name, source) <= 0:
+                raise f.error(f"field {name!r} must be positive, got {f.get(name)!r}")
+        eps = f.number("rms_norm_eps", 1e-6)
         if not 0 < eps < 1:
-            raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
-        tie = d.get("tie_word_embeddings", gemma)  # transformers' default: Gemma ties
+            raise f.error(f"field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
+        tie = f.get("tie_word_embeddings", family.tied_by_default)
         if not isinstance(tie, bool):
-            raise ValueError(f"{source}: field 'tie_word_embeddings' must be true or false, got "
-                             f"{tie!r}")
-        return cls(
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            raise f.error(f"field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        kw = dict(
+            vocab_size=f.need("vocab_size"),
+            hidden_size=f.need("hidden_size"),
+            intermediate_size=f.need("intermediate_size"),
+            num_layers=f.need("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=opt_int("num_key_value_heads", None) or heads,
-            head_dim=opt_int("head_dim", None),
+            num_kv_heads=f.int("num_key_value_heads") or heads,
+            head_dim=f.int("head_dim"),
             rope_theta=float(theta),
-            rope_scaling=rope_scaling,
             rms_norm_eps=eps,
             tie_word_embeddings=tie,
-            qkv_bias=model_type == "qwen2",
-            sliding_window=_int(sliding, "sliding_window", source) if sliding else None,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=rope.max_pos,
             model_type=model_type,
-            bos_token_id=_token_id(d.get("bos_token_id"), "bos_token_id", source),
-            eos_token_id=normalize_eos(d.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
-            pad_token_id=_token_id(d.get("pad_token_id"), "pad_token_id", source),
-            partial_rotary_factor=float(partial),
-            **{"qk_norm": model_type == "qwen3", **gemma_kw},
+            bos_token_id=_token_id(f.get("bos_token_id"), "bos_token_id", source),
+            eos_token_id=normalize_eos(f.get("eos_token_id"), f"{source}: field 'eos_token_id'"),
+            pad_token_id=_token_id(f.get("pad_token_id"), "pad_token_id", source),
         )
+        return cls(**{**kw, **family.features, **own})
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that transformers loads for this model."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}[self.model_type]
+        """The config.json that transformers loads for this model: the shared fields, then
+        the family's own (`Family.to_hf`)."""
+        family = family_of(self.model_type)
         d: dict[str, Any] = {
-            "architectures": [arch], "model_type": self.model_type,
+            "architectures": [family.hf_class], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -324,47 +237,89 @@ class ModelConfig:
                              else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type == "llama":
-            d.update(attention_bias=False, mlp_bias=False)
-        if self.model_type == "qwen3":
-            d["attention_bias"] = False
-        if self.model_type in ("mistral", "phi3"):
-            d["sliding_window"] = self.sliding_window
-        if self.model_type == "phi3":
-            d["partial_rotary_factor"] = self.partial_rotary_factor
-        if self.rope_scaling is not None:
-            if self.rope_scaling[0] == "longrope":
-                _, short, long, orig, attn = self.rope_scaling
-                d["original_max_position_embeddings"] = orig
-                d["rope_scaling"] = {"type": "longrope", "short_factor": list(short),
-                                     "long_factor": list(long), "attention_factor": attn}
-            elif self.rope_scaling[0] == "factors":
-                d["rope_scaling"] = llama3_from_factors(self.rope_theta, self.head_dim,
-                                                        self.rope_scaling[1])
-            elif self.rope_scaling[0] == "linear":
-                d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling[1]}
-            else:
-                _, f, lo, hi, orig = self.rope_scaling
-                d["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
-                                     "high_freq_factor": hi,
-                                     "original_max_position_embeddings": orig}
-        if self.model_type in GEMMA_MODEL_TYPES:
-            _gemma_to_hf(self, d)
+        own = family.to_hf(self)
+        if self.rope_scaling is not None and "rope_scaling" not in own:
+            d["rope_scaling"] = _rope_scaling_to_hf(self)
+        d.update(own)
         return d
 
 
-def _int(v, name: str, source: str) -> int:
-    """An integer config field; refuses strings, bools and fractional numbers by name."""
-    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float)
-                                                           and v.is_integer())):
-        raise ValueError(f"{source}: field {name!r} must be an integer, got {v!r}")
-    return int(v)
+def _check_hf_fields(f: HFFields, family: Family) -> None:
+    """Refuses, by name, every field of the config.json that is neither read nor known to
+    change nothing, every neutral field at another value, and the activations and biases that
+    are not implemented."""
+    unknown = sorted(k for k in f.d if k not in _IGNORED_HF_FIELDS
+                     and k not in family.hf_fields)
+    if unknown:
+        raise f.error(f"unsupported config field(s) {unknown}{_readers(unknown)}; refusing to "
+                      "load a model whose numerics might differ from what is implemented")
+    for name, allowed in HF_NEUTRAL_VALUES.items():
+        if name in family.hf_fields:
+            continue  # implemented for this family
+        v = f.get(name)
+        if v is not None and (isinstance(v, bool) != isinstance(allowed[0], bool)
+                              or v not in allowed):
+            raise f.error(f"{name}={v!r} is unsupported (only {allowed[0]!r} is implemented)")
+    if "hidden_act" not in family.hf_fields and f.get("hidden_act", "silu") != "silu":
+        raise f.error(f"hidden_act {f.get('hidden_act')!r} unsupported (only 'silu')")
+    if f.get("mlp_bias"):
+        raise f.error("mlp_bias=true is unsupported")
+    if f.get("attention_bias"):
+        raise f.error("attention_bias=true is unsupported")
+
+
+def _readers(fields: list) -> str:
+    """" (a phi3 field)"-style notes on the fields some other family reads, for an error
+    message: the likely cause is a model_type that does not match the rest of the config."""
+    notes = []
+    for k in fields:
+        types = [t for t, fam in BY_MODEL_TYPE.items() if k in fam.hf_fields]
+        if types:
+            notes.append(f"{k + ': ' if len(fields) > 1 else ''}a {' / '.join(types)} field")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _hf_rope(f: HFFields, family: Family) -> tuple[float, HFRope]:
+    """(rope_theta, HFRope) of a config.json: transformers >= 5 stores the rope settings in
+    `rope_parameters`; older ones use `rope_theta` + `rope_scaling`."""
+    rope = dict(f.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", f.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise f.error(f"field 'rope_theta' must be a positive number, got {theta!r}")
+    scaling = f.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise f.error(f"field 'rope_scaling' must be an object, got {scaling!r}")
+    if not scaling and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    partial = rope.get("partial_rotary_factor", f.get("partial_rotary_factor", 1.0))
+    if "original_max_position_embeddings" in f and \
+            "original_max_position_embeddings" not in family.hf_fields:
+        raise f.error(f"field 'original_max_position_embeddings' is unsupported for "
+                      f"{family.model_type}{_readers(['original_max_position_embeddings'])}")
+    return theta, HFRope(scaling, partial, f.int("max_position_embeddings", 2048))
+
+
+def _rope_scaling_to_hf(c: ModelConfig) -> dict:
+    """The config.json `rope_scaling` of the scalings every family may have (a family's own,
+    Phi-3's LongRoPE, is its `to_hf`'s): linear, llama3, and a GGUF's rope_freqs divisors as
+    the llama3 scaling they came from."""
+    kind = c.rope_scaling[0]
+    if kind == "factors":
+        return llama3_from_factors(c.rope_theta, c.head_dim, c.rope_scaling[1])
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": c.rope_scaling[1]}
+    if kind == "llama3":
+        _, f, lo, hi, orig = c.rope_scaling
+        return {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
+                "high_freq_factor": hi, "original_max_position_embeddings": orig}
+    raise ValueError(f"ModelConfig.rope_scaling of kind {kind!r} has no config.json form for "
+                     f"model_type {c.model_type!r}")
 
 
 def _token_id(v, name: str, source: str) -> Optional[int]:
     if v is None:
         return None
-    v = _int(v, name, source)
+    v = as_int(v, name, source)
     if v < 0:
         raise ValueError(f"{source}: field {name!r} must be a token id >= 0, got {v}")
     return v
@@ -413,106 +368,15 @@ def _parse_rope_scaling(s: dict, source: str) -> Optional[tuple]:
                      "(supported: default, linear, llama3)")
 
 
-def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
-                   original: int) -> list[float]:
-    """The per-frequency divisors [D/2] of transformers' llama3 rope scaling (its inverse
-    frequencies are the plain ones divided by these), as llama.cpp's converter writes them
-    into a GGUF's `rope_freqs` tensor: 1 above the high-frequency wavelength bound, `factor`
-    below the low one, the reciprocal of the smooth interpolation between."""
-    out = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < original / high:
-            out.append(1.0)
-        elif wavelen > original / low:
-            out.append(float(factor))
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return out
+# ------------------------------------------------------------------------- feature fields
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
-def llama3_from_factors(theta: float, head_dim: int, factors) -> dict:
-    """The llama3 `rope_scaling` dict whose divisors (`llama3_factors`) are `factors`, for
-    writing a GGUF's rope factors as a config.json. The divisors fix the factor and, through
-    the smooth band, original/(high-low) and low/(high-low); low = 1 (every Llama 3.x) picks
-    the rest. ValueError naming rope_freqs when no llama3 scaling gives these divisors."""
-    factors = [float(f) for f in factors]
-    f = max(factors)
-    band = [(2 * math.pi * theta ** (2 * i / head_dim), r) for i, r in enumerate(factors)
-            if 1 + 1e-6 < r < f * (1 - 1e-6)]
-    fail = ValueError("rope_freqs: these rope frequency factors are not those of a llama3 "
-                      "rope_scaling, so they have no config.json form")
-    if f <= 1 or len(band) < 2:
-        raise fail
-    # s = (1/r - 1/f) / (1 - 1/f) = a / wavelen - b over the smooth band: a line in 1/wavelen
-    xs = [1 / w for w, _ in band]
-    ys = [(1 / r - 1 / f) / (1 - 1 / f) for _, r in band]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    a = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-         / sum((x - mx) ** 2 for x in xs))
-    b = a * mx - my
-    if not (a > 0 and b > 0):
-        raise fail
-    d = {"rope_type": "llama3", "factor": f, "low_freq_factor": 1.0,
-         "high_freq_factor": round((b + 1) / b, 6),
-         "original_max_position_embeddings": round(a / b)}
-    again = llama3_factors(theta, head_dim, f, 1.0, d["high_freq_factor"],
-                           d["original_max_position_embeddings"])
-    if any(abs(x - y) > 1e-4 * y for x, y in zip(again, factors)):
-        raise fail
-    return d
-
-
-def _parse_longrope(s: dict, d: dict, source: str, rotary_dim: int,
-                    max_pos: int) -> tuple:
-    """Phi-3's LongRoPE (`rope_scaling.type = longrope`) -> ("longrope", short_factors,
-    long_factors, original_max_position_embeddings, attention_factor), as transformers'
-    `_compute_longrope_parameters` reads it: the frequencies divided by the short factors up
-    to `original_max_position_embeddings` positions, cos and sin scaled by the attention factor
-    (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original).
-
-    Past the original length transformers switches every position of a forward to the long
-    factors once the sequence passes it, while the keys already cached keep the short ones:
-    the result depends on how a sequence was split into forwards, so no decoding method could
-    equal another there. Only the short regime is implemented: the config's
-    max_position_embeddings becomes the original length, and a longer call is refused by
-    name (max_cache_len / max_position_embeddings)."""
-
-    def factors(name):
-        v = s.get(name)
-        if not isinstance(v, (list, tuple)) or len(v) != rotary_dim // 2 or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in v):
-            raise ValueError(f"{source}: rope_scaling field {name!r} must be a list of "
-                             f"{rotary_dim // 2} positive numbers (one per rotary frequency), "
-                             f"got {v!r}")
-        return tuple(float(x) for x in v)
-
-    short, long = factors("short_factor"), factors("long_factor")
-    orig = d.get("original_max_position_embeddings", s.get("original_max_position_embeddings"))
-    orig = max_pos if orig is None else _int(orig, "original_max_position_embeddings", source)
-    if orig <= 0:
-        raise ValueError(f"{source}: field 'original_max_position_embeddings' must be positive, "
-                         f"got {orig}")
-    attn = s.get("attention_factor")
-    if attn is None:
-        factor = s.get("factor") or max_pos / orig
-        attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    elif isinstance(attn, bool) or not isinstance(attn, (int, float)) or not attn > 0:
-        raise ValueError(f"{source}: rope_scaling field 'attention_factor' must be a positive "
-                         f"number, got {attn!r}")
-    return ("longrope", short, long, orig, float(attn))
-
-
-# ---------------------------------------------------------------------------- Gemma 2 / 3
-GEMMA_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-
-
-def _check_gemma_features(c: ModelConfig) -> None:
-    """Validates the Gemma feature fields of a ModelConfig (ValueError naming the field);
-    normalizes sliding_layers to a tuple of bools."""
-    if c.hidden_act not in GEMMA_ACTIVATIONS:
-        raise ValueError(f"ModelConfig.hidden_act must be one of {GEMMA_ACTIVATIONS}, got "
+def _check_features(c: ModelConfig) -> None:
+    """Validates the feature fields of a ModelConfig (Gemma's, so far; ValueError naming the
+    field); normalizes sliding_layers to a tuple of bools."""
+    if c.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"ModelConfig.hidden_act must be one of {ACTIVATIONS}, got "
                          f"{c.hidden_act!r}")
     for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
         v = getattr(c, name)
@@ -527,107 +391,3 @@ def _check_gemma_features(c: ModelConfig) -> None:
         if c.sliding_window is None:
             raise ValueError("ModelConfig.sliding_layers needs a sliding_window")
         object.__setattr__(c, "sliding_layers", layers)
-
-
-def _flat_gemma3_rope(d: dict, source: str) -> dict:
-    """A gemma3_text config with its RoPE settings in the older flat fields: transformers >= 5
-    writes `rope_parameters: {full_attention: {...}, sliding_attention: {...}}`; older
-    configs `rope_theta` (global layers, default 1e6), `rope_scaling` (global layers only) and
-    `rope_local_base_freq` (sliding layers, default 1e4). Local RoPE must be unscaled."""
-    d = dict(d)
-    rp = d.pop("rope_parameters", None)
-    if rp:
-        if not isinstance(rp, dict) or set(rp) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"{source}: field 'rope_parameters' of a gemma3_text config must "
-                             f"hold 'full_attention' and 'sliding_attention', got {rp!r}")
-        full = dict(rp.get("full_attention") or {})
-        local = dict(rp.get("sliding_attention") or {})
-        if "rope_theta" in full:
-            d["rope_theta"] = full.pop("rope_theta")
-        if full.get("rope_type", full.get("type", "default")) != "default":
-            d["rope_scaling"] = full
-        if local.get("rope_type", local.get("type", "default")) != "default" or \
-                set(local) - {"rope_type", "rope_theta"}:
-            raise ValueError(f"{source}: rope_parameters.sliding_attention {local!r} is "
-                             "unsupported (only unscaled RoPE on sliding layers)")
-        if "rope_theta" in local:
-            d["rope_local_base_freq"] = local["rope_theta"]
-    d.setdefault("rope_theta", 1_000_000.0)
-    return d
-
-
-def _gemma_fields(d: dict, source: str, model_type: str, need) -> dict:
-    """The Gemma feature fields of a gemma2 / gemma3_text config.json, strictly: a value that
-    would change the numerics and is not implemented is refused naming the field."""
-    gemma3 = model_type == "gemma3_text"
-    act = d.get("hidden_activation") or "gelu_pytorch_tanh"  # transformers' default
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(f"{source}: hidden_activation {act!r} unsupported (only "
-                         "'gelu_pytorch_tanh')")
-    if d.get("hidden_act") not in (None, act):  # transformers reads hidden_activation only
-        raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} differs from "
-                         f"hidden_activation {act!r}")
-    if d.get("use_bidirectional_attention"):
-        raise ValueError(f"{source}: use_bidirectional_attention=true is unsupported")
-    not_here = (("sliding_window_pattern", "rope_local_base_freq", "_sliding_window_pattern")
-                if not gemma3 else ())
-    for name in not_here:
-        if name in d:
-            raise ValueError(f"{source}: field {name!r} is not part of a {model_type} config")
-    if d.get("sliding_window") is None:
-        raise ValueError(f"{source}: required field 'sliding_window' is missing ({model_type} "
-                         "has local sliding-window layers)")
-    if d.get("sliding_window_size") not in (None, d["sliding_window"]):
-        raise ValueError(f"{source}: sliding_window_size {d['sliding_window_size']!r} differs "
-                         f"from sliding_window {d['sliding_window']!r}")
-
-    def positive(name, required=False, default=None):
-        v = d.get(name, default)  # absent: transformers' default; null: none
-        if v is None:
-            if required:
-                raise ValueError(f"{source}: required field {name!r} is missing")
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{source}: field {name!r} must be a positive number, got {v!r}")
-        return float(v)
-
-    attn_cap = positive("attn_logit_softcapping", default=None if gemma3 else 50.0)
-    if gemma3 and attn_cap is not None:  # transformers' Gemma 3 attention never applies it
-        raise ValueError(f"{source}: attn_logit_softcapping={attn_cap} is unsupported for "
-                         "gemma3_text")
-    L = need("num_hidden_layers")
-    types = d.get("layer_types")
-    if types is None:
-        pattern = 2
-        if gemma3:
-            pattern = d.get("sliding_window_pattern", 6)
-            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-                raise ValueError(f"{source}: field 'sliding_window_pattern' must be an integer "
-                                 f">= 1, got {pattern!r}")
-        sliding = tuple(bool((i + 1) % pattern) for i in range(L))
-    else:
-        kinds = ("sliding_attention", "full_attention")
-        if not isinstance(types, list) or len(types) != L or any(t not in kinds for t in types):
-            raise ValueError(f"{source}: field 'layer_types' must list {L} entries, each one "
-                             f"of {kinds}, got {types!r}")
-        sliding = tuple(t == "sliding_attention" for t in types)
-    out = dict(hidden_act=act, norm_unit_offset=True, embed_scale=True, sandwich_norms=True,
-               qk_norm=gemma3, query_pre_attn_scalar=positive("query_pre_attn_scalar", True),
-               attn_softcap=attn_cap, final_softcap=positive("final_logit_softcapping", default=None if gemma3 else 30.0),
-               sliding_layers=sliding)
-    if gemma3:
-        out["rope_local_theta"] = positive("rope_local_base_freq") or 10_000.0
-    return out
-
-
-def _gemma_to_hf(c: ModelConfig, d: dict) -> None:
-    """Adds a Gemma config's own fields to its config.json dict `d` (in place)."""
-    d.update(hidden_act=c.hidden_act, hidden_activation=c.hidden_act,
-             query_pre_attn_scalar=c.query_pre_attn_scalar,
-             attn_logit_softcapping=c.attn_softcap, final_logit_softcapping=c.final_softcap,
-             sliding_window=c.sliding_window, attention_bias=False)
-    if c.sliding_layers is not None:
-        d["layer_types"] = ["sliding_attention" if s else "full_attention"
-                            for s in c.sliding_layers]
-    if c.model_type == "gemma3_text":
-        d["rope_local_base_freq"] = c.rope_local_theta

@@ -4,9 +4,10 @@ A GGUF file holds key/value metadata (`general.*`, `<arch>.*`, `tokenizer.*`) an
 (`token_embd.weight`, `blk.{i}.attn_q.weight`, ...), each stored as F32/F16/BF16 or in one of
 llama.cpp's block quantizations. Loading is as strict as the safetensors loader (`loading.py`):
 
-- the architecture must be one implemented here (`GGUF_ARCHITECTURES`), and every `<arch>.*`
-  key must be one this module understands (`_ARCH_KEYS`): an unknown one (experts, per-layer
-  head counts, a rope type) could change the numerics, so it is refused by name;
+- the architecture must be one a family implements (`Family.gguf_arch`, models/families/),
+  and every `<arch>.*` key must be one this module (`_ARCH_KEYS`) or the family
+  (`Family.gguf_keys`) understands: an unknown one (experts, per-layer head counts, a rope type)
+  could change the numerics, so it is refused by name;
 - every tensor the config implies is present exactly once, with the shape it implies, and no
   other tensor is;
 - a tensor type is accepted when the `gguf` package can dequantize it (`dequantizable_types()`),
@@ -14,18 +15,17 @@ llama.cpp's block quantizations. Loading is as strict as the safetensors loader 
   short is refused naming the tensor.
 
 Layouts. GGUF lists dimensions innermost first, so a tensor of GGUF shape [E, V] is the numpy
-array [V, E]: Hugging Face's torch layout (`params.Leaf.hf_shape`). One difference: llama.cpp's
-converter permutes the rows of q/k projections of the "llama" architecture so that its rotary
-kernel can rotate adjacent pairs (`permute` in llama.cpp's convert_hf_to_gguf.py, undone by
-transformers' `LlamaTensorProcessor`); `unpermute_qk` undoes it, back to the rotate-half layout
-our attention uses. Qwen2 and Qwen3 are stored unpermuted (llama.cpp rotates them NeoX-style),
-and so are Gemma 2 / Gemma 3, whose converter adds 1 to every RMSNorm weight instead
-(`gemma_norm_shift`, taken off again here as transformers does).
+array [V, E]: Hugging Face's torch layout (`params.Leaf.hf_shape`). What llama.cpp's converter
+did to a family's tensors is undone as its `Family` record says: q/k rows permuted so that its
+rotary kernel can rotate adjacent pairs (`gguf_permuted_qk`, the "llama" architecture: `permute`
+in llama.cpp's convert_hf_to_gguf.py, undone by transformers' `LlamaTensorProcessor` and by
+`unpermute_qk` here, back to the rotate-half layout our attention uses), 1 added to every
+RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, Phi-3).
 
 Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
 divisor per rotary frequency, no rope-scaling metadata): it is read into the config
 (`rope_factors`, `ModelConfig.rope_scaling = ("factors", ...)`) and divides the frequencies as
-llama.cpp does, which gives transformers' llama3 frequencies (`config.llama3_factors`).
+llama.cpp does, which gives transformers' llama3 frequencies (`families.llama.llama3_factors`).
 """
 
 from __future__ import annotations
@@ -38,21 +38,14 @@ from typing import Any, Optional
 import numpy as np
 
 from .config import ModelConfig, normalize_eos
-from .params import LEAVES, Leaf, leaves_of, nest
+from .families import BY_GGUF_ARCH, GGUF_ARCHITECTURES, Family, family_of
+from .families.base import GGUFShape
+from .params import LEAF_BY_NAME, LEAVES, Leaf, leaves_of, nest
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 GGUF_MAGIC = b"GGUF"
 # llama3 rope scaling as llama.cpp's converter stores it (Llama 3.1/3.2/3.3): one divisor per
 # rotary frequency, read into the config (`rope_factors`), not into the params
 ROPE_FREQS = "rope_freqs.weight"
-# Phi-3's LongRoPE factors, read into the config (`longrope_from_gguf`)
-ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
-# Phi-3 stores q/k/v as one tensor and gate/up as one (the gate's rows first), as its HF
-# checkpoints do: fused GGUF name -> the leaves it holds, in row order
-GGUF_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
-    "phi3": {"blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"),
-             "blk.{i}.ffn_up.weight": ("w_gate", "w_up")},
-}
 
 # our leaf -> its GGUF tensor name ({i}: layer index)
 GGUF_NAMES: dict[str, str] = {
@@ -82,22 +75,18 @@ GGUF_NAMES: dict[str, str] = {
 }
 assert set(GGUF_NAMES) == {leaf.name for leaf in LEAVES}
 
-# `<arch>.` keys understood here. Those read into the config are listed in `config_from_gguf`;
-# the rest carry no numerics (a YaRN "original context" is only meaningful with YaRN, refused).
+# `<arch>.` keys understood in every family's files (a family's own: `Family.gguf_keys`).
+# Those read into the config are listed in `config_from_gguf`; the rest carry no numerics (a
+# YaRN "original context" is only meaningful with YaRN, refused; rope.scaling.attn_factor is
+# read with Phi-3's LongRoPE tensors).
 _ARCH_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length",
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.dimension_count",
     "rope.freq_base", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "vocab_size",
-    "attention.sliding_window", "rope.scaling.attn_factor",  # phi3 (refused elsewhere)
+    "rope.scaling.attn_factor",
 })
-# `<arch>.` keys only some architectures have (read by `_gemma_fields`)
-_ARCH_ONLY_KEYS = {
-    "gemma2": frozenset({"attention.sliding_window", "attn_logit_softcapping",
-                         "final_logit_softcapping"}),
-    "gemma3": frozenset({"attention.sliding_window"}),
-}
 _INT_TYPES = ("I8", "I16", "I32", "I64")
 
 
@@ -191,21 +180,56 @@ def _token_id(reader, key: str, path: str) -> Optional[int]:
 
 
 def architecture(reader, path: str) -> str:
-    """general.architecture, refused unless implemented."""
+    """general.architecture, refused unless a family implements it."""
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ValueError(f"{path}: GGUF metadata lacks 'general.architecture'")
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in BY_GGUF_ARCH:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)})")
     return arch
 
 
+def family_of_file(reader, path: str) -> Family:
+    """The family whose files have this general.architecture (`architecture`)."""
+    return BY_GGUF_ARCH[architecture(reader, path)]
+
+
+class GGUFKeys:
+    """A family's view of a file (`Family.from_gguf`): its `<arch>.` keys, typed and checked
+    as this module's own (ValueError naming the file and the key), and its small tensors."""
+
+    def __init__(self, reader, path: str, arch: str):
+        self.reader, self.path, self.prefix = reader, path, arch + "."
+
+    def error(self, message: str) -> ValueError:
+        return ValueError(f"{self.path}: {message}")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        return _value(self.reader, self.prefix + key, default)
+
+    def int(self, key: str, default: Any = "required") -> Optional[int]:
+        return _int_key(self.reader, self.prefix + key, self.path, default)
+
+    def float(self, key: str, default: Any = "required") -> Optional[float]:
+        return _float_key(self.reader, self.prefix + key, self.path, default)
+
+    def has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self.reader.tensors)
+
+    def tensor(self, name: str) -> Optional[np.ndarray]:
+        """The tensor's values, dequantized and flat (float32); None when the file lacks it."""
+        t = next((t for t in self.reader.tensors if t.name == name), None)
+        return None if t is None else dequantize_tensor(t, self.path).reshape(-1)
+
+
 def config_from_gguf(reader, path: str) -> ModelConfig:
-    """The `ModelConfig` the file's metadata describes; ValueError naming the file and key."""
-    arch = architecture(reader, path)
+    """The `ModelConfig` the file's metadata describes; ValueError naming the file and key.
+    The keys every family shares are read here, the family's own by its `Family.from_gguf`."""
+    family = family_of_file(reader, path)
+    arch = family.gguf_arch
     pre = arch + "."
-    known = _ARCH_KEYS | _ARCH_ONLY_KEYS.get(arch, frozenset())
+    known = _ARCH_KEYS | family.gguf_keys
     unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in known)
     if unknown:
         raise ValueError(f"{path}: unsupported GGUF key(s) {unknown}; refusing to load a model "
@@ -219,20 +243,6 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     if Dv is not None and Dv != D:
         raise ValueError(f"{path}: attention.value_length {Dv} differs from key_length {D} "
                          "(not implemented)")
-    rot = _int_key(reader, pre + "rope.dimension_count", path, None)
-    partial = 1.0
-    if arch == "phi3" and rot is not None:
-        partial = rot / D
-        if int(D * partial) != rot:
-            raise ValueError(f"{path}: rope.dimension_count {rot} is not a fraction of the "
-                             f"head dim {D} that transformers can express")
-    elif rot is not None and rot != D:
-        raise ValueError(f"{path}: rope.dimension_count {rot} differs from the head dim {D} "
-                         "(partial rotary embeddings are not implemented)")
-    if arch not in ("phi3",) + GGUF_GEMMA \
-            and _value(reader, pre + "attention.sliding_window") is not None:
-        raise ValueError(f"{path}: GGUF key {pre}attention.sliding_window is not supported "
-                         f"for {arch}")
     scaling = None
     kind = _value(reader, pre + "rope.scaling.type")
     if kind not in (None, "none"):
@@ -241,17 +251,43 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
                              "(supported: none, linear)")
         scaling = ("linear", _float_key(reader, pre + "rope.scaling.factor", path))
     max_pos = _int_key(reader, pre + "context_length", path, 2048)
-    if arch == "phi3" and ROPE_FACTORS[0] in names:
-        if scaling is not None:
-            raise ValueError(f"{path}: LongRoPE factor tensors together with rope.scaling.type "
-                             f"{kind!r} are not supported")
-        scaling = longrope_from_gguf(reader, path, pre, int(D * partial) // 2, max_pos)
-        max_pos = min(max_pos, scaling[3])  # the short regime only (config._parse_longrope)
+    L = _int_key(reader, pre + "block_count", path)
+    own = dict(family.from_gguf(GGUFKeys(reader, path, arch),
+                                GGUFShape(E, H, D, L, max_pos, scaling, kind)))
+    rot = _int_key(reader, pre + "rope.dimension_count", path, None)
+    if rot is not None and rot != int(D * own.get("partial_rotary_factor", 1.0)):
+        raise ValueError(f"{path}: rope.dimension_count {rot} differs from the head dim {D} "
+                         "(partial rotary embeddings are not implemented)")
     if ROPE_FREQS in names:
-        if scaling is not None:
+        if own.get("rope_scaling", scaling) is not None:
             raise ValueError(f"{path}: tensor {ROPE_FREQS!r} together with rope.scaling.type "
                              f"{kind!r} is not supported")
-        scaling = ("factors", rope_factors(reader, path, D))
+        own["rope_scaling"] = ("factors", rope_factors(reader, path, D))
+    kw = dict(
+        vocab_size=_vocab_size(reader, path, pre, names),
+        hidden_size=E,
+        intermediate_size=_int_key(reader, pre + "feed_forward_length", path),
+        num_layers=L,
+        num_heads=H,
+        num_kv_heads=K,
+        head_dim=D,
+        rope_theta=_float_key(reader, pre + "rope.freq_base", path, 10000.0),
+        rope_scaling=scaling,
+        # the float32 value as stored, as transformers reads it
+        rms_norm_eps=_float_key(reader, pre + "attention.layer_norm_rms_epsilon", path),
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=max_pos,
+        model_type=family.model_type,
+        bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),
+        eos_token_id=normalize_eos(_token_id(reader, "tokenizer.ggml.eos_token_id", path),
+                                   f"{path}: tokenizer.ggml.eos_token_id"),
+        pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
+    )
+    return ModelConfig(**{**kw, **family.features, **own})
+
+
+def _vocab_size(reader, path: str, pre: str, names: set) -> int:
+    """<arch>.vocab_size, else the tokenizer's token count, else token_embd's rows."""
     vocab = _value(reader, pre + "vocab_size")
     if vocab is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
@@ -261,42 +297,14 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     if vocab is None:
         raise ValueError(f"{path}: cannot tell the vocabulary size (no {pre}vocab_size, no "
                          "tokenizer tokens, no token_embd.weight)")
-    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", path)
-    L = _int_key(reader, pre + "block_count", path)
-    gemma = _gemma_fields(reader, arch, path, L, E, H, D) if arch in GGUF_GEMMA else {}
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=E,
-        intermediate_size=_int_key(reader, pre + "feed_forward_length", path),
-        num_layers=_int_key(reader, pre + "block_count", path),
-        num_heads=H,
-        num_kv_heads=K,
-        head_dim=D,
-        rope_theta=_float_key(reader, pre + "rope.freq_base", path, 10000.0),
-        rope_scaling=scaling,
-        # the float32 value as stored, as transformers reads it
-        rms_norm_eps=_float_key(reader, pre + "attention.layer_norm_rms_epsilon", path),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias=arch == "qwen2",
-        partial_rotary_factor=partial,
-        max_position_embeddings=max_pos,
-        model_type=GGUF_MODEL_TYPES.get(arch, arch),
-        bos_token_id=_token_id(reader, "tokenizer.ggml.bos_token_id", path),
-        eos_token_id=normalize_eos(eos, f"{path}: tokenizer.ggml.eos_token_id"),
-        pad_token_id=_token_id(reader, "tokenizer.ggml.padding_token_id", path),
-        **{"qk_norm": arch == "qwen3",
-           # phi3: llama.cpp writes 0 for "no window" (Phi-4-mini's converter reads none)
-           "sliding_window": (_int_key(reader, pre + "attention.sliding_window", path, None)
-                              if _value(reader, pre + "attention.sliding_window") else None),
-           **gemma},
-    )
+    return int(vocab)
 
 
 def rope_factors(reader, path: str, head_dim: int) -> tuple:
     """The `rope_freqs.weight` tensor: D/2 positive divisors of the rotary inverse frequencies,
     the llama3 scaling factors transformers computes from a config.json's `rope_scaling`
-    (`config.llama3_factors`); llama.cpp divides each frequency by its factor, and so does
-    `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
+    (`families.llama.llama3_factors`); llama.cpp divides each frequency by its factor, and so
+    does `llama.rope_inv_freq`. ValueError naming the tensor for a wrong length or value."""
     t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
     w = dequantize_tensor(t, path).reshape(-1)
     if w.shape[0] != head_dim // 2:
@@ -305,65 +313,6 @@ def rope_factors(reader, path: str, head_dim: int) -> tuple:
     if not (np.isfinite(w).all() and (w > 0).all()):
         raise ValueError(f"{path}: tensor {ROPE_FREQS} must hold positive finite factors")
     return tuple(float(x) for x in w)
-
-
-def longrope_from_gguf(reader, path: str, pre: str, half: int, max_pos: int) -> tuple:
-    """Phi-3's LongRoPE as llama.cpp's converter writes it (the `rope_factors_short/long`
-    tensors, rope.scaling.original_context_length, rope.scaling.attn_factor) -> the config's
-    ("longrope", short, long, original, attention_factor); ValueError naming what is wrong."""
-    import math
-
-    tensors = {t.name: t for t in reader.tensors}
-    factors = []
-    for name in ROPE_FACTORS:
-        if name not in tensors:
-            raise ValueError(f"{path}: tensor {name} is missing (LongRoPE needs both factor "
-                             "tensors)")
-        w = dequantize_tensor(tensors[name], path).reshape(-1)
-        if w.shape[0] != half or not (np.isfinite(w).all() and (w > 0).all()):
-            raise ValueError(f"{path}: tensor {name} must hold {half} positive factors")
-        factors.append(tuple(float(x) for x in w))
-    orig = _int_key(reader, pre + "rope.scaling.original_context_length", path)
-    scale = max_pos / orig
-    default = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
-    attn = _float_key(reader, pre + "rope.scaling.attn_factor", path, default)
-    return ("longrope", factors[0], factors[1], orig, attn)
-
-
-# GGUF architecture -> our model_type, where they differ
-GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
-GGUF_GEMMA = ("gemma2", "gemma3")
-
-
-def _gemma_fields(reader, arch: str, path: str, L: int, E: int, H: int, D: int) -> dict:
-    """The Gemma feature fields of a gemma2 / gemma3 GGUF, as llama.cpp reads the file
-    (llama-model.cpp): sliding window 4096 by default for gemma2 (required for gemma3); every
-    2nd layer global (gemma2), every 6th (gemma3); local RoPE base 10000, unscaled (gemma3);
-    soft caps 50 / 30 by default (gemma2; gemma3 has none); and no key for the score scale:
-    1/sqrt(E/H) for the 27B models (46 layers for gemma2, 62 for gemma3), 1/sqrt(D) else."""
-    pre = arch + "."
-    gemma2 = arch == "gemma2"
-    window = _int_key(reader, pre + "attention.sliding_window", path,
-                      4096 if gemma2 else "required")
-    pattern = 2 if gemma2 else 6
-    big = L == (46 if gemma2 else 62)
-    out = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, embed_scale=True,
-               sandwich_norms=True, qk_norm=not gemma2,
-               query_pre_attn_scalar=float(E // H if big else D), sliding_window=window,
-               sliding_layers=tuple(bool((i + 1) % pattern) for i in range(L)))
-    if gemma2:
-        out["attn_softcap"] = _float_key(reader, pre + "attn_logit_softcapping", path, 50.0)
-        out["final_softcap"] = _float_key(reader, pre + "final_logit_softcapping", path, 30.0)
-    else:
-        out["rope_local_theta"] = 10000.0
-    return out
-
-
-def gemma_norm_shift(arch: str, name: str) -> float:
-    """What llama.cpp's converter added to a tensor of a Gemma GGUF: 1 to every RMSNorm weight
-    ("...norm.weight"), since Gemma's norms scale by (1 + w); transformers' GGUF loader
-    subtracts it again (Gemma2TensorProcessor), and so do we."""
-    return 1.0 if arch in GGUF_GEMMA and name.endswith("norm.weight") else 0.0
 
 
 def end_of_generation_ids(reader, path: str) -> list[int]:
@@ -394,23 +343,21 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
     """GGUF tensor name -> (leaf, layer), for every tensor the config implies (a part of a
-    fused tensor, `GGUF_FUSED`, as "<fused name>:<leaf>")."""
+    fused tensor, `Family.gguf_fused`, as "<fused name>:<leaf>")."""
     part = {leaf: f"{fused}:{leaf}" for fused, leaves in
-            GGUF_FUSED.get(config.model_type, {}).items() for leaf in leaves}
+            family_of(config.model_type).gguf_fused.items() for leaf in leaves}
     return {part.get(leaf.name, GGUF_NAMES[leaf.name]).format(i=i): (leaf, i)
             for leaf in leaves_of(config)
             for i in (range(config.num_layers) if leaf.per_layer else (None,))}
 
 
 def _split_fused_gguf(t, config: ModelConfig, path: str):
-    """A fused tensor of the file (`GGUF_FUSED`) -> [(its parts' names in `_gguf_names`, HF
-    layout array)], its shape checked as a whole; [] when `t` is not one."""
-    for fused, leaves in GGUF_FUSED.get(config.model_type, {}).items():
+    """A fused tensor of the file (`Family.gguf_fused`) -> [(its parts' names in
+    `_gguf_names`, HF layout array)], its shape checked as a whole; [] when `t` is not one."""
+    for fused, leaves in family_of(config.model_type).gguf_fused.items():
         for i in range(config.num_layers):
             if t.name != fused.format(i=i):
                 continue
-            from .params import LEAF_BY_NAME
-
             rows = [LEAF_BY_NAME[n].hf_shape(config)[0] for n in leaves]
             want = (sum(rows), config.hidden_size)
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
@@ -454,14 +401,14 @@ def dequantize_tensor(t, path: str) -> np.ndarray:
     return w.reshape(shape)
 
 
-def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
+def _tensors_by_leaf(reader, config: ModelConfig, path: str, family: Family) -> dict:
     """leaf name -> {layer (None when not per-layer): reader tensor}, after checking, before
     reading any data, that the file holds exactly the tensors the config implies, each once,
     each of its shape and of a loadable type."""
     names = _gguf_names(config)
     got: dict[str, Any] = dict.fromkeys(names)
     for t in reader.tensors:
-        if t.name == ROPE_FREQS or (arch == "phi3" and t.name in ROPE_FACTORS):
+        if t.name == ROPE_FREQS or t.name in family.gguf_tensors:
             continue  # read into the config
         parts = _split_fused_gguf(t, config, path)
         for name, w in parts:  # Phi-3's fused q/k/v and gate/up: HF-layout arrays
@@ -471,8 +418,9 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
         if parts:
             continue
         if t.name not in names:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a {arch} model "
-                             f"with {config.num_layers} layers as its metadata says)")
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a "
+                             f"{family.gguf_arch} model with {config.num_layers} layers as its "
+                             "metadata says)")
         leaf, _ = names[t.name]
         check_tensor_type(t, path)
         want = leaf.hf_shape(config)
@@ -493,14 +441,14 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, arch: str) -> dict:
     return by_leaf
 
 
-def _row_transform(arch: str, leaf: Leaf, config: ModelConfig, name: str = ""):
+def _row_transform(family: Family, leaf: Leaf, config: ModelConfig, name: str = ""):
     """(rows per unit, fn) undoing what llama.cpp's converter did to the stored tensor `name`,
-    or (1, None): llama's q/k rows are permuted within each head (`unpermute_qk`); a Gemma
-    norm weight has 1 added (`gemma_norm_shift`)."""
-    if arch == "llama" and leaf.name in ("wq", "wk"):
+    or (1, None): q/k rows permuted within each head (`Family.gguf_permuted_qk`, undone by
+    `unpermute_qk`); a norm weight shifted (`Family.gguf_norm_shift`, Gemma's + 1)."""
+    if family.gguf_permuted_qk and leaf.name in ("wq", "wk"):
         D = config.head_dim
         return D, lambda w: unpermute_qk(w, w.shape[0] // D)
-    shift = np.float32(gemma_norm_shift(arch, name))
+    shift = np.float32(family.gguf_norm_shift if name.endswith("norm.weight") else 0.0)
     if shift:
         return 1, lambda w: w - shift
     return 1, None
@@ -525,8 +473,8 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
 
     import jax.numpy as jnp
 
-    arch = architecture(reader, path)
-    by_leaf = _tensors_by_leaf(reader, config, path, arch)
+    family = family_of_file(reader, path)
+    by_leaf = _tensors_by_leaf(reader, config, path, family)
     np_dtype = jnp.dtype(dtype)
     bar = _progress_bar(sum(_nbytes(t) for ts in by_leaf.values() for t in ts.values()), path,
                         progress)
@@ -554,7 +502,7 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
             if isinstance(t, np.ndarray):
                 jobs.append((t, view, transposed, (0, 1), 1, None))
                 continue
-            align, rows_fn = _row_transform(arch, leaf, config, t.name)
+            align, rows_fn = _row_transform(family, leaf, config, t.name)
             jobs += [(t, view, transposed, rows, align, rows_fn) for rows in pieces(t, align)]
         list(pool.map(fill, jobs))  # (list: re-raises a worker's exception here)
         if release is not None:

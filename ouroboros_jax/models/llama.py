@@ -22,7 +22,7 @@ a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_n
 wo, (qwen2: bq, bk, bv), (qwen3, gemma3: q_norm, k_norm), mlp_norm, (gemma: post_attn_norm,
 post_mlp_norm), w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF name and layout and
 initializer are described once, in `params.LEAVES` (Phi-3's fused qkv_proj / gate_up_proj are
-split into those leaves, `params.FUSED_HF`). `forward` also takes the packed layout decoding runs
+split into those leaves, `Family.hf_fused`). `forward` also takes the packed layout decoding runs
 on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls, unrolled; `layout.py`): the same
 numbers.
 """

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from .config import ModelConfig
+from .families import family_of
 
 # logical axis -> its size in a config (letters as in llama.py's glossary)
 AXIS_SIZES: dict[str, Callable[[ModelConfig], int]] = {
@@ -198,21 +199,16 @@ LEAF_BY_NAME: dict[str, Leaf] = {leaf.name: leaf for leaf in LEAVES}
 assert all(LEAF_BY_NAME[leaf.name].axes == leaf.axes for leaf in LEAVES)
 
 
-# Checkpoints that store several leaves as one Linear, their outputs stacked along the rows:
-# model_type -> {fused HF name: the leaves it holds, in row order}. Phi-3's qkv_proj holds
-# q, k, v and its gate_up_proj gate then up; the leaves (and so sharding and the layouts) stay
-# the separate ones, the loaders split the fused tensor and `save_hf_checkpoint` joins it.
-FUSED_HF: dict[str, dict[str, tuple[str, ...]]] = {
-    "phi3": {_LAYER + "self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
-             _LAYER + "mlp.gate_up_proj.weight": ("w_gate", "w_up")},
-}
-
-
 def fused_parts(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
     """Each fused HF tensor of the config (one per layer) -> [(a part's own HF name, its first
-    row, its end row)] in row order; {} for checkpoints without fused tensors."""
+    row, its end row)] in row order; {} for checkpoints without fused tensors.
+
+    Some checkpoints store several leaves as one Linear, their outputs stacked along the rows
+    (the family's `hf_fused`: Phi-3's qkv_proj holds q, k, v and its gate_up_proj gate then
+    up); the leaves (and so sharding and the layouts) stay the separate ones, the loaders split
+    the fused tensor and `save_hf_checkpoint` joins it."""
     out = {}
-    for fused, names in FUSED_HF.get(config.model_type, {}).items():
+    for fused, names in family_of(config.model_type).hf_fused.items():
         for i in range(config.num_layers):
             parts, row = [], 0
             for name in names:
