@@ -23,7 +23,13 @@ CALLS = [
     ("ouroboros", "ouroboros", dict(config="quick")),
     ("vanilla_sampled", "vanilla", dict(config=None, temperature=0.9, top_k=20, seed=7)),
     ("ouroboros_auto", "ouroboros", dict(config="auto")),
+    # every other method, greedy: each must give single-process vanilla's tokens (issue 51)
+    ("speculative", "speculative", dict(config="quick")),
+    ("lookahead", "lookahead", dict(config="quick")),
+    ("prompt_lookup", "prompt_lookup", dict(config="quick")),
 ]
+GREEDY_METHODS = ("ouroboros", "speculative", "lookahead", "prompt_lookup")
+DRAFTED = ("speculative", "ouroboros")  # the methods that take the draft model
 PROMPTS = [[1, 5, 9, 14, 3, 22], [1, 40, 41, 7], [1, 8, 8, 8, 30, 31, 32, 60], [1, 3]]
 MAX_NEW = 16
 # serving: (prompt index, max_tokens) of the greedy requests sent to process 0 at once, one
@@ -229,7 +235,7 @@ def main(spec_path: str, pid: int) -> None:
     target = load_sharded(spec["target"], mesh, dtype="float32")
     draft = load_sharded(spec["draft"], mesh, dtype="float32")
     for name, method, kw in CALLS:
-        r = oj.generate(target, PROMPTS, draft=draft if method != "vanilla" else None,
+        r = oj.generate(target, PROMPTS, draft=draft if method in DRAFTED else None,
                         method=method, max_new_tokens=MAX_NEW, mesh=mesh,
                         **call_kwargs(method, kw))
         out[name] = r.tokens
