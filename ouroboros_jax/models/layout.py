@@ -22,7 +22,7 @@ decoding on either layout gives the same tokens (tested).
 canonical layout the mesh's shardings describe): on a CPU for weights of at least
 PACK_MIN_BYTES; on a GPU whenever the copy fits with as much again to spare (`gpu_has_room`).
 On a GPU the scan's per-layer slice costs too, and the scan is a `while` loop whose predicate
-goes to the host every layer: measured on an H200 (bf16, bench/device/variants.py,
+goes to the host every layer: measured on an H200 (bf16, experiments/device/variants.py,
 docs/bench/device-h200), a Llama-3.1-8B-shaped forward took 12.5 ms stacked and 5.5 ms packed
 (dense attention; 3.3 ms is its weights over the HBM bandwidth), and vanilla decoding 13.1 ->
 5.7 ms per token. The packed
@@ -86,7 +86,7 @@ _pack_jit = jax.jit(pack, static_argnums=1)
 # (32 MB L3), packing made SmolLM2-135M's (538 MB) vanilla steps 1.3-2x faster and its
 # 9-token forward 1.3x, while for the demo pair (76 MB target, 13 MB draft: largely
 # cache-resident, where a stacked layer's slice costs little) it sped up vanilla but slowed
-# the draft's multi-token forwards and the speculative methods (bench/cpu_forward.py, the
+# the draft's multi-token forwards and the speculative methods (experiments/cpu_forward.py, the
 # `set_packing` A/B in README's "Where the CPU path stands").
 PACK_MIN_BYTES = 256 * 2**20
 
