@@ -43,6 +43,8 @@ Params = dict
 
 # per-layer norms some families add (params.LEAVES), copied into the packed layer unchanged
 UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+# the key of a Model's packed copy among its derived copies (`Model.derived_copy`)
+PACKED = "packed"
 
 
 def is_packed(params: Params) -> bool:
@@ -150,12 +152,11 @@ def decode_params(model) -> Params:
     params = model.params
     if is_packed(params):
         return params
-    packed = _made(model)
+    packed = model.derived_copy(PACKED)
     if not wants_packing(params, held=packed is not None):
         return params
     if packed is None:
-        packed = _pack_jit(params, model.config)
-        model._packed["params"] = (params, packed)
+        packed = model.keep_derived(PACKED, _pack_jit(params, model.config))
     return packed
 
 
@@ -163,13 +164,7 @@ def release(model) -> None:
     """Drops a `Model`'s packed copy (the next call that wants it packs again): frees a
     second copy of the weights when something else needs the memory, e.g. a benchmark that
     loads transformers' own copies of the same checkpoints after ours have run."""
-    model._packed.pop("params", None)
-
-
-def _made(model):
-    """The model's packed copy when it was made from its current params, else None."""
-    hit = model._packed.get("params")
-    return hit[1] if hit is not None and hit[0] is model.params else None
+    model.drop_derived(PACKED)
 
 
 def packed_bytes(model) -> int:
@@ -177,7 +172,7 @@ def packed_bytes(model) -> int:
     packed or the copy already exists): every layer's weights, and the transposed head of a
     tied model."""
     params = model.params
-    if is_packed(params) or not wants_packing(params) or _made(model) is not None:
+    if is_packed(params) or not wants_packing(params) or model.derived_copy(PACKED) is not None:
         return 0
     head = params["embed"].size * params["embed"].dtype.itemsize
     return weight_bytes(params["layers"]) + (head if model.config.tie_word_embeddings else 0)
