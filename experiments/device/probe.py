@@ -14,8 +14,9 @@ script's work (experiments/device/run.sh).
    target forwards, a fixed number of new tokens (EOS ignored). Random weights agree on
    nothing, so η is about 1 here: the round's cost is what is measured, not its yield.
 3. Vanilla tokens/s against the HBM-bandwidth bound (weight bytes / bandwidth per token).
-4. The shipped demo pair on the device (experiments/device/demo_pair.py): every method's greedy tokens
-   against vanilla's in fp32 and bf16, and tokens/s and eta with a real draft's acceptance.
+4. The shipped demo pair on the device (experiments/device/demo_pair.py): every method's greedy
+   tokens against vanilla's in fp32 and bf16, and tokens/s and eta with a real draft's
+   acceptance.
 5. t(T) of further pairs' shapes (`--pairs`, default the real Qwen2.5-Coder 1.5B/0.5B pair),
    each written as a latency table of its own: `bench --latency-json latency-PAIR.json` prices
    that pair's counted CPU forwards with the device's measured latencies.
