@@ -105,9 +105,9 @@ def test_rates_priced_from_forward_sizes_by_hand():
 
 
 def test_round_cost_prices_a_round_by_hand():
-    """bench.round_cost: a round's price is its target forward, its draft forwards per round
+    """experiments.round_cost: a round's price is its target forward, its draft forwards per round
     and the first draft forward's extra (timed after the target), each at its own size."""
-    from ouroboros_jax.bench import round_cost
+    from experiments import round_cost
 
     cfg = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
     sh = round_cost.forward_shapes(cfg)
@@ -126,7 +126,7 @@ def test_round_cost_prices_a_round_by_hand():
 def test_round_cost_fit_prices_sd_as_speculative():
     """The SD variant's best rate equals speculative's best (the same forwards, the same round
     model), here and on flat latencies; every variant is priced on both tables."""
-    from ouroboros_jax.bench import round_cost
+    from experiments import round_cost
 
     rows = round_cost.fit({1: 0.122, 4: 0.182, 16: 0.279}, {1: 0.057, 16: 0.104}, 0.9, 0.32)
     assert [r[0] for r in rows][:2] == ["speculative", "Ouroboros, every mechanism"]

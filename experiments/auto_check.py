@@ -1,9 +1,12 @@
-"""Does `config="auto"` pay its way? Auto's choice against a stated grid of explicit configs, from
-the second call on, with the wall clock as the judge.
+"""Does `config="auto"` pay its way against a grid of explicit configs? Result:
+docs/bench/auto_check.md (raw: docs/bench/auto_check_*.json).
 
-    python -m ouroboros_jax.bench.auto_check --workload demo --calls 2 --max-new-tokens 64
-    python -m ouroboros_jax.bench.auto_check --workload smollm2 --calls 2
-    python -m ouroboros_jax.bench.auto_check --workload real --calls 2 --prompts 1
+Auto's choice against a stated grid of explicit configs, from the second call on, with the
+wall clock as the judge.
+
+    python -m experiments.auto_check --workload demo --calls 2 --max-new-tokens 64
+    python -m experiments.auto_check --workload smollm2 --calls 2
+    python -m experiments.auto_check --workload real --calls 2 --prompts 1
 
 Workloads: `demo` (the shipped demo pair: every method), `smollm2` (SmolLM2-135M GGUF, no draft:
 lookahead and prompt lookup), `real` (Qwen2.5-Coder 1.5B / 0.5B GGUFs: speculative and
@@ -76,7 +79,7 @@ def auto_view(target, draft, method, slots) -> tuple:
     """(target table, draft table or None, agreement or None): what auto prices `method` with
     now, its learned scales included; without a draft, the rate the method's calls realised
     (prompt lookup's copy hit rate), else None (its prior)."""
-    from ..decoding import METHODS, auto
+    from ouroboros_jax.decoding import METHODS, auto
 
     used_draft = method != "vanilla" and METHODS[method].needs_draft
     tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
@@ -89,7 +92,7 @@ def auto_view(target, draft, method, slots) -> tuple:
 def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
     """The cost model's seconds for a finished call's counted forwards, at auto's tables now,
     times the factor auto's own calls of the method taught (`auto.method_factor`)."""
-    from ..decoding import METHODS, auto
+    from ouroboros_jax.decoding import METHODS, auto
 
     x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width,
                                *auto_view(target, draft, method, slots))
@@ -100,7 +103,7 @@ def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
 def predicted(target, draft, method, cfg, slots) -> float:
     """The cost model's speedup over vanilla for one config at auto's tables, agreement and
     method factor now (what auto weighs when it chooses: its ranking of the grid)."""
-    from ..decoding import auto
+    from ouroboros_jax.decoding import auto
 
     tt, td, a = auto_view(target, draft, method, slots)
     f = 1.0 if method == "vanilla" else auto.relative_factor(target, draft, 1, method)[0]
@@ -109,10 +112,10 @@ def predicted(target, draft, method, cfg, slots) -> float:
 
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
     import ouroboros_jax as oj
-    from .. import auto_switch
-    from ..decoding import METHODS, auto
-    from ..heap import freeze_heap
-    from ..request import bucket, cache_slots, pad_prompts
+    from ouroboros_jax import auto_switch
+    from ouroboros_jax.decoding import METHODS, auto
+    from ouroboros_jax.heap import freeze_heap
+    from ouroboros_jax.request import bucket, cache_slots, pad_prompts
 
     # auto learns in a store of its own, as a user who runs the defaults does: the grid's
     # explicit calls teach their prices and the pair's agreement by depth too, and in one
