@@ -123,8 +123,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     greedy = temperature == 0.0
     knobs = (eos, temperature, top_k, top_p, seed, V, n_top)
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
-        choice, auto_slots, switch = _auto_setup(tuner, method, target, draft, prompt_j, plens_j,
-                                                 max_new_tokens, max_cache_len, pool,
+        choice, auto_slots, switch = _auto_setup(tuner, method, target, draft, prompt_j,
+                                                 plens_j, max_new_tokens, max_cache_len, pool,
                                                  greedy, knobs, multi)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config

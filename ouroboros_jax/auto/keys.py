@@ -56,9 +56,10 @@ class Signatures:
             sig = known[model.config] = signature_of(model)
         return sig
 
-    def remembers(self, leaf) -> bool:
-        """Whether the signature of a model with this embedding array is remembered."""
-        return id(leaf) in self._known
+    def __len__(self) -> int:
+        """How many embedding arrays' signatures are remembered (an array's entry goes with
+        it)."""
+        return len(self._known)
 
     def pair(self, target, draft) -> str:
         """The store's key of a pair: its prompts' agreement, what its calls realised, its
