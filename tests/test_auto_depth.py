@@ -1,9 +1,9 @@
 """Agreement by depth (decoding/cost.py `DepthAgreement`, `auto.agreement.depth_agreement`,
 `auto.choice.Chooser.explore`): a pair whose agreement comes in runs accepts the deeper tokens
 of a chain more often than the first, so one agreement fitted to short chains underprices long
-ones. Calls
-record their acceptance by depth, auto prices each chain length with it, and a greedy first
-call at a short chain drafts deeper once so that the depths past the first are measured."""
+ones. Calls record their acceptance by depth, auto prices each chain length with it, and a
+greedy first call at a short chain drafts deeper once so that the depths past the first are
+measured."""
 
 import dataclasses
 import json
