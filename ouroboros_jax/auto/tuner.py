@@ -30,8 +30,8 @@ from .switch import Switch
 
 
 class AutoTuner:
-    """config="auto"'s state: what the module globals of decoding/auto.py and auto_switch.py
-    held before, one object per owner.
+    """config="auto"'s state, one object per owner: what it measured, learned and chose, and
+    the loops it compiled.
 
     Attributes:
         store: the disk store as this tuner read it (`store.Store`).
