@@ -24,7 +24,8 @@ def signature_of(model) -> str:
     leaf = model.params["embed"]
     sharding = getattr(leaf, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    where = dict(mesh.shape) if mesh is not None else len(getattr(sharding, "device_set", [0]) or [0])
+    where = (dict(mesh.shape) if mesh is not None
+             else len(getattr(sharding, "device_set", [0]) or [0]))
     blob = json.dumps([cfg, str(leaf.dtype), str(where)], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

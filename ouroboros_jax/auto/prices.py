@@ -51,7 +51,8 @@ TIMED = "kv"
 def forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
     slots/2 cached tokens (at most slots - n) in a cache of `slots` slots."""
-    return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch, inner=inner)
+    return forward_timer(model, n, max(0, min(slots - n, slots // 2)), slots, batch=batch,
+                         inner=inner)
 
 
 def measure(timers: dict, reps: int, rank: int = 0) -> dict:

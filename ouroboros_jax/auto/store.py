@@ -35,7 +35,8 @@ MAX_DEPTH = 64
 
 def cache_path() -> Path:
     """$OUROBOROS_JAX_CACHE/auto.json, else ~/.cache/ouroboros_jax/auto.json."""
-    root = os.environ.get("OUROBOROS_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ouroboros_jax")
+    root = os.environ.get("OUROBOROS_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ouroboros_jax")
     return Path(root) / "auto.json"
 
 
