@@ -766,3 +766,23 @@ def test_an_untimed_method_needs_the_full_margin_where_no_call_will_time_it(
     asked = tuner.auto_config("prompt_lookup", t, None, prompt, plens, 64, timed=True,
                               switch_gain=1.0)
     assert asked.method == "prompt_lookup", asked.reason
+
+
+def test_the_engine_sizes_its_load_levels_with_a_tuner_of_its_own(tiny_pair, fresh_auto,
+                                                                  monkeypatch):
+    """An engine builds and owns its tuner: its load levels are chosen there (and stored),
+    never by the default tuner `generate` uses, and two engines keep apart."""
+    from ouroboros_jax.auto import default_tuner
+    from ouroboros_jax.serving.engine import Engine
+
+    def refuse(*a, **k):
+        raise AssertionError("the engine asked the default tuner")
+
+    monkeypatch.setattr(default_tuner().chooser, "auto_config", refuse)
+    target, draft, _ = tiny_pair
+    kw = dict(method="speculative", slots=2, max_cache_len=64, rounds_per_step=2)
+    one, two = Engine(target, draft, **kw), Engine(target, draft, **kw)
+    assert isinstance(one.tuner, AutoTuner) and one.tuner is not two.tuner
+    assert one.tuner is not default_tuner()
+    stored = json.loads((fresh_auto / "auto.json").read_text())["choice"]
+    assert {k.split("|B")[1].split("|")[0] for k in stored} == {"1", "2"}  # a level each
