@@ -623,7 +623,7 @@ def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny
     """run_bench: every method's warm-up first, then each prompt by every method in turn (so the
     machine's drift weighs on every row alike); a background compile of config="auto" is waited
     out before a fixed config's call and charged to the auto row."""
-    from ouroboros_jax import auto_switch
+    from ouroboros_jax import auto
     from ouroboros_jax.bench import runner
     from ouroboros_jax.bench.workloads import Prompt
 
@@ -646,7 +646,7 @@ def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny
         time.sleep(0.2)
 
     monkeypatch.setattr(runner, "_oj_caller", logged)
-    monkeypatch.setattr(auto_switch, "wait_for_background", background)
+    monkeypatch.setattr(auto, "wait_for_background", background)
     prompts = [Prompt("a", "t", ((5, 6, 7),), 6), Prompt("b", "t", ((8, 9, 10, 11),), 6)]
     runs = [runner.MethodRun("vanilla", "vanilla"),
             runner.MethodRun("speculative@auto", "speculative", "auto"),

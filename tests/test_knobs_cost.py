@@ -143,18 +143,18 @@ def test_round_cost_fit_prices_sd_as_speculative():
 def test_dense_tables_price_every_config_as_the_measured_tables_do(method):
     # measured at a few sizes only (string keys, as the store's JSON gives them): every config
     # of the grid must be priced the same from auto's dense tables, whose sizes are exact hits
-    from ouroboros_jax.decoding import auto
+    from ouroboros_jax.auto import choice
 
     tt = {"1": 0.004, "2": 0.0047, "5": 0.0051, "9": 0.007, "17": 0.0091}
     td = {"1": 0.0011, "4": 0.0013, "16": 0.0024}
     spec = METHODS[method]
     grid = list(spec.auto_grid())
-    dt, dd = auto.dense_tables({spec.forward_sizes(c) for c in grid}, tt, td)
+    dt, dd = choice.dense_tables({spec.forward_sizes(c) for c in grid}, tt, td)
     assert all(isinstance(n, int) for n in dt)  # exact hits, not a copy of the string keys
     for a in (0.5, 0.9):
         for c in grid:
             assert spec.rate(c, a, dt, dd) == pytest.approx(spec.rate(c, a, tt, td), rel=1e-12)
-    best = auto.choose(method, tt, td, 0.9, min_gain=0.0)  # never vanilla
+    best = choice.choose(method, tt, td, 0.9, min_gain=0.0)  # never vanilla
     assert best.config in grid and best.predicted_speedup == pytest.approx(
         max(spec.rate(c, 0.9, tt, td) for c in grid) / cost.vanilla_rate(tt))
 

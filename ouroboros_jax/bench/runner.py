@@ -210,14 +210,14 @@ def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats:
 
 
 def _charge_background(auto_runner: _Runner) -> None:
-    """Waits out any loop config="auto" compiles in the background (`auto_switch`) and adds
+    """Waits out any loop config="auto" compiles in the background (`auto.switch`) and adds
     the wait to the last auto call's time: interleaved, that compile would otherwise overlap
     another method's timed call. Charged whole, as if it had run serially: an upper bound of
     what the auto user's next calls lose to it (they share the cores with it)."""
-    from .. import auto_switch
+    from ..auto import wait_for_background
 
     t0 = time.perf_counter()
-    auto_switch.wait_for_background()
+    wait_for_background()
     if auto_runner.calls:
         auto_runner.calls[-1].seconds += time.perf_counter() - t0
 
