@@ -45,7 +45,7 @@ TINY_VOCAB = 97
 # two workers each take whole modules, and a long module started last would run alone.
 FIRST = ("test_multihost.py", "test_mesh_exact.py", "test_demo.py", "test_notebook.py",
          "test_server.py", "test_engine.py", "test_bench.py", "test_smollm2.py",
-         "test_reliability.py")
+         "test_misuse_and_bf16.py")
 
 # The slow tier (`-m slow`): modules that load a real model (the demo pair's 25M parameters,
 # SmolLM2 from its GGUF), start processes (servers, the CLI, multi-host workers, a notebook
