@@ -1,7 +1,7 @@
-"""Limits and the auto store under a hostile but realistic user: a config="auto" cache that cannot break the default
-path, sizes bounded by the model and the device before anything is allocated, concurrent
-writers that lose nothing, a pool clock that cannot wrap, named errors for the remaining raw
-exceptions, and the CLI cases."""
+"""Limits and the auto store under a hostile but realistic user: a config="auto" cache that cannot
+break the default path, sizes bounded by the model and the device before anything is allocated,
+concurrent writers that lose nothing, a pool clock that cannot wrap, named errors for the
+remaining raw exceptions, and the CLI cases."""
 
 import dataclasses
 import json
