@@ -191,6 +191,10 @@ BYTE_LEVEL = {
     "qwen2-qwen2": ("qwen2", lambda: byte_level_keys(
         "qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], user=["<think>", "</think>"]),
         ()),
+    # Qwen3 (the same vocabulary kind, its own architecture)
+    "qwen3-qwen2": ("qwen3", lambda: byte_level_keys(
+        "qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], user=["<think>", "</think>"]),
+        ()),
     # a pre-tokenizer name without its own regex keeps GPT-2's
     "qwen2-default": ("qwen2", lambda: byte_level_keys(
         "default", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]), ()),
