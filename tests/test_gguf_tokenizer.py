@@ -138,8 +138,8 @@ def byte_level_keys(pre, specials, user=(), misspelled=(), add_bos=None):
 def spm_keys(spaces_as_spaces=False, with_merges=False):
     """A SentencePiece vocabulary as llama.cpp writes a 'llama' tokenizer: <unk> <s> </s> and the
     other controls Gemma's class names (<mask> among them, as Gemma's vocabulary has it), the 256
-    byte tokens <0xNN>, '▁' and the characters of WORDS, then the pieces of WORDS ('▁'-prefixed and not) with
-    falling scores; Gemma-style files write runs of spaces as spaces."""
+    byte tokens <0xNN>, '▁' and the characters of WORDS, then the pieces of WORDS ('▁'-prefixed
+    and not) with falling scores; Gemma-style files write runs of spaces as spaces."""
     specials = ["<unk>", "<s>", "</s>", "<pad>", "<bos>", "<eos>", "<mask>"]
     tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
     types = [2] + [3] * (len(specials) - 1) + [6] * 256
@@ -244,6 +244,15 @@ def test_no_token_is_added_past_the_vocabulary(tmp_path):
     assert ref(text)["input_ids"][2] == n  # the appended id
     ids = ours(text)["input_ids"]
     assert max(ids) < n and ours.decode(ids, skip_special_tokens=True) == text
+
+
+def test_split_regexes_are_transformers():
+    """Every tokenizer.ggml.pre name transformers gives a split regex has the same one here (the
+    table lives in transformers 5's GGUF integration; skipped where it does not)."""
+    from ouroboros_jax.models.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    assert PRE_TOKENIZER_SPLITS == mapping.GGUF_PRE_TOKENIZER_SPLITS
 
 
 def test_file_without_tokenizer_gives_none(tmp_path):

@@ -21,7 +21,6 @@ Any other kind is refused by name.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 # GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
@@ -33,7 +32,8 @@ TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "
 CONTROL, USER_DEFINED = 3, 4
 
 # tokenizer.ggml.pre -> the split regex its merges were learned with, as transformers maps them
-# (integrations/gguf/gguf_tokenizer_mapping.py); a name not here keeps GPT-2's regex
+# (integrations/gguf/gguf_tokenizer_mapping.py, compared in tests/test_gguf_tokenizer.py); a name
+# not here keeps GPT-2's regex
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -41,6 +41,10 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -58,6 +62,7 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                      "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
     "tekken": _TEKKEN_SPLIT,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
@@ -318,7 +323,8 @@ def _bos_eos_template(kwargs: dict, backend):
     add_bos = bool(kwargs.get("add_bos_token")) and bos is not None
     add_eos = bool(kwargs.get("add_eos_token")) and eos is not None
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    second = f"{bos + ':1 ' if add_bos else ''}$B:1{' ' + eos + ':1' if add_eos else ''}"
+    pair = f"{single} {second}"
     used = [t for t, on in ((bos, add_bos), (eos, add_eos)) if on]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[
         (t, backend.token_to_id(t)) for t in dict.fromkeys(used)])
