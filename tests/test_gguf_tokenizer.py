@@ -276,6 +276,14 @@ def test_gpt2_without_merges_is_named(tmp_path):
         load_gguf_tokenizer(open_gguf(path), path)
 
 
+def test_a_merge_of_unknown_tokens_is_refused_naming_the_file(tmp_path):
+    keys = byte_level_keys("qwen2", ["<|endoftext|>", "<|im_start|>"])
+    keys["tokenizer.ggml.merges"] = ("array", [*keys["tokenizer.ggml.merges"][1], "zz qq"])
+    path = _write(tmp_path / "badmerge.gguf", "qwen2", keys)
+    with pytest.raises(ValueError, match=r"badmerge\.gguf: the GGUF tokenizer could not be built"):
+        load_gguf_tokenizer(open_gguf(path), path)
+
+
 def test_special_token_id_out_of_range_is_named(tmp_path):
     keys = byte_level_keys("qwen2", ["<|endoftext|>", "<|im_start|>"])
     keys["tokenizer.ggml.eos_token_id"] = ("uint32", 10 ** 6)

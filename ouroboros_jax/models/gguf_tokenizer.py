@@ -17,6 +17,11 @@ The kinds (`tokenizer.ggml.model`):
   file lists each token's score; without merges they are rebuilt from the vocabulary, best score
   first. Phi-3 and Gemma spell spaces their own way (`_phi3_backend`, `_gemma_backend`).
 Any other kind is refused by name.
+
+One difference from transformers, on purpose: its byte-level builder (GPT2Tokenizer) adds GPT-2's
+`<|endoftext|>` as a special token, appended past the vocabulary when the file lacks it (Llama 3):
+an id with no embedding row. Here the file's vocabulary is the whole vocabulary, and that text
+is split into vocabulary tokens, as llama.cpp splits it.
 """
 
 from __future__ import annotations
@@ -90,9 +95,9 @@ def load_gguf_tokenizer(reader, path: str):
         backend.post_processor = _bos_eos_template(kwargs, backend)
         cls = _tokenizer_class(arch)
         return cls(tokenizer_object=backend, **kwargs)
-    except ValueError:
-        raise
     except Exception as e:  # tokenizers/transformers raise many types, none naming the file
+        if isinstance(e, ValueError) and str(e).startswith(f"{path}: "):
+            raise  # ours, naming the key
         raise ValueError(f"{path}: the GGUF tokenizer could not be built "
                          f"({type(e).__name__}: {e})") from None
 
@@ -213,14 +218,14 @@ def _spm_merges(meta: dict, tokens: list[str], vocab: dict[str, int], path: str,
     return generate_merges(vocab, scores)
 
 
-def _spm_backend(meta: dict, tokens: list[str], path: str, merges=None):
+def _spm_backend(meta: dict, tokens: list[str], path: str):
     """SentencePiece BPE as transformers' LlamaTokenizer builds it: byte fallback, '▁' for a space
     and one prepended to the text's start, stripped again when decoding."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = merges if merges is not None else _spm_merges(meta, tokens, vocab, path)
+    merges = _spm_merges(meta, tokens, vocab, path)
     backend = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
                             dropout=None))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
