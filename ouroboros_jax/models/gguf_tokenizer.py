@@ -26,7 +26,7 @@ is split into vocabulary tokens, as llama.cpp splits it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 # GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
 # the file (checked against AutoTokenizer in tests/test_gguf_tokenizer.py)
@@ -116,19 +116,19 @@ def _string(reader, key: str) -> Optional[str]:
 def build_backend(meta: dict, arch: Optional[str], path: str):
     """The `tokenizers.Tokenizer` the metadata describes: model, splitting and decoding by
     `tokenizer.ggml.model`, then the file's control and user-defined tokens added whole."""
-    kind = meta["tokenizer.ggml.model"]
+    kind = _kind(meta, path)
     tokens = _tokens(meta, path)
-    if kind == "gpt2":
-        backend = _byte_level_backend(meta, tokens, path)
-    elif kind == "llama":
-        builder = {"phi3": _phi3_backend, "gemma2": _gemma_backend,
-                   "gemma3": _gemma_backend}.get(arch, _spm_backend)
-        backend = builder(meta, tokens, path)
-    else:
-        raise ValueError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (supported: "
-                         "'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
-    _add_file_special_tokens(backend, meta, tokens, byte_level=kind == "gpt2")
+    backend = kind.build(meta, tokens, path, arch)
+    _add_file_special_tokens(backend, meta, tokens, byte_level=kind.byte_level)
     return backend
+
+
+def _kind(meta: dict, path: str) -> TokenizerKind:
+    name = meta["tokenizer.ggml.model"]
+    if name not in TOKENIZER_KINDS:
+        raise ValueError(f"{path}: tokenizer.ggml.model {name!r} is not supported (supported: "
+                         + ", ".join(f"{k!r} {v.what}" for k, v in TOKENIZER_KINDS.items()) + ")")
+    return TOKENIZER_KINDS[name]
 
 
 def _tokens(meta: dict, path: str) -> list[str]:
@@ -163,7 +163,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
-def _byte_level_backend(meta: dict, tokens: list[str], path: str):
+def _byte_level_backend(meta: dict, tokens: list[str], path: str, arch: Optional[str] = None):
     """Byte-level BPE. A token written outside the byte alphabet (a converter's slip, seen on
     some control tokens) is respelled byte by byte, as transformers does."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
@@ -218,6 +218,12 @@ def _spm_merges(meta: dict, tokens: list[str], vocab: dict[str, int], path: str,
     return generate_merges(vocab, scores)
 
 
+def _sentencepiece_backend(meta: dict, tokens: list[str], path: str, arch: Optional[str]):
+    """SentencePiece BPE, spelled as the architecture's files spell it (`SENTENCEPIECE_VARIANTS`,
+    else Llama's)."""
+    return SENTENCEPIECE_VARIANTS.get(arch, _spm_backend)(meta, tokens, path)
+
+
 def _spm_backend(meta: dict, tokens: list[str], path: str):
     """SentencePiece BPE as transformers' LlamaTokenizer builds it: byte fallback, '▁' for a space
     and one prepended to the text's start, stripped again when decoding."""
@@ -270,6 +276,31 @@ def _gemma_backend(meta: dict, tokens: list[str], path: str):
     return backend
 
 
+class TokenizerKind(NamedTuple):
+    """One value of tokenizer.ggml.model: how its backend is built, whether its vocabulary is
+    spelled in GPT-2's byte alphabet, whether llama.cpp adds BOS when the file does not say."""
+
+    what: str
+    build: Callable
+    byte_level: bool
+    adds_bos: bool
+
+
+# tokenizer.ggml.model -> its kind. The names are llama.cpp's: "llama" is its SentencePiece
+# vocabulary, whatever the model (Phi-3's and Gemma's files say "llama" too).
+TOKENIZER_KINDS = {
+    "gpt2": TokenizerKind("byte-level BPE", _byte_level_backend, byte_level=True,
+                          adds_bos=False),
+    "llama": TokenizerKind("SentencePiece BPE", _sentencepiece_backend, byte_level=False,
+                           adds_bos=True),
+}
+
+# GGUF architecture -> its files' SentencePiece spelling, where not Llama's (transformers keys
+# these by architecture too: nothing in a file says which a model wants)
+SENTENCEPIECE_VARIANTS = {"phi3": _phi3_backend, "gemma2": _gemma_backend,
+                          "gemma3": _gemma_backend}
+
+
 def _unk_token(meta: dict, tokens: list[str]) -> Optional[str]:
     i = meta.get("tokenizer.ggml.unknown_token_id")
     return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
@@ -299,8 +330,8 @@ def _add_file_special_tokens(backend, meta: dict, tokens: list[str], byte_level:
 
 def wrapper_kwargs(meta: dict, path: str) -> dict:
     """The transformers tokenizer's arguments the metadata gives: the special tokens by id, the
-    chat template, and whether to add BOS/EOS (a 'llama' vocabulary adds BOS unless the file
-    says otherwise, as llama.cpp does)."""
+    chat template, and whether to add BOS/EOS (a SentencePiece vocabulary adds BOS unless the
+    file says otherwise, as llama.cpp does)."""
     tokens = meta["tokenizer.ggml.tokens"]
     kwargs: dict[str, Any] = {"clean_up_tokenization_spaces": False}
     if "tokenizer.chat_template" in meta:
@@ -308,7 +339,7 @@ def wrapper_kwargs(meta: dict, path: str) -> dict:
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in meta:
             kwargs[flag] = bool(meta[f"tokenizer.ggml.{flag}"])
-    if meta["tokenizer.ggml.model"] == "llama":
+    if _kind(meta, path).adds_bos:
         kwargs.setdefault("add_bos_token", True)
     for role, key in SPECIAL_TOKEN_KEYS.items():
         i = meta.get(key)
