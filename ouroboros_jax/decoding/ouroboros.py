@@ -503,7 +503,9 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         draft_accepted=own.draft_accepted + jnp.sum(dv * matched),
         draft_rounds=own.draft_rounds + jnp.sum(dv),
         free_rounds=own.free_rounds + jnp.sum(fv),
-        free_tokens_accepted=own.free_tokens_accepted + jnp.sum(fv * matched)))
+        # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
+        free_tokens_accepted=own.free_tokens_accepted
+        + jnp.sum(fv * jnp.minimum(matched, jnp.maximum(kept - 1, 0)))))
     return state.replace(seq=seq, tcache=tcache, dcache=dcache, window=window, pool=pool,
                          stats=stats)
 
