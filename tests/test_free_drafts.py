@@ -344,3 +344,34 @@ def test_a_free_round_traces_a_catch_up_forward_and_a_skippable_draft(monkeypatc
     plain = _traced_forwards(monkeypatch, pair, *_round("ouroboros", pair, CFG))
     ours = _traced_forwards(monkeypatch, pair, *_round("ouroboros", pair, free(2)))
     assert ours == [("draft", 1 + CFG.gamma + M, 1)] + plain
+
+
+# ------------------------------------------------------------------------------------ serving
+
+
+@pytest.mark.parametrize("shared_pool", [True, False])
+def test_serving_engine_requests_equal_vanilla(tiny_pair, shared_pool):
+    """The engine's continuous batching over free drafts: requests admitted as slots free up
+    and mid-generation, load levels switching (gamma 4, gamma 6, speculation off: plain rounds
+    that leave the draft's lag as it was), shared or per-request pools (keys offset per slot):
+    each request's tokens are vanilla's."""
+    from ouroboros_jax.serving import Engine, RequestParams
+
+    target, draft, _ = tiny_pair
+    levels = {1: free(1), 2: free(1, gamma=6), 3: "off"}
+    eng = Engine(target, draft, method="ouroboros", config=levels, slots=3, max_cache_len=96,
+                 rounds_per_step=3, shared_pool=shared_pool)
+    prompts = REPEAT + [[9, 10, 11], [44]]
+    lengths = [14, 3, 9, 20, 6, 11, 16, 5]
+    first = [eng.submit(p, RequestParams(max_tokens=n)) for p, n in zip(prompts[:5], lengths)]
+    eng.step()
+    second = [eng.submit(p, RequestParams(max_tokens=n))
+              for p, n in zip(prompts[5:], lengths[5:])]
+    while eng.step():
+        pass
+    for p, n, h in zip(prompts, lengths, first + second):
+        want = oj.generate(target, [p], max_new_tokens=n).tokens[0]
+        assert h.result(timeout=0).token_ids == want, (p, n)
+    m = eng.metrics()
+    assert m["requests_finished"] == len(prompts)
+    assert m["accepted_by_source"]["prompt_lookup"] > 0  # free chains from the context
