@@ -273,6 +273,31 @@ def test_copying_output_saves_draft_forwards(bigram, tiny_pair, phrase_drafting)
         assert one.stats["free_rounds"] > 0
 
 
+def test_eos_max_new_tokens_and_adaptive_drafting_with_free_chains(bigram, tiny_pair):
+    """Cut-offs land inside accepted free chains (the context copies whole chains here), and
+    adaptive drafting's cut chains mix with free ones: the tokens stay vanilla's."""
+    prompts = _cycling_prompts(bigram)
+    draft = tiny_pair[1]
+    full = oj.generate(bigram, prompts, max_new_tokens=24, eos_token_id=-1).tokens
+    for k in (1, 2, 3, 5, 8):
+        out = ouro(bigram, draft, prompts, free(2), max_new_tokens=k, eos_token_id=-1)
+        assert out.tokens == [o[:k] for o in full], k
+        check_counts(out.stats)
+    n_cut = 0
+    for pos in (2, 4, 7):
+        eos = full[1][pos]
+        ref = oj.generate(bigram, prompts, max_new_tokens=24, eos_token_id=eos).tokens
+        got = ouro(bigram, draft, prompts, free(2), max_new_tokens=24, eos_token_id=eos)
+        assert got.tokens == ref, pos
+        check_counts(got.stats)
+        assert got.stats["free_tokens_accepted"] > 0
+        n_cut += sum(len(r) < 24 for r in ref)
+    assert n_cut >= 3
+    adaptive = ouro(bigram, draft, prompts, free(2, confidence=0.5), max_new_tokens=24,
+                    eos_token_id=-1)
+    assert adaptive.tokens == full and adaptive.stats["free_rounds"] > 0
+
+
 def test_greedy_logprobs_equal_vanillas(bigram, tiny_pair):
     kw = dict(max_new_tokens=24, eos_token_id=-1, logprobs=True, top_logprobs=2)
     prompts = _cycling_prompts(bigram)[::3]
