@@ -28,6 +28,14 @@ One round (one target forward), rows b of the batch:
       (the lookup of X newest sees the corrected versions first).
  5. History (mechanism 4): `pool=` in, `out.pool` back; history=False starts empty.
 
+Free drafts (`free_drafts`, issue 52; not in the paper): before step 1, each row's best
+continuation from its context or the pool (`free_drafts.free_proposal`) is scored by its match
+length; rows at or above `free_threshold` skip step 1 and put that proposal where d_1..d_γ
+would be (steps 2-4 unchanged: the same tree, walk, commit and recycling). When no live row
+drafts, a `lax.cond` skips the draft's forwards altogether. The draft's cache then lags by the
+tokens those rounds committed; its next drafting round first feeds it them (`_catch_up`), so
+the prefix slot's bound holds again.
+
 Stats (docs/algorithm.md section 4; draft counters are per row: `draft_calls` = sum over rows of
 draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
 excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
