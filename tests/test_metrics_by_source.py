@@ -44,4 +44,11 @@ def test_accepted_by_source_adds_up_to_the_accepted_tokens():
     text = render(m)
     assert 'ouroboros:spec_decode_num_accepted_tokens_by_source_total{source="pool_phrases"} 2' \
         in text
-    assert "prompt_lookup" not in text
+    # free drafts' spans of the context: a source of Ouroboros', none accepted in this step
+    assert 'ouroboros:spec_decode_num_accepted_tokens_by_source_total{source="prompt_lookup"} 0' \
+        in text
+    # only the method's own sources: speculative decoding's chain is all it reports
+    spec = METHODS["speculative"]
+    c = EngineCounters(6, spec.sources, spec.keeps_pool)
+    _step(c, [[3, 1], [4, 2]], src)
+    assert "pool_phrases" not in render(c.snapshot())

@@ -128,7 +128,8 @@ def test_speculation_off_gives_the_same_output_without_drafts(client, tiny_chat_
 
 def test_accepted_tokens_by_source_add_up_per_request_and_in_prometheus(served, client):
     """Ouroboros' accepted draft tokens come from the draft's chain and from pool phrases
-    (lengthening): per request and in /metrics the two add up to the accepted tokens."""
+    (lengthening), and with free drafts from spans of the context (off here, so none): per
+    request and in /metrics they add up to the accepted tokens."""
     url = served[0].url
     before = _prom(httpx.get(url + "/metrics").text)
     total = {}
@@ -136,7 +137,7 @@ def test_accepted_tokens_by_source_add_up_per_request_and_in_prometheus(served, 
         r = client.completions.create(model=MODEL, prompt=p * 2, max_tokens=24, temperature=0)
         s = r.model_extra["metrics"]["speculative_decoding"]
         by = s["accepted_by_source"]
-        assert set(by) == {"draft_chain", "pool_phrases"}
+        assert set(by) == {"draft_chain", "pool_phrases", "prompt_lookup"}
         assert sum(by.values()) == s["num_accepted_draft_tokens"]
         for k, v in by.items():
             total[k] = total.get(k, 0) + v
@@ -144,10 +145,11 @@ def test_accepted_tokens_by_source_add_up_per_request_and_in_prometheus(served, 
     name = "ouroboros:spec_decode_num_accepted_tokens_by_source_total"
     got = {k: after[f'{name}{{source="{k}"}}'] - before.get(f'{name}{{source="{k}"}}', 0)
            for k in total}
-    assert got == total and min(total.values()) > 0, total
+    assert got == total and min(total["draft_chain"], total["pool_phrases"]) > 0, total
+    assert total["prompt_lookup"] == 0  # free drafts are off by default
     acc = "ouroboros:spec_decode_num_accepted_tokens_total"
     assert sum(after[k] for k in after if k.startswith(name)) == after[acc]
-    assert not [k for k in after if "prompt_lookup" in k]  # not this method's source
+    assert after[f'{name}{{source="prompt_lookup"}}'] == 0
 
 
 @pytest.mark.parametrize("path, fields, param", [

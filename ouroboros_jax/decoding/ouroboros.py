@@ -28,6 +28,14 @@ One round (one target forward), rows b of the batch:
       (the lookup of X newest sees the corrected versions first).
  5. History (mechanism 4): `pool=` in, `out.pool` back; history=False starts empty.
 
+Free drafts (`free_drafts`, issue 52; not in the paper): before step 1, each row's best
+continuation from its context or the pool (`free_drafts.free_proposal`) is scored by its match
+length; rows at or above `free_threshold` skip step 1 and put that proposal where d_1..d_γ
+would be (steps 2-4 unchanged: the same tree, walk, commit and recycling). When no live row
+drafts, a `lax.cond` skips the draft's forwards altogether. The draft's cache then lags by the
+tokens those rounds committed; its next drafting round first feeds it them (`_catch_up`), so
+the prefix slot's bound holds again.
+
 Stats (docs/algorithm.md section 4; draft counters are per row: `draft_calls` = sum over rows of
 draft forwards the row took part in, `draft_tokens` = tokens they produced (overshoot
 excluded), so c = draft_tokens / draft_calls; `draft_forwards` counts batch forwards).
@@ -53,16 +61,17 @@ from flax import struct
 
 from ..models import forward
 from ..bounds import INT32_MAX, MAX_TREE_TOKENS, check_tree_tokens
-from ..models.kv_cache import KVCache, settle
+from ..models.kv_cache import KVCache, commit_prefix, settle
 from ..pool import PhrasePool, insert_many, lookup, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
-from ..tree import chain_with_branches, jacobi_tree, tree_mask
+from ..tree import chain_parents, chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_fraction, check_int,
-                     count_round,
+                     count_round, count_sources,
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, loop_config, make_runner, plain_step,
                      proposing, source_labels,
                      pool_summary, pool_with_context, prefill_rows, set_rows)
+from .free_drafts import FreeDraft, free_proposal
 from .jacobi import (JacobiWindow, commit_with_prefix, empty_window, init_window, jacobi_step)
 from .cost import (POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
@@ -93,6 +102,18 @@ class OuroborosConfig:
     its pool branches too (they hang after d_gamma). 0 (default) drafts gamma tokens. The rule
     looks only at the draft's own (greedy) choices, fixed before verification, so greedy output
     stays vanilla's and sampling stays lossless.
+
+    free_drafts: a row whose context (prompt + output so far) or pool already continues its
+    last tokens takes the round's chain from there, with no draft forward
+    (`decoding/free_drafts.py`): its best free proposal (up to gamma tokens) is verified where
+    the draft's chain would be, lengthening and recycling as usual. Rows without one draft as
+    before; when no row drafts, the round runs no draft forward at all (a `lax.cond`). The
+    draft catches up on the tokens free rounds committed at its next drafting round. Off by
+    default (`config="auto"` does not choose it yet).
+    free_threshold: the match length a free proposal needs (how many of the row's last tokens,
+    the pending one included, the tokens before it repeat; a pool phrase's key counts as
+    one), in [1, ngram - 1]. 1 takes any continuation the context or the pool holds for the
+    pending token; ngram - 1 only the longest matches.
     """
 
     gamma: int = 12
@@ -107,6 +128,8 @@ class OuroborosConfig:
     history: bool = True
     context_phrases: bool = True
     confidence: float = 0.0
+    free_drafts: bool = False
+    free_threshold: int = 2
 
     KNOBS: ClassVar[KnobSpace] = KnobSpace(
         knobs=(GAMMA, WINDOW, NGRAM, GUESSES, SUFFIXES),
@@ -133,7 +156,8 @@ class OuroborosConfig:
             check_int(self, "pool_rows", 1, INT32_MAX)
         check_fraction(self, "confidence")
         check_bool(self, "phrase_drafting", "lengthening", "recycling", "history",
-                   "context_phrases")
+                   "context_phrases", "free_drafts")
+        check_int(self, "free_threshold", 1, self.ngram - 1)
         n_t, n_s, n_first = _forward_sizes(self)
         check_tree_tokens(self, n_t, "1 + gamma + suffixes * (ngram - 1) (target)")
         check_tree_tokens(self, max(n_s, n_first), "(window + guesses) * (ngram - 1) (draft)")
@@ -141,14 +165,22 @@ class OuroborosConfig:
 
 @struct.dataclass
 class OuroborosCounters:
-    """Ouroboros' own counters, int32[]: draft_forwards (batch draft forwards),
-    suffix_tokens_accepted (tokens accepted from pool branches), pool_hits (row rounds whose
-    key had a pool phrase), draft_matches (chain draft tokens equal to the target's choice),
-    draft_accepted (chain draft tokens accepted)."""
+    """Ouroboros' own counters, int32[]: draft_forwards (batch draft forwards, catch-up ones
+    included), suffix_tokens_accepted (tokens accepted from pool branches), pool_hits (row
+    rounds whose key had a pool phrase), draft_matches (chain draft tokens equal to the
+    target's choice), draft_accepted (chain draft tokens accepted); free drafts: free_rounds
+    and draft_rounds (row rounds whose chain came from the free sources / from the draft;
+    they add up to the row rounds), free_tokens_accepted (chain tokens accepted from free
+    proposals), catch_up_forwards (batch draft forwards feeding the draft what free rounds
+    committed)."""
 
+    catch_up_forwards: jax.Array
     draft_accepted: jax.Array
     draft_forwards: jax.Array
     draft_matches: jax.Array
+    draft_rounds: jax.Array
+    free_rounds: jax.Array
+    free_tokens_accepted: jax.Array
     pool_hits: jax.Array
     suffix_tokens_accepted: jax.Array
 
@@ -193,7 +225,7 @@ def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState,
     accepted, 1 without lengthening) and reading the pending token's logits, then γ - 1
     one-token forwards. The window and the pool are not touched.
     -> (d int32[B,γ], drafted int32[B], dcache, window, pool, stats) as `_draft_phase`."""
-    U = cfg.ngram if cfg.lengthening else 1  # see _draft_phase's catch-up bound
+    U = _prefix_slot(cfg)
     d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
                                                     None, state.seq, state.dcache,
                                                     cfg.confidence, catch_up=U + 1)
@@ -206,6 +238,86 @@ def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState,
     return d, drafted, dcache, state.window, state.pool, stats
 
 
+def _prefix_slot(cfg: OuroborosConfig) -> int:
+    """U, the tokens the draft may lag behind the pending one at a round's first draft forward
+    (its prefix slot): a fully accepted chain + branch leaves at most 1 + (N-1) tokens the
+    draft has not processed; without branches at most the target's bonus token. Free rounds
+    leave more, which `_catch_up` feeds it first."""
+    return cfg.ngram if cfg.lengthening else 1
+
+
+def _catch_up_chunk(cfg: OuroborosConfig) -> int:
+    """C, the tokens of one catch-up forward: the most one round emits (1 + γ + M), so one
+    forward per free round since the draft last drafted brings it back within its slot."""
+    return 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0)
+
+
+def _catch_up(dparams, dconfig, cfg: OuroborosConfig, seq: Sequences, dcache: KVCache, live,
+              stats: Stats) -> tuple[KVCache, Stats]:
+    """Feeds the draft the tokens free rounds committed without it: while a live row's draft
+    lags more than U (`_prefix_slot`) tokens behind its pending token, one causal forward of
+    C (`_catch_up_chunk`) tokens from each row's cache length, committing up to lag - U of
+    them (rows within U commit none; the last U ride in the first draft forward's prefix
+    slot as after any round). Without free rounds the lag is never past U and no
+    forward runs. -> (dcache, stats) with the forwards counted (draft_forwards,
+    catch_up_forwards); they draft nothing, so draft_calls and draft_tokens stay."""
+    U, C = _prefix_slot(cfg), _catch_up_chunk(cfg)
+    B, S = seq.tokens.shape
+    mask = jnp.broadcast_to(tree_mask(chain_parents(C)), (B, C, C))
+
+    def behind(cache):  # int32[B]: tokens past the prefix slot the row must still feed
+        return jnp.where(live, seq.lengths - 1 - cache.lengths - U, 0)
+
+    def feed(carry):
+        cache, n = carry
+        pos = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+        tok = jnp.take_along_axis(seq.tokens, jnp.minimum(pos, S - 1), 1)
+        _, new = forward(dparams, dconfig, tok, pos, mask, cache,
+                         select=jnp.zeros((B, 1), jnp.int32))
+        return commit_prefix(cache, new, jnp.clip(behind(cache), 0, C)), n + 1
+
+    dcache, n = jax.lax.while_loop(lambda c: jnp.any(behind(c[0]) > 0), feed,
+                                   (dcache, jnp.zeros((), jnp.int32)))
+    own = stats.own
+    return dcache, stats.replace(own=own.replace(draft_forwards=own.draft_forwards + n,
+                                                 catch_up_forwards=own.catch_up_forwards + n))
+
+
+def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: OuroborosState,
+                   live) -> tuple:
+    """Free drafts' choice per row: rows whose free proposal (`free_drafts.free_proposal`)
+    matches at least `free_threshold` tokens take it as their chain; the others draft as
+    usual (`_draft_phase` over them alone: free rows are inactive there), after `_catch_up`
+    of every live row (token-by-token drafting's first forward assumes each row within U).
+    When no live row drafts, `lax.cond` skips the draft entirely: no forward, window, pool
+    and draft cache untouched. In a batch where some rows draft, the draft's forwards run at
+    full batch shape anyway (masking rows does not shrink a fixed-shape forward), so the
+    saving there is only the draft loop ending once the drafting rows hold γ tokens.
+    -> (d int32[B,γ], drafted int32[B], dcache, window, pool, stats, free bool[B], FreeDraft)
+    as `_draft_phase`, plus which rows took the free path."""
+    seq = state.seq
+    B = seq.tokens.shape[0]
+    prop = free_proposal(seq, state.pool, cfg.gamma, state.key_offset)
+    free = live & proposing(limits, (prop.run >= cfg.free_threshold) & (prop.count > 0))
+    need = live & ~free
+
+    def drafting(_):
+        dcache, stats = _catch_up(pair.dparams, pair.dconfig, cfg, seq, state.dcache, live,
+                                  state.stats)
+        return _draft_phase(pair.dparams, pair.dconfig, cfg,
+                            state.replace(dcache=dcache, stats=stats), need)
+
+    def skipping(_):
+        return (jnp.zeros((B, cfg.gamma), jnp.int32), jnp.zeros((B,), jnp.int32), state.dcache,
+                state.window, state.pool, state.stats)
+
+    d, drafted, dcache, window, pool, stats = jax.lax.cond(jnp.any(need), drafting, skipping,
+                                                           None)
+    d = jnp.where(free[:, None], prop.tokens, d)
+    drafted = jnp.where(free, prop.count, drafted)
+    return d, drafted, dcache, window, pool, stats, free, prop
+
+
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
     """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
     row earlier; slots past it hold garbage), dcache, window, pool, stats)."""
@@ -214,9 +326,7 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
-    # Catch-up bound: a fully accepted chain + branch leaves at most 1 + (N-1) tokens the draft
-    # has not processed; without branches at most the target's bonus token.
-    U = n if cfg.lengthening else 1
+    U = _prefix_slot(cfg)
     buf = gamma + n - 1
     dlen = dcache.lengths
     pc = jnp.clip(seq.lengths - 1 - dlen, 0, U)
@@ -335,8 +445,13 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
     live = ~seq.done
     L = seq.lengths
 
-    d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg, state,
-                                                           live)
+    if cfg.free_drafts:
+        d, drafted, dcache, window, pool, stats, free, prop = _draft_or_free(pair, cfg, limits,
+                                                                            state, live)
+    else:
+        d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg,
+                                                               state, live)
+        free, prop = jnp.zeros((B,), bool), None
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)
     in_chain = jnp.arange(gamma, dtype=jnp.int32)[None] < drafted[:, None]  # [B,γ]
@@ -366,10 +481,12 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                      walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     tcache = commit_path(tcache, new, acc, kept)
 
-    # -- the draft keeps only what the target confirmed (rollback = a length)
-    matched = jnp.minimum(acc.count - 1, gamma)  # chain draft tokens accepted
+    # -- the draft keeps only what the target confirmed (rollback = a length); a free row's
+    # accepted chain is not the draft's, which keeps at most the pending token
+    matched = jnp.minimum(acc.count - 1, gamma)  # chain tokens accepted
+    kept_draft = L + jnp.where(free, 0, matched)
     dcache = dcache.replace(lengths=jnp.minimum(dcache.lengths,
-                                                jnp.minimum(L + matched, seq.lengths - 1)))
+                                                jnp.minimum(kept_draft, seq.lengths - 1)))
 
     if cfg.recycling:
         pool = _recycle(cfg, pool, tokens, choices, found, acc, matched, live, drafted,
@@ -377,21 +494,45 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
 
     # -- stats
     T = len(lay.parents)
-    stats = count_round(stats, live, kept, drafted, (acc.path, source_labels(
-        T, draft_chain=range(1, 1 + gamma), pool_phrases=range(1 + gamma, T))))
+    stats = _count_sources(count_round(stats, live, kept, drafted), cfg, T, live, kept, acc.path,
+                           free, prop)
     q = jnp.arange(acc.path.shape[1] - 1)[None]
     from_branch = (q < kept[:, None]) & (q + 1 < acc.count[:, None]) & (acc.path[:, 1:] > gamma)
     lv = live.astype(jnp.int32)
+    dv = (live & ~free).astype(jnp.int32)  # rows whose chain the draft drafted
+    fv = lv - dv
     own = stats.own
     stats = stats.replace(own=own.replace(
         suffix_tokens_accepted=own.suffix_tokens_accepted
         + jnp.sum(from_branch, dtype=jnp.int32),
         pool_hits=own.pool_hits + jnp.sum(lv * jnp.any(found, axis=1)),
         draft_matches=own.draft_matches
-        + jnp.sum(lv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
-        draft_accepted=own.draft_accepted + jnp.sum(lv * matched)))
+        + jnp.sum(dv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
+        draft_accepted=own.draft_accepted + jnp.sum(dv * matched),
+        draft_rounds=own.draft_rounds + jnp.sum(dv),
+        free_rounds=own.free_rounds + jnp.sum(fv),
+        # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
+        free_tokens_accepted=own.free_tokens_accepted
+        + jnp.sum(fv * jnp.minimum(matched, jnp.maximum(kept - 1, 0)))))
     return state.replace(seq=seq, tcache=tcache, dcache=dcache, window=window, pool=pool,
                          stats=stats)
+
+
+def _count_sources(stats: Stats, cfg: OuroborosConfig, size: int, live, kept, path,
+                   free, prop: Optional[FreeDraft]) -> Stats:
+    """A round's accepted tokens by source over its tree of `size` nodes: branches are pool
+    phrases; the chain is the draft's, or in a free row its proposal's source (a span of the
+    context is prompt lookup's source, a pool phrase the pool's)."""
+    gamma = cfg.gamma
+    chain, branches = range(1, 1 + gamma), range(1 + gamma, size)
+    drafted = source_labels(size, draft_chain=chain, pool_phrases=branches)
+    if prop is None:
+        return count_sources(stats, live, kept, path, drafted)
+    copied = source_labels(size, prompt_lookup=chain, pool_phrases=branches)
+    pooled = source_labels(size, pool_phrases=range(1, size))
+    stats = count_sources(stats, live & ~free, kept, path, drafted)
+    stats = count_sources(stats, live & free & prop.from_context, kept, path, copied)
+    return count_sources(stats, live & free & ~prop.from_context, kept, path, pooled)
 
 
 def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool: PhrasePool
@@ -400,7 +541,9 @@ def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool
     x = cfg.suffixes if cfg.lengthening else 0
     own = OuroborosCounters(draft_forwards=counter(), suffix_tokens_accepted=counter(),
                             pool_hits=counter(), draft_matches=counter(),
-                            draft_accepted=counter())
+                            draft_accepted=counter(), catch_up_forwards=counter(),
+                            draft_rounds=counter(), free_rounds=counter(),
+                            free_tokens_accepted=counter())
     return OuroborosState(
         empty_sequences(rows, slots),
         empty_cache(pair, "target", rows, slots),
@@ -470,8 +613,10 @@ def _forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
 
 def _family(cfg: OuroborosConfig):
     # what shapes the state: the draft's window and the pool (gamma and suffixes may differ)
+    # free drafts too: a config without them assumes the draft never lags past its prefix
+    # slot, which free rounds break
     return (cfg.window, cfg.ngram, cfg.guesses, cfg.pool_rows, cfg.phrase_drafting,
-            cfg.lengthening)
+            cfg.lengthening, cfg.free_drafts)
 
 
 def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
@@ -494,7 +639,8 @@ def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):
     # auto runs where wide forwards cost more than they bring): its acceptance is the pair's
     # agreement by depth. With lengthening a round keeps pool tokens past the chain, and with
     # phrase drafting the chain is drafted phrase by phrase: neither call is read as one.
-    if cfg.phrase_drafting or cfg.lengthening:
+    # With free drafts, chains the draft never drafted are in the counts.
+    if cfg.phrase_drafting or cfg.lengthening or cfg.free_drafts:
         return None
     return chain_lesson(cfg.gamma, cfg.confidence, stats, greedy)
 
@@ -503,7 +649,8 @@ SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosC
                   default_config=OuroborosConfig, margin=_margin, forward_sizes=_forward_sizes,
                   init=ouroboros_init, insert=ouroboros_insert, round=ouroboros_round,
                   plain_round=ouroboros_plain, finish=ouroboros_finish, prepare=_prepare,
-                  sources=("draft_chain", "pool_phrases"),
+                  # prompt_lookup: free drafts' spans of the context
+                  sources=("draft_chain", "pool_phrases", "prompt_lookup"),
                   keeps_pool=True,
                   max_emit=lambda cfg: 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0),
                   family=_family,

@@ -123,6 +123,15 @@ def find_candidates(tokens: jax.Array, lengths: jax.Array, cfg: PromptLookupConf
     Candidate x is the M tokens after the x-th best match of the row's last tokens (see the
     module docstring for the ranking); valid marks real tokens (inside the row, a match found).
     """
+    cand, valid, _ = ranked_candidates(tokens, lengths, cfg)
+    return cand, valid
+
+
+def ranked_candidates(tokens: jax.Array, lengths: jax.Array, cfg: PromptLookupConfig
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`find_candidates` with each candidate's match length: -> (cand int32[B,X,M], valid
+    bool[B,X,M], run int32[B,X]: how many of the row's last tokens (<= K) the tokens before
+    candidate x repeat; 0 where none was found). Ouroboros' free drafts score by it."""
     B, S = tokens.shape
     X, M = cfg.candidates, cfg.length
     L = lengths.astype(jnp.int32)
@@ -151,7 +160,8 @@ def find_candidates(tokens: jax.Array, lengths: jax.Array, cfg: PromptLookupConf
     sel = jnp.argmax(pick, axis=1)  # [B,X]
     cand = jnp.take_along_axis(cont, sel[:, :, None], 1)
     valid = jnp.take_along_axis(real, sel[:, :, None], 1) & has[:, :, None]
-    return jnp.where(valid, cand, 0), valid
+    cand_run = jnp.take_along_axis(jnp.take_along_axis(run, end, 1), sel, 1)  # [B,X]
+    return jnp.where(valid, cand, 0), valid, jnp.where(has, cand_run, 0)
 
 
 def prompt_lookup_init(pair: Pair, cfg: PromptLookupConfig, rows: int, slots: int,
