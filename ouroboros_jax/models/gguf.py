@@ -72,6 +72,14 @@ GGUF_NAMES: dict[str, str] = {
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
     "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight",
+    # OLMoE's q/k norms over all heads, and the experts: no MoE family reads GGUF files yet
+    # (their `<arch>.expert_count` keys are refused as unknown), the names are llama.cpp's
+    "q_norm_all": "blk.{i}.attn_q_norm.weight",
+    "k_norm_all": "blk.{i}.attn_k_norm.weight",
+    "router": "blk.{i}.ffn_gate_inp.weight",
+    "we_gate": "blk.{i}.ffn_gate_exps.weight",
+    "we_up": "blk.{i}.ffn_up_exps.weight",
+    "we_down": "blk.{i}.ffn_down_exps.weight",
 }
 assert set(GGUF_NAMES) == {leaf.name for leaf in LEAVES}
 

@@ -74,6 +74,10 @@ class Family:
         to_hf: (ModelConfig) -> the family's own config.json fields, the inverse of `from_hf`.
         hf_fused: fused HF tensor name ({i}: the layer) -> the leaves it holds, in row order;
             the loaders split it and `save_hf_checkpoint` joins it (Phi-3's qkv_proj).
+        hf_renames: (theirs, ours) substrings of its checkpoints' tensor names, replaced in
+            order on load and back on save, where they spell a leaf (`params.LEAVES`)
+            differently (Mixtral's `block_sparse_moe.experts.{j}.w1` for our
+            `mlp.experts.{j}.gate_proj`).
         gguf_arch: the GGUF general.architecture of its files (None: not loaded from GGUF).
         gguf_keys: `<arch>.` metadata keys only this family's files have (its `from_gguf` reads
             them); refused in other files.
@@ -100,6 +104,7 @@ class Family:
     from_hf: Callable[["HFFields", HFRope], dict] = _nothing
     to_hf: Callable[[Any], dict] = _nothing
     hf_fused: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    hf_renames: tuple = ()
     gguf_arch: Optional[str] = None
     gguf_keys: frozenset = frozenset()
     gguf_tensors: tuple = ()
