@@ -318,3 +318,101 @@ def test_model_config_checks_the_expert_fields(change, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=1,
                     num_heads=4, num_kv_heads=2, **change)
+
+
+# ------------------------------------------------------------------ GGUF
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
+               "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+               "self_attn.o_proj.weight": "attn_output",
+               "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+               "post_attention_layernorm.weight": "ffn_norm", "mlp.gate.weight": "ffn_gate_inp"}
+
+
+def write_moe_gguf(path, tm, arch):
+    """A GGUF file (F32) of a Qwen3-MoE or OLMoE torch model as llama.cpp's converter writes
+    it: each layer's experts stacked into one `*_exps` tensor, the router as `ffn_gate_inp`,
+    the expert counts (and Qwen3-MoE's expert width) in the metadata."""
+    import gguf
+
+    cfg = tm.config
+    w = gguf.GGUFWriter(str(path), arch)
+    p = arch + "."
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for key, v in (("block_count", cfg.num_hidden_layers),
+                   ("context_length", cfg.max_position_embeddings),
+                   ("embedding_length", cfg.hidden_size),
+                   ("feed_forward_length", cfg.intermediate_size),
+                   ("attention.head_count", cfg.num_attention_heads),
+                   ("attention.head_count_kv", cfg.num_key_value_heads),
+                   ("attention.key_length", D), ("attention.value_length", D),
+                   ("rope.dimension_count", D), ("expert_count", cfg.num_experts),
+                   ("expert_used_count", cfg.num_experts_per_tok)):
+        w.add_uint32(p + key, v)
+    if arch == "qwen3moe":
+        w.add_uint32(p + "expert_feed_forward_length", cfg.moe_intermediate_size)
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(p + "rope.freq_base", cfg.rope_parameters["rope_theta"])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    sd = {k: v.detach().float().numpy() for k, v in tm.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for hf, name in _GGUF_LAYER.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", sd[pre + hf])
+        # transformers holds a layer's experts stacked: gate_up_proj [Y, 2F, E], down [Y, E, F]
+        gate_up, down = sd[pre + "mlp.experts.gate_up_proj"], sd[pre + "mlp.experts.down_proj"]
+        F = gate_up.shape[1] // 2
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :F]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, F:]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", down)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("mt, arch", [("qwen3_moe", "qwen3moe"), ("olmoe", "olmoe")])
+def test_gguf_loads_to_the_directorys_model(moe, tmp_path, mt, arch):
+    """The model written to GGUF as llama.cpp does loads to the directory's config (llama.cpp
+    renormalizes Qwen3-MoE's top k and not OLMoE's, as these tiny models do) and params,
+    exactly."""
+    pytest.importorskip("gguf")
+    model, tm = moe[mt]
+    g = oj.load_model(write_moe_gguf(tmp_path / f"{mt}.gguf", tm, arch), dtype="float32")
+    assert g.config.rms_norm_eps == pytest.approx(model.config.rms_norm_eps, rel=1e-6)
+    assert g.config == dataclasses.replace(model.config, pad_token_id=None,
+                                           rms_norm_eps=g.config.rms_norm_eps)
+    for a, b in zip(jax.tree.leaves(g.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gguf_expert_keys_checked_by_name(moe, tmp_path):
+    pytest.importorskip("gguf")
+    import gguf
+
+    _, tm = moe["olmoe"]
+    path = write_moe_gguf(tmp_path / "ok.gguf", tm, "olmoe")
+    # the same file with expert_used_count above expert_count
+    r = gguf.GGUFReader(path)
+    bad = str(tmp_path / "bad.gguf")
+    w = gguf.GGUFWriter(bad, "olmoe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        v = Y + 1 if f.name == "olmoe.expert_used_count" else f.contents()
+        if isinstance(v, float):
+            w.add_float32(f.name, v)
+        else:
+            w.add_uint32(f.name, v)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'expert_used_count' \(9\) exceeds 'expert_count'"):
+        oj.load_model(bad)

@@ -72,8 +72,8 @@ GGUF_NAMES: dict[str, str] = {
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
     "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight",
-    # OLMoE's q/k norms over all heads, and the experts: no MoE family reads GGUF files yet
-    # (their `<arch>.expert_count` keys are refused as unknown), the names are llama.cpp's
+    # OLMoE's q/k norms over all heads; a mixture of experts' router and experts, each expert
+    # leaf one tensor per layer holding every expert ([Y, F, E] in numpy order for gate / up)
     "q_norm_all": "blk.{i}.attn_q_norm.weight",
     "k_norm_all": "blk.{i}.attn_k_norm.weight",
     "router": "blk.{i}.ffn_gate_inp.weight",
@@ -359,6 +359,14 @@ def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
             for i in (range(config.num_layers) if leaf.per_layer else (None,))}
 
 
+def gguf_shape(leaf: Leaf, config: ModelConfig) -> tuple[int, ...]:
+    """The shape (numpy order) of one of the leaf's GGUF tensors: its HF tensor's, with every
+    expert of the layer stacked in front for an expert leaf (llama.cpp's `*_exps`)."""
+    if leaf.per_expert:
+        return (config.num_experts, *leaf.hf_shape(config))
+    return leaf.hf_shape(config)
+
+
 def _split_fused_gguf(t, config: ModelConfig, path: str):
     """A fused tensor of the file (`Family.gguf_fused`) -> [(its parts' names in
     `_gguf_names`, HF layout array)], its shape checked as a whole; [] when `t` is not one."""
@@ -431,7 +439,7 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, family: Family) -> 
                              "metadata says)")
         leaf, _ = names[t.name]
         check_tensor_type(t, path)
-        want = leaf.hf_shape(config)
+        want = gguf_shape(leaf, config)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         if shape != want:
             raise ValueError(f"{path}: tensor {t.name} has shape {shape} (numpy order), the "
@@ -505,6 +513,13 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
                     bar.update(done)
 
         jobs = []
+        if leaf.per_expert:  # each layer's tensor holds all its experts: read whole
+            for i, t in by_leaf[leaf.name].items():
+                w = dequantize_tensor(t, path)
+                out[i] = np.stack([leaf.from_hf(e, config) for e in w]).astype(np_dtype)
+                if bar is not None:
+                    bar.update(t.n_bytes)
+            return to_device(out)
         for i, t in by_leaf[leaf.name].items():
             view, transposed = leaf.hf_rows_view(out if i is None else out[i])
             if isinstance(t, np.ndarray):

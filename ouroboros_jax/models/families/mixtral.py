@@ -3,7 +3,8 @@ set) and a mixture of `num_local_experts` experts of `intermediate_size` in ever
 softmax router, the top `num_experts_per_tok`, always renormalized to sum to 1. Its
 checkpoints name the experts `block_sparse_moe.experts.{j}.w1 / w3 / w2` (gate / up / down),
 renamed into ours on load and back on save (`hf_renames`); `router_jitter_noise` only acts
-in training. Not loaded from GGUF yet.
+in training. Not loaded from GGUF yet: llama.cpp writes Mixtral as the "llama" architecture
+with expert keys, which the Llama family refuses by name (`llama.expert_count`).
 """
 
 from __future__ import annotations

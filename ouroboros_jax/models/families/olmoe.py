@@ -3,13 +3,14 @@ heads at once, before the split into heads and RoPE (`qk_norm_across_heads`, lea
 `q_norm_all` [H,D] / `k_norm_all` [K,D]), and a mixture of `num_experts` experts of
 `intermediate_size` in every layer: a softmax router, the top `num_experts_per_tok`,
 renormalized when `norm_topk_prob`. `clip_qkv` (clamping q, k and v) is refused unless null.
-Not loaded from GGUF yet.
+GGUF: "olmoe" (llama.cpp never renormalizes its top k, so its files load without
+`norm_topk_prob`), stored unpermuted.
 """
 
 from __future__ import annotations
 
 from .base import Family
-from .qwen3_moe import MOE_IGNORED, experts_count, moe_from_hf
+from .qwen3_moe import GGUF_MOE_KEYS, MOE_IGNORED, experts_count, moe_from_gguf, moe_from_hf
 
 
 def _from_hf(f, rope) -> dict:
@@ -22,6 +23,10 @@ def _from_hf(f, rope) -> dict:
                       f"hidden_size / num_attention_heads = {hidden // heads})")
     n = experts_count(f, ("num_experts", "num_local_experts"))
     return moe_from_hf(f, n, f.need("intermediate_size"), f.get("norm_topk_prob", False))
+
+
+def _from_gguf(g, shape) -> dict:
+    return moe_from_gguf(g, False)
 
 
 def _to_hf(c) -> dict:
@@ -41,4 +46,5 @@ FAMILIES = (Family(
     model_type="olmoe", hf_class="OlmoeForCausalLM", features={"qk_norm_across_heads": True},
     hf_fields=frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
                          "norm_topk_prob", "clip_qkv"}),
-    hf_ignored=MOE_IGNORED, from_hf=_from_hf, to_hf=_to_hf, presets=PRESETS),)
+    hf_ignored=MOE_IGNORED, from_hf=_from_hf, to_hf=_to_hf, gguf_arch="olmoe",
+    gguf_keys=GGUF_MOE_KEYS, from_gguf=_from_gguf, presets=PRESETS),)

@@ -2,7 +2,8 @@
 mixture of experts in every layer's MLP: a softmax router over `num_experts`, the top
 `num_experts_per_tok`, renormalized when `norm_topk_prob`, experts of `moe_intermediate_size`.
 Dense layers among the sparse ones (`decoder_sparse_step` > 1, `mlp_only_layers`) and the
-sliding-window option are refused by name. Not loaded from GGUF yet.
+sliding-window option are refused by name. GGUF: "qwen3moe" (llama.cpp always renormalizes
+its top k, so its files load with `norm_topk_prob`), stored unpermuted.
 
 `moe_from_hf` / `moe_to_hf` read and write the expert fields the MoE families share (Mixtral
 and OLMoE use them too). transformers 5 writes Qwen3-MoE's expert count as
@@ -65,6 +66,27 @@ def _from_hf(f, rope) -> dict:
     return moe_from_hf(f, experts_count(f), inter, f.get("norm_topk_prob", False))
 
 
+# `<arch>.` keys of the MoE families' GGUF files (llama.cpp's names)
+GGUF_MOE_KEYS = frozenset({"expert_count", "expert_used_count"})
+
+
+def moe_from_gguf(g, norm_topk_prob: bool, intermediate=None) -> dict:
+    """The expert fields of a GGUF file: `expert_count`, `expert_used_count` (at most the
+    count) and, where given, the experts' intermediate size; ValueError naming the key.
+    norm_topk_prob: what llama.cpp's graph for the architecture does (no key says it)."""
+    n, k = g.int("expert_count"), g.int("expert_used_count")
+    if k > n:
+        raise g.error(f"GGUF key 'expert_used_count' ({k}) exceeds 'expert_count' ({n})")
+    out = {"num_experts": n, "experts_per_token": k, "norm_topk_prob": norm_topk_prob}
+    if intermediate is not None:
+        out["moe_intermediate_size"] = intermediate
+    return out
+
+
+def _from_gguf(g, shape) -> dict:
+    return moe_from_gguf(g, True, g.int("expert_feed_forward_length"))
+
+
 def _to_hf(c) -> dict:
     return {"attention_bias": False, "num_experts": c.num_experts,
             "num_experts_per_tok": c.experts_per_token,
@@ -87,4 +109,6 @@ FAMILIES = (Family(
     hf_fields=frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
                          "mlp_only_layers"}),
-    hf_ignored=MOE_IGNORED, from_hf=_from_hf, to_hf=_to_hf, presets=PRESETS),)
+    hf_ignored=MOE_IGNORED, from_hf=_from_hf, to_hf=_to_hf, gguf_arch="qwen3moe",
+    gguf_keys=GGUF_MOE_KEYS | {"expert_feed_forward_length"}, from_gguf=_from_gguf,
+    presets=PRESETS),)
