@@ -416,3 +416,37 @@ def test_gguf_expert_keys_checked_by_name(moe, tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"'expert_used_count' \(9\) exceeds 'expert_count'"):
         oj.load_model(bad)
+
+
+# ------------------------------------------------------------------ lowering
+def test_moe_ouroboros_loop_lowers_with_experts_sharded():
+    """An MoE target's Ouroboros loop (dense draft) lowers for TPU and CUDA on an abstract 2x4
+    mesh, its experts split over "model" (expert parallel: 8 experts, 2 per device), with no
+    host callback; the Qwen3-30B-A3B shapes in bf16 with no f32 copy of a weight."""
+    from jax.sharding import AbstractMesh
+
+    from ouroboros_jax import lowering as lw
+    from ouroboros_jax.models.presets import PRESETS
+
+    from test_lowering import TINY_DRAFT, arg_sharding, lowered
+
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    tiny = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=8, num_kv_heads=4, max_position_embeddings=1024,
+                       model_type="qwen3_moe", qk_norm=True, num_experts=Y,
+                       experts_per_token=K, moe_intermediate_size=32, norm_topk_prob=True)
+    pair = lw.abstract_pair(tiny, TINY_DRAFT, mesh=mesh)
+    exp = lowered(lw.loop_call("ouroboros", pair, batch=4, prompt_width=16, max_new_tokens=32))
+    assert exp.nr_devices == 8
+    text = exp.mlir_module()
+    assert "ragged_dot" in text
+    for leaf in ("we_gate", "we_up", "we_down"):
+        assert arg_sharding(text, f"pair.tparams['layers']['{leaf}']") == \
+            '[{}, {"model"}, {}, {}]'
+    assert arg_sharding(text, "pair.tparams['layers']['router']") == '[{}, {}, {"model"}]'
+
+    big, draft = PRESETS["qwen3-30b-a3b"], PRESETS["qwen3-0.6b"]
+    pair = lw.abstract_pair(big, draft, dtype="bfloat16", mesh=mesh)
+    exp = lowered(lw.loop_call("ouroboros", pair, batch=2, prompt_width=128,
+                               max_new_tokens=256))
+    assert not lw.f32_weight_copies(exp.mlir_module(), big, draft)

@@ -263,9 +263,10 @@ def _moe_grouped(config: ModelConfig, h: jax.Array, experts: jax.Array, weights:
 
     Which weights are read: with fewer rows than experts, each distinct routed expert's are
     gathered once (the slots left over gather zeros, `mode="fill"`, reading nothing) and an
-    unrouted expert's never. With more, all Y go to `ragged_dot` with zero rows for the
-    unrouted: TPU's ragged dot instruction skips an empty group, while the masked dense product
-    jax lowers it to elsewhere (CPU, GPU) multiplies every group."""
+    unrouted expert's never, on every backend. With more, all Y go to `ragged_dot` with zero
+    rows for the unrouted: on GPU and TPU that is XLA's ragged dot instruction, whose cost for
+    an empty group is the backend's; on CPU jax lowers it to a masked dense product that
+    multiplies every group (so there the grouped path saves reads only below Y rows)."""
     N, k = experts.shape
     Y = config.num_experts
     order, slots, sizes = expert_groups(experts, Y)
