@@ -450,3 +450,47 @@ def test_moe_ouroboros_loop_lowers_with_experts_sharded():
     exp = lowered(lw.loop_call("ouroboros", pair, batch=2, prompt_width=128,
                                max_new_tokens=256))
     assert not lw.f32_weight_copies(exp.mlir_module(), big, draft)
+
+
+# ------------------------------------------------------------------ serving and memory
+def test_engine_serves_an_moe_target_with_a_dense_draft(moe, draft):
+    """The serving engine (Ouroboros, a dense draft) answers requests submitted together and
+    mid-generation, more than its slots, each as `generate`'s vanilla greedy of its prompt
+    alone."""
+    from ouroboros_jax.serving import Engine, RequestParams
+
+    model, _ = moe["qwen3_moe"]
+    eng = Engine(model, draft, method="ouroboros",
+                 config=OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2),
+                 slots=2, max_cache_len=64, rounds_per_step=3)
+    prompts, lengths = PROMPTS + [[30, 31, 32]], [12, 20, 7]
+    handles = [eng.submit(p, RequestParams(max_tokens=n)) for p, n in zip(prompts[:2], lengths)]
+    eng.step()
+    handles.append(eng.submit(prompts[2], RequestParams(max_tokens=lengths[2])))
+    while eng.step():
+        pass
+    for p, n, h in zip(prompts, lengths, handles):
+        want = oj.generate(model, [p], max_new_tokens=n).tokens[0]  # the model's EOS, as served
+        assert h.result(timeout=0).token_ids == want, (p, n)
+
+
+def test_memory_plan_counts_the_experts(moe):
+    """The memory planner (`ouroboros-jax memory`) counts every expert's bytes: the tiny
+    model's plan is its params' bytes; the full-size presets have their published parameter
+    counts (Qwen3-30B-A3B 30.5B, Mixtral-8x7B 46.7B, OLMoE-1B-7B 6.9B), and experts split over
+    "model" leave a quarter of them per device on a 1x4 mesh."""
+    from ouroboros_jax.models.presets import PRESETS
+    from ouroboros_jax.sharding import memory_plan
+
+    model, _ = moe["olmoe"]
+    plan = memory_plan(model.config, 1, 1, 1, 64, dtype="float32")
+    assert plan["params_total_bytes"] == sum(a.nbytes for a in jax.tree.leaves(model.params))
+    assert plan["num_params"] == sum(a.size for a in jax.tree.leaves(model.params))
+    for name, billions in (("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7),
+                           ("olmoe-1b-7b", 6.9)):
+        c = PRESETS[name]
+        plan = memory_plan(c, 1, 4, 1, 4096)
+        assert round(plan["num_params"] / 1e9, 1) == billions
+        assert plan["params_total_bytes"] == 2 * plan["num_params"]
+        experts = 3 * c.num_layers * c.num_experts * c.hidden_size * c.moe_intermediate_size
+        assert plan["params_per_device_bytes"] < 2 * (plan["num_params"] - experts * 3 / 4)
