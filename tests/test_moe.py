@@ -494,3 +494,19 @@ def test_memory_plan_counts_the_experts(moe):
         assert plan["params_total_bytes"] == 2 * plan["num_params"]
         experts = 3 * c.num_layers * c.num_experts * c.hidden_size * c.moe_intermediate_size
         assert plan["params_per_device_bytes"] < 2 * (plan["num_params"] - experts * 3 / 4)
+
+
+def test_methods_on_a_mesh_with_experts_sharded(moe, draft):
+    """On a 1x4 mesh (8 experts, 2 per device; heads and the vocabulary split too) vanilla
+    and Ouroboros, and on a 2x2 one Ouroboros, give single-device vanilla's greedy tokens."""
+    from ouroboros_jax.sharding import make_mesh
+
+    model, _ = moe["qwen3_moe"]
+    kw = dict(max_new_tokens=NEW, eos_token_id=-1)
+    want = oj.generate(model, PROMPTS, **kw).tokens
+    ouro = dict(draft=draft, method="ouroboros",
+                config=OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2))
+    assert oj.generate(model, PROMPTS, mesh=make_mesh(1, 4), **kw).tokens == want
+    for shape in ((1, 4), (2, 2)):
+        assert oj.generate(model, PROMPTS, mesh=make_mesh(*shape), **ouro,
+                           **kw).tokens == want, shape
