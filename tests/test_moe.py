@@ -510,3 +510,18 @@ def test_methods_on_a_mesh_with_experts_sharded(moe, draft):
     for shape in ((1, 4), (2, 2)):
         assert oj.generate(model, PROMPTS, mesh=make_mesh(*shape), **ouro,
                            **kw).tokens == want, shape
+
+
+def test_the_verify_cost_bench_runs(capsys):
+    """`python -m ouroboros_jax.bench.moe_verify` on a toy model: a row per T with both
+    paths' times and the distinct experts of its tokens (k to min(Y, T*k))."""
+    from ouroboros_jax.bench import moe_verify
+
+    out = moe_verify.main(["--sizes", "1", "3", "--reps", "1", "--hidden", "32",
+                           "--expert-ffn", "16", "--layers", "1", "--heads", "4",
+                           "--vocab", "97", "--context", "8"])
+    assert [r["T"] for r in out["rows"]] == [1, 3]
+    assert out["rows"][0]["layer0_distinct_experts"] == K
+    assert K <= out["rows"][1]["layer0_distinct_experts"] <= 3 * K
+    assert all(r["grouped_ms"] > 0 and r["onehot_ms"] > 0 for r in out["rows"])
+    assert '"grouped_ms"' in capsys.readouterr().out
