@@ -525,3 +525,19 @@ def test_the_verify_cost_bench_runs(capsys):
     assert K <= out["rows"][1]["layer0_distinct_experts"] <= 3 * K
     assert all(r["grouped_ms"] > 0 and r["onehot_ms"] > 0 for r in out["rows"])
     assert '"grouped_ms"' in capsys.readouterr().out
+
+
+def test_speculative_sampling_keeps_an_moe_targets_distribution(tmp_path_factory):
+    """Speculative sampling with a dense draft draws the first three tokens from the MoE
+    target's distribution under transformers (chi-square), and not from another temperature's
+    (vocabulary 8, so the three-token distribution is tabulated exactly)."""
+    from test_families import SV, check_sampling
+
+    d = tmp_path_factory.mktemp("moe_v8")
+    tt = make_hf_model(d / "t", model_type="qwen3_moe", vocab=SV, hidden=32, heads=2,
+                       kv_heads=1, inter=48, scale=0.15, seed=59,
+                       **FAMILIES["qwen3_moe"])
+    make_hf_model(d / "d", vocab=SV, layers=1, hidden=32, heads=2, kv_heads=1, inter=64,
+                  scale=0.15, seed=60)
+    check_sampling(oj.load_model(str(d / "t"), dtype="float32"),
+                   oj.load_model(str(d / "d"), dtype="float32"), tt)
