@@ -6,8 +6,9 @@ llama.cpp's block quantizations. Loading is as strict as the safetensors loader 
 
 - the architecture must be one a family implements (`Family.gguf_arch`, models/families/),
   and every `<arch>.*` key must be one this module (`_ARCH_KEYS`) or the family
-  (`Family.gguf_keys`) understands: an unknown one (experts, per-layer head counts, a rope type)
-  could change the numerics, so it is refused by name;
+  (`Family.gguf_keys`) understands: an unknown one (per-layer head counts, a rope type,
+  experts in an architecture whose family has none) could change the numerics, so it is
+  refused by name;
 - every tensor the config implies is present exactly once, with the shape it implies, and no
   other tensor is;
 - a tensor type is accepted when the `gguf` package can dequantize it (`dequantizable_types()`),
@@ -20,7 +21,9 @@ did to a family's tensors is undone as its `Family` record says: q/k rows permut
 rotary kernel can rotate adjacent pairs (`gguf_permuted_qk`, the "llama" architecture: `permute`
 in llama.cpp's convert_hf_to_gguf.py, undone by transformers' `LlamaTensorProcessor` and by
 `unpermute_qk` here, back to the rotate-half layout our attention uses), 1 added to every
-RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, Phi-3).
+RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, Phi-3). A
+mixture of experts stores each expert leaf as one tensor per layer holding every expert
+(`ffn_gate_exps` [Y, F, E] in numpy order, `gguf_shape`).
 
 Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
 divisor per rotary frequency, no rope-scaling metadata): it is read into the config

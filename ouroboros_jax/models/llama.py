@@ -23,11 +23,11 @@ Params (layers stacked on a leading L axis and scanned, so compile time does not
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
 wo, (qwen2: bq, bk, bv), (qwen3, gemma3: q_norm, k_norm), mlp_norm, (gemma: post_attn_norm,
 post_mlp_norm), (olmoe: q_norm_all, k_norm_all), w_gate, w_up, w_down (a mixture of experts:
-router [E,Y], we_gate, we_up [Y,E,F], we_down [Y,F,E] instead)}}; each leaf's shape, sharding axes, HF name and layout and
-initializer are described once, in `params.LEAVES` (Phi-3's fused qkv_proj / gate_up_proj are
-split into those leaves, `Family.hf_fused`). `forward` also takes the packed layout decoding runs
-on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls, unrolled; `layout.py`): the same
-numbers.
+router [E,Y], we_gate, we_up [Y,E,F], we_down [Y,F,E] instead)}}; each leaf's shape, sharding
+axes, HF name and layout and initializer are described once, in `params.LEAVES` (Phi-3's fused
+qkv_proj / gate_up_proj are split into those leaves, `Family.hf_fused`). `forward` also takes
+the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
+unrolled; `layout.py`): the same numbers.
 """
 
 from __future__ import annotations

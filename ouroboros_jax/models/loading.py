@@ -488,9 +488,10 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Model:
-    """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory or a
-    GGUF file (`.gguf`: llama, qwen2, qwen3, phi3, gemma2 or gemma3 architecture, any tensor type
-    the `gguf` package dequantizes; config,
+    """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory, or
+    a mixture of experts' (Qwen3-MoE, Mixtral, OLMoE), or a GGUF file (`.gguf`: llama, qwen2,
+    qwen3, phi3, gemma2, gemma3, qwen3moe or olmoe architecture, any tensor type the `gguf`
+    package dequantizes; config,
     tokenizer and chat template all come from the file, see `gguf.py`).
 
     dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "float32" or "bfloat16" (params are
