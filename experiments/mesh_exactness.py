@@ -1,8 +1,8 @@
 """Do speculative methods on a multi-device CPU mesh give vanilla's tokens? (issue 51; the
 answer and the tables are in docs/exactness.md, "Meshes, CPUs and the XLA flags").
 
-    python experiments/mesh_exactness.py sweep 2x1,6x1 speculative,ouroboros [ROWS]
-    python experiments/mesh_exactness.py race [DEVICES] [ROWS] [TOKENS] [RUNS]
+    python -m experiments.mesh_exactness sweep 2x1,6x1 speculative,ouroboros [ROWS]
+    python -m experiments.mesh_exactness race [DEVICES] [ROWS] [TOKENS] [RUNS]
 
 `sweep`: the demo pair's held-out prompts in groups of ROWS (4), each method against vanilla on
 each mesh, 48 tokens; prints the first differing token per prompt (None: identical).

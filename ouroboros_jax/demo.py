@@ -104,7 +104,7 @@ def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int)
     all methods alike rather than on whichever ran during it). Two passes over the prompts;
     each (method, prompt) keeps its faster pass."""
     # every method with config="auto": sized for this machine by its calibration, the pair's
-    # agreement and the calls' own timings (decoding/auto.py), no recipe written in
+    # agreement and the calls' own timings (ouroboros_jax/auto/), no recipe written in
     kws = {m: {} if m == "vanilla" else {"draft": draft, "config": "auto"} for m in methods}
     res = {}
     for m in methods:

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import auto_switch
+from .auto import AutoTuner, default_tuner
+from .auto.switch import Switcher
 from .decoding import METHODS
 from .decoding.common import Stats
 from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
@@ -62,7 +63,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
              eos_token_id: Optional[int | Sequence[int]] = None, config: Any = "auto",
              mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
              max_cache_len: Optional[int] = None, logprobs: bool = False,
-             top_logprobs: int = 0) -> GenerationOutput:
+             top_logprobs: int = 0, tuner: Optional[AutoTuner] = None) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
     prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
@@ -71,8 +72,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     method: a name in `decoding.METHODS` ("vanilla", "speculative", "lookahead",
     "prompt_lookup", "ouroboros"); default: "ouroboros" with a draft, else "vanilla"
     (`request.default_method`). config: that method's config object, "auto" (default: chosen
-    for this device, batch and pair by `decoding.auto`, which may turn speculation off for the
-    call; `stats["auto"]` says what it chose and why) or None (the paper's recipe).
+    for this device, batch and pair by `ouroboros_jax.auto`, which may turn speculation off for
+    the call; `stats["auto"]` says what it chose and why) or None (the paper's recipe).
     temperature 0 is greedy. mesh: a `jax.sharding.Mesh` with axes named "data" and/or
     "model" to shard over. pool: a phrase pool returned by an earlier call (methods that keep
     one). eos_token_id: one id or a list (generation stops at any of them; -1 or [] for none;
@@ -82,9 +83,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     in max_new_tokens share one compiled loop (see the module docstring). logprobs: also
     return each new token's log-probability, taken from the forward that accepted it (no
     extra forward; off, the loop is the one without them); top_logprobs: with it, the most
-    likely tokens' at each position (0..20). Returns `GenerationOutput`.
+    likely tokens' at each position (0..20). tuner: the `auto.AutoTuner` that sizes "auto" and
+    learns from the call (default: `auto.default_tuner()`). Returns `GenerationOutput`.
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
+    tuner = default_tuner() if tuner is None else tuner
     check_model(target, "target")
     if draft is not None:
         check_model(draft, "draft")
@@ -120,17 +123,14 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     greedy = temperature == 0.0
     knobs = (eos, temperature, top_k, top_p, seed, V, n_top)
     if auto and spec.round_model is not None:  # a method with knobs for auto to size
-        choice, auto_slots, switch = _auto_setup(method, target, draft, prompt_j, plens_j,
-                                                 max_new_tokens, max_cache_len, pool,
+        choice, auto_slots, switch = _auto_setup(tuner, method, target, draft, prompt_j,
+                                                 plens_j, max_new_tokens, max_cache_len, pool,
                                                  greedy, knobs, multi)
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
     limits, sp = row_knobs(B, max_new_tokens, *knobs)
-
-    from .decoding.auto import compile_seconds, compiles
-
-    compiled, compiled_s = compiles(), compile_seconds()
+    compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
                                     greedy=greedy, slots=slots, pool=pool)
@@ -141,14 +141,15 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     seconds = time.perf_counter() - t0
     out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
-    _learn(spec, cfg, stats, greedy, target, draft)
+    tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
+    quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
         stats["auto"] = choice.as_stats(method)
-        _after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots,
-                    compiles() == compiled and is_leader() and not multi, compiled_s)
-    elif compiles() == compiled and is_leader() and not multi:
-        _learn_prices(method, cfg, target, draft, stats, seconds, B, P,
-                      cache_slots(P, max_new_tokens, 0, max_cache_len))
+        tuner.after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots, quiet,
+                         compiled_s)
+    elif quiet:
+        tuner.learn_prices(method, cfg, target, draft, stats, seconds, B, P,
+                           cache_slots(P, max_new_tokens, 0, max_cache_len))
     # everything the call did, auto's work and the host's included, so tokens_per_second is
     # what the caller's clock sees; decode_seconds is the loop's share (prefill to result)
     stats["decode_seconds"] = seconds
@@ -191,61 +192,29 @@ def _placed_batch(prompt: np.ndarray, plens: np.ndarray, mesh):
     return shard_batch(prompt, mesh), shard_batch(plens, mesh)
 
 
-def _auto_choice(method: str, target, draft, prompt_j, plens_j, max_new_tokens: int,
-                 max_cache_len, pool, greedy: bool, compiles_anyway: bool = False):
-    """`decoding.auto`'s choice for this call -> (Choice, the cache slots it sized for). A pool
-    passed in keeps its shape: auto chooses among the configs it can serve. A greedy call
-    teaches auto the pair's agreement, so it may draft deeper once (`auto.explore`).
-    compiles_anyway: asked again at the end of a kind's first call, which compiles what it
-    settles on (`auto_switch.settle`), so a change of choice costs no later call a compile
-    (`auto.SETTLE_GAIN`)."""
-    from .decoding.auto import SETTLE_GAIN, STICKY_GAIN, auto_config
-
-    shape = (None if pool is None or not hasattr(pool, "phrase_len")
-             else (int(pool.guesses), int(pool.phrase_len)))
-    auto_slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
-    return auto_config(method, target, draft, prompt_j, plens_j, auto_slots,
-                       pool_shape=shape, explore_depth=greedy, timed=True,
-                       switch_gain=SETTLE_GAIN if compiles_anyway else STICKY_GAIN), auto_slots
-
-
-def _auto_setup(method, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
-                pool, greedy: bool, knobs: tuple, multi: bool):
+def _auto_setup(tuner: AutoTuner, method, target, draft, prompt_j, plens_j,
+                max_new_tokens: int, max_cache_len, pool, greedy: bool, knobs: tuple,
+                multi: bool):
     """(the Choice this call runs, the cache slots auto sized for, the call's
-    `auto_switch.Switcher` or None): auto's choice, or, where its loop has not run yet and
-    another's has, that one while the new loop compiles in the background. Not for a call
-    that passes a pool, nor over processes (auto's choice is broadcast once there)."""
-    ask = functools.partial(_auto_choice, method, target, draft, prompt_j, plens_j,
+    `auto.switch.Switcher` or None): the tuner's choice (`AutoTuner.call_choice`), or, where
+    its loop has not run yet and another's has, that one while the new loop compiles in the
+    background. Not for a call that passes a pool, nor over processes (auto's choice is
+    broadcast once there)."""
+    ask = functools.partial(tuner.call_choice, method, target, draft, prompt_j, plens_j,
                             max_new_tokens, max_cache_len, pool, greedy)
     choice, auto_slots = ask()
     if pool is not None or multi:
         return choice, auto_slots, None
-    switch = _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len,
-                       greedy, knobs)
+    switch = _switcher(tuner, ask, target, draft, prompt_j, plens_j, max_new_tokens,
+                       max_cache_len, greedy, knobs)
     return switch.runnable(choice), auto_slots, switch
 
 
-def _after_auto(choice, switch, target, draft, stats: dict, seconds: float, B: int, P: int,
-                auto_slots: int, learn: bool, compiled_s: float) -> None:
-    """After an auto call: its loop's time against its counted forwards' price kept, what the
-    next choice is priced with (learn: not from a call whose loop compiled, whose time is the
-    compiler's); the choice recorded as run, with the call's loop seconds and the seconds
-    compiled since `compiled_s` (`auto.compile_seconds` before the loop): what a switch of
-    loops would cost and save (`auto_switch`)."""
-    from .decoding.auto import compile_seconds, record_call
-
-    if learn:
-        record_call(choice.method, choice.config, target, draft, stats, seconds, B, P,
-                    auto_slots, choice.agreement)
-    if switch is not None:  # (a loop read from the persistent cache: not a timed call)
-        switch.after(choice, seconds if learn else 0.0, compile_seconds() - compiled_s)
-
-
-def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_cache_len,
-              greedy: bool, knobs: tuple) -> "auto_switch.Switcher":
-    """This call's `auto_switch.Switcher`: a choice's loop compiled by running it on this
-    call's prompts with every row limited to one new token (the same shapes: the same
-    program)."""
+def _switcher(tuner: AutoTuner, ask, target, draft, prompt_j, plens_j, max_new_tokens: int,
+              max_cache_len, greedy: bool, knobs: tuple) -> Switcher:
+    """This call's `auto.switch.Switcher` over the tuner's `Switch`: a choice's loop compiled
+    by running it on this call's prompts with every row limited to one new token (the same
+    shapes: the same program)."""
     B, P = prompt_j.shape
 
     def warm(choice) -> None:
@@ -256,42 +225,10 @@ def _switcher(ask, target, draft, prompt_j, plens_j, max_new_tokens: int, max_ca
                              greedy=greedy, slots=slots, pool=None)
         jax.block_until_ready(seq)
 
-    sig = auto_switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
-                                max_cache_len, greedy, knobs[-1])
+    sig = tuner.switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
+                                 max_cache_len, greedy, knobs[-1])
     # asked again at the end of the kind's first call, which compiles what it settles on
-    return auto_switch.Switcher(sig, warm, lambda: ask(compiles_anyway=True)[0])
-
-
-def _learn_prices(method, cfg, target, draft, stats: dict, seconds: float, B: int, P: int,
-                  slots: int) -> None:
-    """A call with an explicit config that compiled nothing teaches auto its loop's prices as
-    an auto call does (`auto.record_call`): calls of other configs tell the draft's share of
-    a round from the target's, which calls of one config cannot. Only where everything the
-    price needs is on disk (`auto.prices_known`): such a call never measures anything."""
-    from .decoding import auto
-
-    spec = METHODS.get(method) if isinstance(method, str) else None
-    if spec is None or spec.round_model is None:  # (vanilla: its auto calls teach it)
-        return
-    used = draft if spec.needs_draft else None
-    if not auto.prices_known(target, used, B):
-        return
-    a = auto.known_agreement(target, used) if used is not None else None
-    a = auto.DEFAULT_AGREEMENT if a is None else a
-    auto.record_call(method, cfg, target, used, stats, seconds, B, P, slots, a)
-
-
-def _learn(spec, cfg, stats: dict, greedy: bool, target, draft) -> None:
-    """The agreement this call realised (a method without a draft: its own rate, e.g. prompt
-    lookup's copy hit rate), stored: what the next "auto" plans with (process 0 keeps the
-    shared cache, so N processes do not count one call N times)."""
-    used = draft if spec.needs_draft else None  # (a method that needs one has it: check_draft)
-    learned = spec.learn(cfg, stats, greedy) if spec.learn is not None else None
-    if learned is not None and is_leader():
-        from .decoding.auto import record_realised
-
-        name = next(m for m, s in METHODS.items() if s is spec)
-        record_realised(target, used, *learned, method=name)
+    return Switcher(tuner.switch, sig, warm, lambda: ask(compiles_anyway=True)[0])
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

@@ -183,7 +183,7 @@ def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
     its state over B = slots slots of S = cache_slots cache slots, pinned on a mesh as the
     engine pins it (`executor.dev_placements`)."""
     from .request import EOS_BUCKET
-    from .serving.executor import (_HEAD, DeviceState, dev_placements, device_insert,
+    from .serving.executor import (INSERT_HEAD, DeviceState, dev_placements, device_insert,
                                    device_step, engine_state)
 
     spec = METHODS[method]
@@ -201,7 +201,7 @@ def engine_calls(method: str, pair: Pair, cfg: Any = None, *, slots: int = 4,
                            dev, dev_placements(mesh, dev))
     # one insert's host data in one int32 array (`executor.pack_insert`)
     insert = Call("engine insert", device_insert,
-                  (pair, dev, _sds((_HEAD + prompt_width,), jnp.int32, mesh)),
+                  (pair, dev, _sds((INSERT_HEAD + prompt_width,), jnp.int32, mesh)),
                   dict(insert_fn=spec.insert, cfg=loop_cfg, vocab=pair.tconfig.vocab_size,
                        shared=True))
     step = Call(f"engine step, {'greedy' if greedy else 'sampled'}", device_step,

@@ -82,17 +82,16 @@ def cache_spec(config: ModelConfig, batch: int, slots: int, mesh: Mesh) -> P:
 def shard_model(model: Model, mesh: Mesh) -> Model:
     """The same model with params placed on the mesh.
 
-    The placed copy is cached on the model itself (`model._sharded`, keyed by mesh), so repeated
-    calls reuse it and it is freed with the model: no module-level cache outlives a model.
+    The placed copy is kept on the model itself (`Model.derived_copy(("mesh", mesh))`), so
+    repeated calls reuse it and it is freed with the model: no module-level cache outlives a
+    model.
     """
     _check_mesh(mesh)
-    hit = model._sharded.get(mesh)
-    if hit is not None and hit[0] is model.params:
-        return hit[1]
+    hit = model.derived_copy(("mesh", mesh))
+    if hit is not None:
+        return hit
     params = jax.device_put(model.params, param_shardings(model.config, mesh))
-    out = dataclasses.replace(model, params=params)
-    model._sharded[mesh] = (model.params, out)
-    return out
+    return model.keep_derived(("mesh", mesh), dataclasses.replace(model, params=params))
 
 
 def check_heads(model: Model, mesh: Mesh, who: str = "target") -> None:
@@ -121,7 +120,7 @@ def load_sharded(path: str, mesh: Mesh, dtype="auto") -> Model:
         return param_shardings(config, mesh)
 
     model = load_model(path, dtype=dtype, shardings=shardings)
-    model._sharded[mesh] = (model.params, model)
+    model.keep_derived(("mesh", mesh), model)
     return model
 
 

@@ -43,13 +43,29 @@ TINY_VOCAB = 97
 
 # Modules whose wall time is longest (several processes, a whole demo or notebook) start first:
 # two workers each take whole modules, and a long module started last would run alone.
-FIRST = ("test_multihost.py", "test_demo.py", "test_notebook.py", "test_server.py",
-         "test_engine.py", "test_bench.py", "test_smollm2.py", "test_reliability.py")
+FIRST = ("test_multihost.py", "test_mesh_exact.py", "test_demo.py", "test_notebook.py",
+         "test_server.py", "test_engine.py", "test_bench.py", "test_smollm2.py",
+         "test_misuse_and_bf16.py")
+
+# The slow tier (`-m slow`): modules that load a real model (the demo pair's 25M parameters,
+# SmolLM2 from its GGUF), start processes (servers, the CLI, multi-host workers, a notebook
+# kernel) or compile every method on several meshes. `python -m pytest -m "not slow"` runs the
+# rest: every method's exactness on tiny models, in a few minutes (docs/architecture.md,
+# "Tests"). CI and the README's command run both tiers.
+SLOW_MODULES = frozenset({
+    "test_multihost.py", "test_multihost_faults.py", "test_mesh_exact.py", "test_demo.py",
+    "test_demo_pair.py", "test_notebook.py", "test_smollm2.py", "test_server.py",
+    "test_hostile.py", "test_bench.py", "test_bench_serve.py", "test_bench_serve_peer.py",
+    "test_cli_vocab.py", "test_device_script.py", "test_xla_cpu.py", "test_compile_cache.py",
+})
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(FIRST)))  # stable: order within kept
+    for it in items:
+        if it.path.name in SLOW_MODULES:
+            it.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,4 +1,4 @@
-"""config="auto" (decoding/auto.py): the choice follows the latency shape of the device (flat
+"""config="auto" (ouroboros_jax/auto/): the choice follows the latency shape of the device (flat
 tables, as on an accelerator, give the paper's large trees; steep CPU-like tables give small
 trees or no speculation), the probe and the agreement are kept on disk, and auto never changes
 the tokens."""
@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax import auto_switch
-from ouroboros_jax.decoding import METHODS, auto, cost
+from ouroboros_jax.auto import AutoTuner, prices
+from ouroboros_jax.auto import choice as choice_mod
+from ouroboros_jax.auto.agreement import MIN_REALISED_ROUNDS
+from ouroboros_jax.auto.choice import (SETTLE_GAIN, STICKY_GAIN, TRY_CALLS, TRY_GAIN, MIN_GAIN,
+                                       Choice, choose, fits_pool, predicted_rate,
+                                       predicted_speedup)
+from ouroboros_jax.auto.keys import Signatures, signature_of
+from ouroboros_jax.decoding import METHODS, cost
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
@@ -32,27 +38,27 @@ CPU_D = {n: 0.47e-3 * (1 + 0.06 * (n - 1)) for n in SIZES}
 
 def test_flat_latency_gives_the_papers_large_trees():
     # the paper's pairs on code agree about 90% of the time
-    o = auto.choose("ouroboros", FLAT_T, FLAT_D, 0.9)
+    o = choose("ouroboros", FLAT_T, FLAT_D, 0.9)
     assert o.method == "ouroboros" and isinstance(o.config, OuroborosConfig)
     c = o.config
     assert (c.gamma, c.window, c.ngram, c.suffixes) == (12, 20, 7, 3)  # the paper's code recipe
     assert c.phrase_drafting and c.lengthening and c.recycling  # every mechanism pays here
-    la = auto.choose("lookahead", FLAT_T, None, None)
+    la = choose("lookahead", FLAT_T, None, None)
     assert isinstance(la.config, LookaheadConfig) and la.config.window >= 15 and la.config.ngram >= 5
-    sd = auto.choose("speculative", FLAT_T, FLAT_D, 0.8)
+    sd = choose("speculative", FLAT_T, FLAT_D, 0.8)
     assert isinstance(sd.config, SpeculativeConfig) and 4 <= sd.config.gamma <= 8  # paper: 4-6+
-    o = auto.choose("ouroboros", FLAT_T, FLAT_D, 0.8)
+    o = choose("ouroboros", FLAT_T, FLAT_D, 0.8)
     assert o.predicted_speedup > sd.predicted_speedup > 1.5
 
 
 def test_steep_cpu_latency_gives_small_trees():
-    o = auto.choose("ouroboros", CPU_T, CPU_D, 0.75)
+    o = choose("ouroboros", CPU_T, CPU_D, 0.75)
     assert o.method == "ouroboros"
     c = o.config
     assert c.window <= 4 and c.ngram <= 4 and c.gamma <= 6
     n_t = 1 + c.gamma + c.suffixes * (c.ngram - 1)
     assert n_t < 20  # far from the paper's 247-token trees
-    sd = auto.choose("speculative", CPU_T, CPU_D, 0.75)
+    sd = choose("speculative", CPU_T, CPU_D, 0.75)
     assert sd.method == "speculative" and 2 <= sd.config.gamma <= 6
 
 
@@ -61,8 +67,8 @@ def test_ouroboros_auto_drops_mechanisms_that_cost_more_than_they_bring():
     cost more than they bring: auto runs Ouroboros with its mechanisms off (speculative
     decoding, the ablation's SD step), predicted as fast as speculative, instead of falling
     back to vanilla; the recipe says which mechanisms are off."""
-    sd = auto.choose("speculative", CPU_T, CPU_D, 0.65)
-    o = auto.choose("ouroboros", CPU_T, CPU_D, 0.65)
+    sd = choose("speculative", CPU_T, CPU_D, 0.65)
+    o = choose("ouroboros", CPU_T, CPU_D, 0.65)
     assert sd.method == "speculative" and o.method == "ouroboros"
     c = o.config
     assert not c.phrase_drafting and not c.lengthening and not c.recycling and c.history
@@ -73,8 +79,8 @@ def test_ouroboros_auto_drops_mechanisms_that_cost_more_than_they_bring():
     for g in (1, 3, 6):
         off = OuroborosConfig(gamma=g, window=2, ngram=3, guesses=2, suffixes=1,
                               phrase_drafting=False, lengthening=False, recycling=False)
-        assert auto.predicted_rate("ouroboros", off, CPU_T, CPU_D, 0.7) == pytest.approx(
-            auto.predicted_rate("speculative", SpeculativeConfig(gamma=g), CPU_T, CPU_D, 0.7))
+        assert predicted_rate("ouroboros", off, CPU_T, CPU_D, 0.7) == pytest.approx(
+            predicted_rate("speculative", SpeculativeConfig(gamma=g), CPU_T, CPU_D, 0.7))
     # a mechanism switched on costs its forwards and brings its tokens in the model
     on = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1)
     pd_off = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1,
@@ -85,20 +91,20 @@ def test_ouroboros_auto_drops_mechanisms_that_cost_more_than_they_bring():
     assert rm(pd_off, 0.7).tokens == rm(on, 0.7).tokens
 
 
-def test_auto_keeps_the_shape_of_a_pool_the_call_passes(tiny_pair, random_prompts, fresh_auto):
+def test_auto_keeps_the_shape_of_a_pool_the_call_passes(tiny_pair, random_prompts, tuner):
     """A pool from an earlier call (here ngram 4: phrases of 3 tokens) goes on serving later
     config="auto" calls: auto chooses among the configs it fits, whatever it would pick
     without it, and a pool that fits none is refused by name."""
     target, draft, _ = tiny_pair
     first = oj.generate(target, random_prompts[:1], draft=draft, method="ouroboros",
-                        max_new_tokens=8,
+                        max_new_tokens=8, tuner=tuner,
                         config=OuroborosConfig(gamma=2, window=2, ngram=4, guesses=2,
                                                suffixes=1))
     assert first.pool.phrase_len == 3
     # a pair that agrees (as if speculative calls had realised it), so speculation pays
-    auto.record_realised(target, draft, 0.9, 4 * auto.MIN_REALISED_ROUNDS)
+    tuner.agreement.record_realised(target, draft, 0.9, 4 * MIN_REALISED_ROUNDS)
     out = oj.generate(target, random_prompts[:1], draft=draft, method="ouroboros",
-                      max_new_tokens=8, pool=first.pool)
+                      max_new_tokens=8, pool=first.pool, tuner=tuner)
     assert out.stats["auto"]["method"] == "ouroboros"
     cfg = eval(out.stats["auto"]["config"], {"OuroborosConfig": OuroborosConfig})
     assert cfg.ngram == 4 and out.pool.phrase_len == 3
@@ -106,18 +112,18 @@ def test_auto_keeps_the_shape_of_a_pool_the_call_passes(tiny_pair, random_prompt
         for a, b in zip(jax.tree.leaves(first.pool), jax.tree.leaves(out.pool)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # where the unconstrained pick has another phrase length, the pool's shape wins
-    assert auto.choose("ouroboros", CPU_T, CPU_D, 0.65).config.ngram == 3
-    assert auto.choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(2, 3)).config.ngram == 4
-    assert auto.fits_pool(OuroborosConfig(ngram=4, guesses=2, window=2, suffixes=1), (2, 3))
-    assert not auto.fits_pool(OuroborosConfig(ngram=3, guesses=2, window=2, suffixes=1), (2, 3))
-    assert not auto.fits_pool(OuroborosConfig(ngram=4, guesses=3, window=3, suffixes=1), (2, 3))
+    assert choose("ouroboros", CPU_T, CPU_D, 0.65).config.ngram == 3
+    assert choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(2, 3)).config.ngram == 4
+    assert fits_pool(OuroborosConfig(ngram=4, guesses=2, window=2, suffixes=1), (2, 3))
+    assert not fits_pool(OuroborosConfig(ngram=3, guesses=2, window=2, suffixes=1), (2, 3))
+    assert not fits_pool(OuroborosConfig(ngram=4, guesses=3, window=3, suffixes=1), (2, 3))
     with pytest.raises(ValueError, match="pool: its phrases of 8 tokens"):
-        auto.choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(20, 8))
+        choose("ouroboros", CPU_T, CPU_D, 0.65, pool_shape=(20, 8))
 
 
 def test_each_method_describes_its_own_auto_grid():
     # the candidates come from the method's MethodSpec, so a registered method is sized by auto
-    # with nothing added to auto.py; vanilla has no knobs and is refused by name
+    # with nothing added to auto/; vanilla has no knobs and is refused by name
     from ouroboros_jax.decoding import METHODS
 
     grid = {"gamma": (2, 5), "window": (3,), "ngram": (4,), "suffixes": (1, 4)}
@@ -128,26 +134,26 @@ def test_each_method_describes_its_own_auto_grid():
     assert [(c.gamma, c.suffixes) for c in og] == [(2, 1), (5, 1)] * 4
     assert [(c.phrase_drafting, c.lengthening) for c in og[::2]] == [
         (True, True), (False, True), (True, False), (False, False)]
-    best = auto.choose("speculative", CPU_T, CPU_D, 0.75)
+    best = choose("speculative", CPU_T, CPU_D, 0.75)
     assert best.predicted_speedup == pytest.approx(
-        auto.predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)
-        / auto.predicted_rate("speculative", None, CPU_T, CPU_D, 0.75))
+        predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)
+        / predicted_rate("speculative", None, CPU_T, CPU_D, 0.75))
     with pytest.raises(ValueError, match="knows lookahead, ouroboros, prompt_lookup, speculative, not 'vanilla'"):
-        auto.choose("vanilla", CPU_T, None, None)
+        choose("vanilla", CPU_T, None, None)
 
 
 def test_speculation_turned_off_where_it_cannot_pay():
     # low agreement: the draft's forwards cost more than the tokens they win
-    low = auto.choose("speculative", CPU_T, CPU_D, 0.1)
+    low = choose("speculative", CPU_T, CPU_D, 0.1)
     assert low.method == "vanilla" and low.config is None and "off" in low.reason
     # a large batch on a CPU: every extra token per row costs as much as a row (compute-bound)
     steep = {n: 1e-3 * n for n in SIZES}
     for m, td in (("speculative", {n: 0.3e-3 * n for n in SIZES}), ("lookahead", None)):
-        assert auto.choose(m, steep, td, 0.7).method == "vanilla"
+        assert choose(m, steep, td, 0.7).method == "vanilla"
 
 
 def test_more_agreement_never_lowers_gamma():
-    gammas = [auto.choose("speculative", FLAT_T, FLAT_D, a).config.gamma for a in (0.5, 0.7, 0.9)]
+    gammas = [choose("speculative", FLAT_T, FLAT_D, a).config.gamma for a in (0.5, 0.7, 0.9)]
     assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
 
 
@@ -169,20 +175,23 @@ def test_lookup_interpolates_and_extrapolates():
 
 @pytest.fixture
 def fresh_auto(tmp_path, monkeypatch):
-    """An empty auto disk cache and nothing remembered in the process, as in a fresh process."""
+    """An empty auto disk store (its directory returned)."""
     monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(auto, "_AGREED", set())
-    monkeypatch.setattr(auto, "_CHOICES", {})
-    auto_switch.forget()  # no choice's loop known to have run
     return tmp_path
 
 
-def _new_process(monkeypatch):
-    """What a new process over the same store starts from: nothing in memory."""
-    monkeypatch.setattr(auto, "_MEMO", {})
-    monkeypatch.setattr(auto, "_CHOICES", {})
-    auto_switch.forget()
-    monkeypatch.setattr(auto, "_AGREED", set())
+@pytest.fixture
+def tuner(fresh_auto):
+    """A fresh AutoTuner over the empty store: nothing remembered, as in a fresh process."""
+    return AutoTuner()
+
+
+def _scripted(monkeypatch, answers) -> AutoTuner:
+    """A fresh tuner (a new process over the store) whose choice before the sticky rule
+    (`Chooser.current`) is the next of `answers`."""
+    tuner = AutoTuner()
+    monkeypatch.setattr(tuner.chooser, "current", lambda *a, **k: next(answers))
+    return tuner
 
 
 def test_calls_after_the_first_compile_nothing_and_probe_nothing(tiny_pair, random_prompts,
@@ -195,35 +204,45 @@ def test_calls_after_the_first_compile_nothing_and_probe_nothing(tiny_pair, rand
     # they move a method against vanilla by the wall clock's noise, and a new process's first
     # call then runs (and compiles) a choice the persistent cache does not hold; the factor's
     # effect on the choice is tested on its own (test_a_methods_timed_rounds_teach_...)
-    monkeypatch.setattr(auto, "method_factor", lambda *a: (1.0, auto.TRY_CALLS))
     prompts = random_prompts[:2]
     ref = oj.generate(target, prompts, max_new_tokens=12)
     work = []  # (call, what) of every calibration or agreement measurement
     calls = [0]
-    real_cal, real_agree = auto.calibrate, auto.pair_agreement
-    monkeypatch.setattr(auto, "calibrate",
+    real_cal = prices.calibrate
+    monkeypatch.setattr(prices, "calibrate",
                         lambda *a, **k: work.append((calls[0], "calibrate")) or real_cal(*a, **k))
-    monkeypatch.setattr(auto, "pair_agreement",
-                        lambda *a, **k: work.append((calls[0], "agree")) or real_agree(*a, **k))
+
+    def process():
+        """A tuner as a new process over the store has it, its measurements logged."""
+        t = AutoTuner()
+        monkeypatch.setattr(t.prices, "method_factor", lambda *a: (1.0, TRY_CALLS))
+        real_agree = t.agreement.pair_agreement
+        monkeypatch.setattr(t.agreement, "pair_agreement", lambda *a, **k: work.append(
+            (calls[0], "agree")) or real_agree(*a, **k))
+        return t
+
+    tuner = process()
     methods = ("speculative", "ouroboros", "lookahead", "prompt_lookup")
     for m in methods:  # first calls: each compiles its loop
         calls[0] += 1
-        out = oj.generate(target, prompts, draft=draft, method=m, max_new_tokens=12)
+        out = oj.generate(target, prompts, draft=draft, method=m, max_new_tokens=12,
+                          tuner=tuner)
         assert out.tokens == ref.tokens
         s = out.stats["auto"]
         assert s["asked"] == m and s["method"] in (m, "vanilla") and s["reason"]
         json.dumps(out.stats)
     # one calibration (one dtype), one agreement (one pair), both in the first call
     assert work == [(1, "calibrate"), (1, "agree")]
-    for process in range(2):
-        if process:
-            _new_process(monkeypatch)
+    for new in range(2):
+        if new:
+            tuner = process()
         for m in methods * 2:
             calls[0] += 1
-            before = auto.compiles()
-            out = oj.generate(target, prompts, draft=draft, method=m, max_new_tokens=12)
+            before = tuner.compiles.programs
+            out = oj.generate(target, prompts, draft=draft, method=m, max_new_tokens=12,
+                              tuner=tuner)
             assert out.tokens == ref.tokens
-            assert auto.compiles() == before, (m, out.stats["auto"])
+            assert tuner.compiles.programs == before, (m, out.stats["auto"])
     assert work == [(1, "calibrate"), (1, "agree")]
     store = json.loads((fresh_auto / "auto.json").read_text())
     assert len(store["device"]) == 1 and len(store["agreement"]) == 1
@@ -233,9 +252,9 @@ def test_calls_after_the_first_compile_nothing_and_probe_nothing(tiny_pair, rand
     assert 4 * len(methods) <= sum(v[5] for v in store["timing"].values()) <= 5 * len(methods)
 
 
-def test_stats_say_what_was_measured_and_what_assumed(tiny_pair, random_prompts, fresh_auto):
+def test_stats_say_what_was_measured_and_what_assumed(tiny_pair, random_prompts, tuner):
     target, draft, _ = tiny_pair
-    kw = dict(draft=draft, method="speculative", max_new_tokens=8)
+    kw = dict(draft=draft, method="speculative", max_new_tokens=8, tuner=tuner)
     first = oj.generate(target, random_prompts[:1], **kw).stats["auto"]
     assert any("calibrated in this call" in m for m in first["measured"])
     assert any("measured now" in m for m in first["measured"])  # the pair's agreement
@@ -247,22 +266,21 @@ def test_stats_say_what_was_measured_and_what_assumed(tiny_pair, random_prompts,
     assert not any("no earlier call" in a for a in third["assumed"])
 
 
-def test_stats_seconds_include_autos_own_work(tiny_pair, random_prompts, fresh_auto,
-                                              monkeypatch):
+def test_stats_seconds_include_autos_own_work(tiny_pair, random_prompts, tuner, monkeypatch):
     """stats' seconds are the whole call (auto's work, the host's included), so
     tokens_per_second is what the caller's clock sees; decode_seconds is the loop's part."""
     import time
 
     target, draft, _ = tiny_pair
-    real = auto.auto_config
+    real = tuner.chooser.auto_config
     pause = 0.3
 
     def slow(*a, **k):
         time.sleep(pause)
         return real(*a, **k)
 
-    monkeypatch.setattr(auto, "auto_config", slow)
-    kw = dict(draft=draft, method="speculative", max_new_tokens=8)
+    monkeypatch.setattr(tuner.chooser, "auto_config", slow)
+    kw = dict(draft=draft, method="speculative", max_new_tokens=8, tuner=tuner)
     oj.generate(target, random_prompts[:1], **kw)
     t0 = time.perf_counter()
     out = oj.generate(target, random_prompts[:1], **kw)
@@ -285,19 +303,19 @@ def test_scales_learned_from_calls_price_their_loops():
         y = s_t * x_t + s_s * x_s
         sums = [a + b for a, b in zip(sums, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y,
                                               x_s * y, 1))]
-    a, b, separated = auto.solve_scales(sums)
+    a, b, separated = prices.solve_scales(sums)
     assert separated and a == pytest.approx(s_t, rel=1e-3) and b == pytest.approx(s_s, rel=1e-3)
     one = [4.0, 2.0, 1.0, 2.0 * 3.3, 1.0 * 3.3, 1]  # x = (2, 1), y = 3.3
-    a, b, separated = auto.solve_scales(one)
+    a, b, separated = prices.solve_scales(one)
     assert not separated and a == pytest.approx(b, rel=1e-2)
     assert 2 * a + 1 * b == pytest.approx(3.3, rel=1e-2)
-    assert auto.solve_scales([4.0, 0.0, 0.0, 2.0 * 3.0, 0.0, 1]) == (1.5, 1.5, False)
-    assert auto.solve_scales([0.0] * 5 + [0]) == (1.0, 1.0, False)
+    assert prices.solve_scales([4.0, 0.0, 0.0, 2.0 * 3.0, 0.0, 1]) == (1.5, 1.5, False)
+    assert prices.solve_scales([0.0] * 5 + [0]) == (1.0, 1.0, False)
     # the real pair's sums after 3 calls at γ 4 and 2 at γ 6 (the README bench's store): their
     # draft shares differ by the prompts' prefills alone, and a free fit split them into
     # target x0.16, draft x2.32; one scale prices them instead
     real = [1002.80, 742.85, 557.19, 1881.33, 1409.69, 5]
-    a, b, separated = auto.solve_scales(real)
+    a, b, separated = prices.solve_scales(real)
     assert not separated and a == b == pytest.approx(3291.02 / 3045.69, rel=1e-4)
     # a split the data support but far past MAX_SPLIT of the common scale is refused too
     far = [0.0] * 5 + [0]
@@ -305,7 +323,7 @@ def test_scales_learned_from_calls_price_their_loops():
         y = 0.1 * x_t + 3.0 * x_s
         far = [a + b for a, b in zip(far, (x_t * x_t, x_t * x_s, x_s * x_s, x_t * y,
                                             x_s * y, 1))]
-    a, b, separated = auto.solve_scales(far)
+    a, b, separated = prices.solve_scales(far)
     assert not separated and a == b
 
 
@@ -315,11 +333,11 @@ def test_calibration_from_two_matmuls(monkeypatch):
     forwards, never a free token."""
     import jax.numpy as jnp
 
-    k, rows = auto.CALIBRATION["cpu"]
-    for t1, tr, share in ((1e-3, 2.5e-3, 0.1), (1e-3, 0.9e-3, auto.CPU_TOKEN_SHARE[0])):
-        monkeypatch.setattr(auto, "matmul_timer",
+    k, rows = prices.CALIBRATION["cpu"]
+    for t1, tr, share in ((1e-3, 2.5e-3, 0.1), (1e-3, 0.9e-3, prices.CPU_TOKEN_SHARE[0])):
+        monkeypatch.setattr(prices, "matmul_timer",
                             lambda r, *a, t1=t1, tr=tr: (lambda: t1 if r == 1 else tr))
-        rates = auto.calibrate(jnp.float32)
+        rates = prices.calibrate(jnp.float32)
         assert not rates.overlap
         assert rates.bandwidth == pytest.approx(k * k * 4 / t1)
         assert 2 * k * k / rates.flops == pytest.approx(share * t1)
@@ -333,7 +351,7 @@ def test_calibration_from_two_matmuls(monkeypatch):
     assert flat[1] == flat[5] == pytest.approx(1e-4 + 0.04)  # weights-bound: the roofline
 
 
-def test_wide_forwards_priced_at_their_own_anchors(tiny_pair, fresh_auto, monkeypatch):
+def test_wide_forwards_priced_at_their_own_anchors(tiny_pair, tuner, monkeypatch):
     """model_anchor times each model's forwards of 1, 2 and WIDE_ANCHOR tokens: the prices hit
     all three timings exactly, and a size between 2 and WIDE_ANCHOR is priced by the shape at
     a factor halfway (in log T) between the 2-token and the wide one's, not at the 1-token one's
@@ -341,8 +359,8 @@ def test_wide_forwards_priced_at_their_own_anchors(tiny_pair, fresh_auto, monkey
     the demo target the 8-token anchor priced t(2) 15% low). Timed once: a second pricing reads
     the anchors from disk."""
     target, draft, _ = tiny_pair
-    w = auto.WIDE_ANCHOR
-    assert auto.ANCHOR_SIZES == (1, 2, w) and w == 8  # 4 is halfway from 2 to 8 in log T
+    w = prices.WIDE_ANCHOR
+    assert prices.ANCHOR_SIZES == (1, 2, w) and w == 8  # 4 is halfway from 2 to 8 in log T
     timed = {1: 2e-3, 2: 5e-3, w: 9e-3}  # 2.5x and 4.5x the 1-token forward: not the shapes'
     calls = []
 
@@ -350,21 +368,21 @@ def test_wide_forwards_priced_at_their_own_anchors(tiny_pair, fresh_auto, monkey
         calls.append(n)
         return lambda: timed[n]
 
-    monkeypatch.setattr(auto, "_forward_seconds", timer)
-    tt, td, anchors = auto._base_tables(target, draft, 1, 64, True)
+    monkeypatch.setattr(prices, "forward_seconds", timer)
+    tt, td, anchors = tuner.prices.base_tables(target, draft, 1, 64, True)
     assert sorted(calls) == [1, 1, 2, 2, w, w]
     for table in (tt, td):
         for n in (1, 2, w):
             assert cost.interpolate(table, n) == pytest.approx(timed[n])
-    rates, _ = auto.device_rates(target.params["embed"].dtype)
-    shape = auto.shape_table(target, 1, 64, (1, 2, 4, w), rates)
+    rates, _ = tuner.prices.device_rates(target.params["embed"].dtype)
+    shape = tuner.prices.shape_table(target, 1, 64, (1, 2, 4, w), rates)
     a2, aw = timed[2] / shape[2], timed[w] / shape[w]
     assert tt[4] == pytest.approx(shape[4] * (a2 + aw) / 2)
     assert tt[4] != pytest.approx(shape[4] * aw, rel=0.05)
     assert tt[4] != pytest.approx(shape[4] * timed[1] / shape[1], rel=0.05)
-    assert auto.prices_known(target, draft, 1)
+    assert tuner.prices.prices_known(target, draft, 1)
     calls.clear()
-    assert auto._base_tables(target, draft, 1, 64, True)[2] == anchors and not calls
+    assert tuner.prices.base_tables(target, draft, 1, 64, True)[2] == anchors and not calls
 
 
 def test_choice_is_kept_by_a_second_process_over_the_same_store(tiny_pair, random_prompts,
@@ -376,14 +394,15 @@ def test_choice_is_kept_by_a_second_process_over_the_same_store(tiny_pair, rando
     target, draft, _ = tiny_pair
     prompt = jnp.asarray([random_prompts[0][:8]], jnp.int32)
     plens = jnp.asarray([8], jnp.int32)
-    seq = iter([auto.Choice("speculative", SpeculativeConfig(gamma=3), 1.5, 0.7, "first",
-                            (CPU_T, CPU_D)),
-                auto.Choice("speculative", SpeculativeConfig(gamma=4), 1.52, 0.7, "second",
-                            (CPU_T, CPU_D))])
-    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: next(seq))
-    first = auto.auto_config("speculative", target, draft, prompt, plens, 64)
-    _new_process(monkeypatch)
-    second = auto.auto_config("speculative", target, draft, prompt, plens, 64)
+    seq = iter([Choice("speculative", SpeculativeConfig(gamma=3), 1.5, 0.7, "first",
+                       (CPU_T, CPU_D)),
+                Choice("speculative", SpeculativeConfig(gamma=4), 1.52, 0.7, "second",
+                       (CPU_T, CPU_D))])
+    first = _scripted(monkeypatch, seq).auto_config("speculative", target, draft, prompt,
+                                                    plens, 64)
+    # a second process over the same store
+    second = _scripted(monkeypatch, seq).auto_config("speculative", target, draft, prompt,
+                                                     plens, 64)
     assert first.config == second.config == SpeculativeConfig(gamma=3)
     assert "kept" in second.reason
     stored = json.loads((fresh_auto / "auto.json").read_text())["choice"]
@@ -409,15 +428,15 @@ def test_prior_latency_flat_on_accelerators_steep_on_cpu(monkeypatch):
                                      num_layers=8, num_heads=16, num_kv_heads=16))
     sizes = (1, 4, 16, 64, 256)
     for backend, flat in (("gpu", True), ("tpu", True), ("cpu", False)):
-        monkeypatch.setattr(auto.jax, "default_backend", lambda b=backend: b)
-        tt = auto.prior_latency(big, 1, 1024, sizes)
-        td = auto.prior_latency(small, 1, 1024, sizes)
+        monkeypatch.setattr(prices.jax, "default_backend", lambda b=backend: b)
+        tt = prices.prior_latency(big, 1, 1024, sizes)
+        td = prices.prior_latency(small, 1, 1024, sizes)
         # never cheaper with more tokens; on an accelerator flat while the weights' read
         # bounds it (the roofline)
         assert all(tt[a] <= tt[b] if flat else tt[a] < tt[b] for a, b in zip(sizes, sizes[1:]))
         assert td[1] < tt[1] / 10
         assert (tt[64] / tt[1] < 1.3) == flat, (backend, tt)
-        o = auto.choose("ouroboros", tt, td, 0.9)
+        o = choose("ouroboros", tt, td, 0.9)
         if flat:
             assert o.config.gamma >= 8 and o.config.window >= 8
         else:
@@ -434,7 +453,8 @@ def test_agreement_of_a_model_with_itself_is_one(tiny_target, random_prompts):
     for i, r in enumerate(rows):
         prompt[i, :len(r)] = r
     plens = jnp.asarray([len(r) for r in rows], jnp.int32)
-    a, n = auto.pair_agreement(tiny_target, tiny_target, jnp.asarray(prompt), plens, use_cache=False)
+    a, n = AutoTuner().agreement.pair_agreement(tiny_target, tiny_target, jnp.asarray(prompt),
+                                                plens, use_cache=False)
     assert n == sum(len(r) for r in rows) and a == 1.0
 
 
@@ -450,90 +470,89 @@ def test_agreement_from_eta_inverts_expected_tokens():
     assert cost.agreement_from_eta(1.0, 4) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, tmp_path, monkeypatch):
+def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, fresh_auto, tuner):
     """Speculative calls record the agreement they realised; after MIN_REALISED_ROUNDS rounds it
     is what auto plans with (the pair is the target with itself: every draft token accepted)."""
-    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
     t = tiny_target
-    assert auto.realised_agreement(t, t) is None
+    assert tuner.agreement.realised_agreement(t, t) is None
     cfg = SpeculativeConfig(gamma=3)
     out = oj.generate(t, [[5, 6, 7]] * 2, draft=t, method="speculative", config=cfg,
-                      max_new_tokens=300, eos_token_id=-1)
+                      max_new_tokens=300, eos_token_id=-1, tuner=tuner)
     assert out.stats["eta"] == pytest.approx(4.0)
-    assert out.stats["target_calls"] >= auto.MIN_REALISED_ROUNDS
-    assert auto.realised_agreement(t, t) > 0.99
-    stored = json.loads((tmp_path / "auto.json").read_text())["realised"]
+    assert out.stats["target_calls"] >= MIN_REALISED_ROUNDS
+    assert tuner.agreement.realised_agreement(t, t) > 0.99
+    stored = json.loads((fresh_auto / "auto.json").read_text())["realised"]
     assert list(stored.values())[0][1] == out.stats["target_calls"]
 
 
-def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, tmp_path, monkeypatch):
+def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, fresh_auto,
+                                                monkeypatch):
     """A new config means a new compile: a process keeps its choice for the same shapes unless
     another is predicted STICKY_GAIN faster."""
     import jax.numpy as jnp
 
-    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
     target, draft, _ = tiny_pair
     prompt = jnp.asarray([random_prompts[0][:8]], jnp.int32)
     plens = jnp.asarray([8], jnp.int32)
-    seq = iter([auto.Choice("speculative", SpeculativeConfig(gamma=3), 1.5, 0.7, "first", (CPU_T, CPU_D)),
-                auto.Choice("speculative", SpeculativeConfig(gamma=4), 1.52, 0.7, "second", (CPU_T, CPU_D)),
-                auto.Choice("vanilla", None, 1.0, 0.05, "third", (CPU_T, CPU_D))])
-    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: next(seq))
-    first = auto.auto_config("speculative", target, draft, prompt, plens, 64)
-    second = auto.auto_config("speculative", target, draft, prompt, plens, 64)
+    seq = iter([Choice("speculative", SpeculativeConfig(gamma=3), 1.5, 0.7, "first",
+                       (CPU_T, CPU_D)),
+                Choice("speculative", SpeculativeConfig(gamma=4), 1.52, 0.7, "second",
+                       (CPU_T, CPU_D)),
+                Choice("vanilla", None, 1.0, 0.05, "third", (CPU_T, CPU_D))])
+    tuner = _scripted(monkeypatch, seq)
+    first = tuner.auto_config("speculative", target, draft, prompt, plens, 64)
+    second = tuner.auto_config("speculative", target, draft, prompt, plens, 64)
     assert first.config == second.config == SpeculativeConfig(gamma=3) and "kept" in second.reason
     # the rival named at the prices now: gamma 4's speedup, not its reason's words
-    rival = auto.predicted_rate("speculative", SpeculativeConfig(gamma=4), CPU_T, CPU_D, 0.7)
+    rival = predicted_rate("speculative", SpeculativeConfig(gamma=4), CPU_T, CPU_D, 0.7)
     assert f"kept: {rival / cost.vanilla_rate(CPU_T):.2f}x vanilla for another" in second.reason
-    third = auto.auto_config("speculative", target, draft, prompt, plens, 64)  # at a = 0.05 SD loses
+    third = tuner.auto_config("speculative", target, draft, prompt, plens, 64)  # a = 0.05: SD loses
     assert third.method == "vanilla"
 
 
 def test_a_call_that_compiles_anyway_switches_on_a_smaller_gain(tiny_pair, random_prompts,
-                                                               tmp_path, monkeypatch):
+                                                               fresh_auto, monkeypatch):
     """Asked again at the end of a kind's first call (which compiles what it settles on), a
     choice predicted SETTLE_GAIN faster replaces the kept one; a later call, whose switch
     would compile, still asks STICKY_GAIN. (On the real Qwen pair the sticky rule
     at the end of the first call kept gamma 4 where gamma 6 ran 1.18x faster.)"""
     import jax.numpy as jnp
 
-    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
     target, draft, _ = tiny_pair
     prompt = jnp.asarray([random_prompts[0][:8]], jnp.int32)
     plens = jnp.asarray([8], jnp.int32)
-    g4, g6 = (auto.Choice("speculative", SpeculativeConfig(gamma=g), 1.5, 0.9, f"gamma {g}",
-                          (CPU_T, CPU_D)) for g in (4, 6))
-    gain = (auto.predicted_rate("speculative", g6.config, CPU_T, CPU_D, 0.9)
-            / auto.predicted_rate("speculative", g4.config, CPU_T, CPU_D, 0.9))
-    assert auto.SETTLE_GAIN <= gain < auto.STICKY_GAIN  # the case the two gains decide apart
+    g4, g6 = (Choice("speculative", SpeculativeConfig(gamma=g), 1.5, 0.9, f"gamma {g}",
+                     (CPU_T, CPU_D)) for g in (4, 6))
+    gain = (predicted_rate("speculative", g6.config, CPU_T, CPU_D, 0.9)
+            / predicted_rate("speculative", g4.config, CPU_T, CPU_D, 0.9))
+    assert SETTLE_GAIN <= gain < STICKY_GAIN  # the case the two gains decide apart
     seq = iter([g4, g6, g6])
-    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: next(seq))
-    call = functools.partial(auto.auto_config, "speculative", target, draft, prompt, plens, 64)
+    call = functools.partial(_scripted(monkeypatch, seq).auto_config, "speculative", target,
+                             draft, prompt, plens, 64)
     assert call().config == g4.config
     kept = call()  # a later call: the switch would compile
-    assert kept.config == g4.config and f"not {auto.STICKY_GAIN:.2f}x better" in kept.reason
-    settled = call(switch_gain=auto.SETTLE_GAIN)
+    assert kept.config == g4.config and f"not {STICKY_GAIN:.2f}x better" in kept.reason
+    settled = call(switch_gain=SETTLE_GAIN)
     assert settled.config == g6.config and "kept" not in settled.reason
 
 
-def test_sharded_call_keys_the_sharded_model(tiny_pair, tmp_path, monkeypatch):
+def test_sharded_call_keys_the_sharded_model(tiny_pair, fresh_auto, tuner):
     """With mesh= and config="auto", auto prices and keeps its choice for the model as the call
     runs it (placed on the mesh), keyed by that placement, not by the unsharded copy."""
     from ouroboros_jax.sharding import make_mesh, shard_model
 
-    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
     target, draft, _ = tiny_pair
     mesh = make_mesh(1, 2)
     oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative", mesh=mesh,
-                max_new_tokens=4)
-    keys = list(json.loads((tmp_path / "auto.json").read_text())["choice"])
-    sharded_sig = auto.model_signature(shard_model(target, mesh))
-    assert sharded_sig != auto.model_signature(target)
+                max_new_tokens=4, tuner=tuner)
+    keys = list(json.loads((fresh_auto / "auto.json").read_text())["choice"])
+    sharded_sig = tuner.signatures(shard_model(target, mesh))
+    assert sharded_sig != tuner.signatures(target)
     assert any(f"|{sharded_sig}|" in k for k in keys), keys
-    assert not any(f"|{auto.model_signature(target)}|" in k for k in keys), keys
+    assert not any(f"|{tuner.signatures(target)}|" in k for k in keys), keys
 
 
-def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeypatch):
+def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, tuner, monkeypatch):
     """Prompt lookup has no draft, so its prices rested on copy priors fitted to copy-heavy
     requests (on SmolLM2's chat prompts auto chose it at 0.81x vanilla). A greedy call now
     records the hit rate its eta implies (`hit_from_eta`, the inverse of `expected_tokens`),
@@ -545,22 +564,21 @@ def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeyp
     assert pl.hit_from_eta(0.5, 1, 4) == 0.0 and pl.hit_from_eta(99.0, 1, 4) == 1.0
     t = tiny_target
     # the choice, on CPU-like prices: with nothing realised the prior pays; 0.02 does not
-    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
-        CPU_T, None, {"measured": [], "assumed": []}))
+    _cpu_prices(tuner, monkeypatch)
     prompt, plens = np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
-    margins, choose = [], auto.choose
-    monkeypatch.setattr(auto, "choose", lambda *a: margins.append(a[5]) or choose(*a))
-    auto._choose_memo.cache_clear()
-    prior = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
+    margins, choose = [], choice_mod.choose
+    monkeypatch.setattr(choice_mod, "choose", lambda *a: margins.append(a[5]) or choose(*a))
+    prior = tuner.chooser.current("prompt_lookup", t, None, prompt, plens, 64, True)
     assert prior.method == "prompt_lookup" and "prior" in " ".join(prior.notes["assumed"])
-    auto.record_realised(t, None, 0.02, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    tuner.agreement.record_realised(t, None, 0.02, 10 * MIN_REALISED_ROUNDS,
+                                    method="prompt_lookup")
     # (its rounds timed at their price: the margin is the realised rate's)
-    monkeypatch.setattr(auto, "relative_factor", lambda *a: (1.0, 5, 5))
-    learned = auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True)
+    monkeypatch.setattr(tuner.prices, "relative_factor", lambda *a: (1.0, 5, 5))
+    learned = tuner.chooser.current("prompt_lookup", t, None, prompt, plens, 64, True)
     assert learned.method == "vanilla"
     assert "realised over" in " ".join(learned.notes["measured"])
     # a rate still to be measured is tried on the smaller margin; a realised one needs the full
-    assert margins == [auto.TRY_GAIN, auto.MIN_GAIN]
+    assert margins == [TRY_GAIN, MIN_GAIN]
     gain = choose("prompt_lookup", CPU_T, None, None).predicted_speedup
     assert choose("prompt_lookup", CPU_T, None, None, None, gain - 0.01).method == "prompt_lookup"
     assert choose("prompt_lookup", CPU_T, None, None, None, gain + 0.01).method == "vanilla"
@@ -570,13 +588,13 @@ def test_prompt_lookup_learns_its_copy_hit_rate(tiny_target, fresh_auto, monkeyp
     assert key.endswith("|prompt_lookup")
     cfg = pl.PromptLookupConfig(candidates=1, length=4)
     out = oj.generate(t, [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]], method="prompt_lookup",
-                      config=cfg, max_new_tokens=24, eos_token_id=-1)
+                      config=cfg, max_new_tokens=24, eos_token_id=-1, tuner=tuner)
     rounds = out.stats["target_calls"]
     s1, n1 = realised()[key]
     assert n1 == n0 + rounds
     assert s1 - s0 == pytest.approx(pl.hit_from_eta(out.stats["eta"], 1, 4) * rounds)
     oj.generate(t, [[1, 2, 3]], method="prompt_lookup", config=cfg, max_new_tokens=24,
-                temperature=1.0)  # sampled: teaches nothing
+                temperature=1.0, tuner=tuner)  # sampled: teaches nothing
     assert realised() == {key: [s1, n1]}
 
 
@@ -586,13 +604,13 @@ def test_anchors_take_the_second_fastest_round():
     whose median was 234) must not set an anchor, so `model_anchor` passes rank 1."""
     seq = {1: iter([0.30, 0.187, 0.25, 0.234, 0.24]), 2: iter([0.31, 0.30, 0.32, 0.33, 0.29])}
     timers = {n: (lambda it=it: next(it)) for n, it in seq.items()}
-    table = auto._measure(timers, 5, rank=1)
+    table = prices.measure(timers, 5, rank=1)
     assert table == {1: 0.234, 2: 0.30}
     seq = {1: iter([0.30, 0.187]), 2: iter([0.10, 0.12])}
     timers = {n: (lambda it=it: next(it)) for n, it in seq.items()}
-    assert auto._measure(timers, 2) == {1: 0.187, 2: 0.187}  # monotone: never cheaper wider
+    assert prices.measure(timers, 2) == {1: 0.187, 2: 0.187}  # monotone: never cheaper wider
     import inspect
-    assert "rank=1" in inspect.getsource(auto.model_anchor)
+    assert "rank=1" in inspect.getsource(prices.Prices.model_anchor)
 
 
 def test_model_signature_remembered_per_array_and_config(tiny_pair):
@@ -604,58 +622,58 @@ def test_model_signature_remembered_per_array_and_config(tiny_pair):
     import jax.numpy as jnp
 
     target, _, _ = tiny_pair
-    sig = auto.model_signature(target)
-    assert sig == auto._signature(target) == auto.model_signature(target)
+    sigs = Signatures()
+    sig = sigs(target)
+    assert sig == signature_of(target) == sigs(target)
     half = dataclasses.replace(target, params={k: (v.astype(jnp.bfloat16) if k == "embed" else v)
                                                for k, v in target.params.items()})
-    assert auto.model_signature(half) == auto._signature(half) != sig
+    assert sigs(half) == signature_of(half) != sig
     other = dataclasses.replace(target, config=dataclasses.replace(target.config,
                                                                    rope_theta=1234.0))
-    assert auto.model_signature(other) == auto._signature(other) != sig
-    leaf = id(half.params["embed"])
-    assert leaf in auto._SIGNATURES
+    assert sigs(other) == signature_of(other) != sig
+    assert len(sigs) == 2  # target's and other's share their arrays; half has its own
     del half
     gc.collect()
-    assert leaf not in auto._SIGNATURES
+    assert len(sigs) == 1
 
 
-def test_a_methods_timed_rounds_teach_a_factor_of_their_own(tiny_target, fresh_auto):
+def test_a_methods_timed_rounds_teach_a_factor_of_their_own(tiny_target, tuner):
     """Each method's timed calls teach what its loops measure over their price at the learned
     scales, pooled with one call at its price; relative to vanilla's, it divides every
     predicted speedup of the method."""
     t = tiny_target
-    assert auto.method_factor(t, None, 1, "prompt_lookup") == (1.0, 0)
-    base = auto._timing_key(t, None, 1)
+    assert tuner.prices.method_factor(t, None, 1, "prompt_lookup") == (1.0, 0)
+    base = tuner.prices.timing_key(t, None, 1)
     # the target's scale: 1 (vanilla calls priced 2 s that took 2 s)
-    auto._add("timing", base, (4.0, 0.0, 0.0, 4.0, 0.0, 1), (0.0,) * 5 + (0,))
-    auto._add("rounds", f"{base}|vanilla", (2.0, 0.0, 2.0, 1), (0.0, 0.0, 0.0, 0))
+    tuner.store.add("timing", base, (4.0, 0.0, 0.0, 4.0, 0.0, 1), (0.0,) * 5 + (0,))
+    tuner.store.add("rounds", f"{base}|vanilla", (2.0, 0.0, 2.0, 1), (0.0, 0.0, 0.0, 0))
     # one prompt-lookup call priced 1 s that took 0.8 s: half way to 0.8
-    auto._add("rounds", f"{base}|prompt_lookup", (1.0, 0.0, 0.8, 1), (0.0, 0.0, 0.0, 0))
-    assert auto.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.9), 1)
+    tuner.store.add("rounds", f"{base}|prompt_lookup", (1.0, 0.0, 0.8, 1), (0.0, 0.0, 0.0, 0))
+    assert tuner.prices.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.9), 1)
     # two more at 0.8: (2.4 + 1) / (3 + 1)
-    auto._add("rounds", f"{base}|prompt_lookup", (2.0, 0.0, 1.6, 2), (0.0, 0.0, 0.0, 0))
-    assert auto.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.85), 3)
+    tuner.store.add("rounds", f"{base}|prompt_lookup", (2.0, 0.0, 1.6, 2), (0.0, 0.0, 0.0, 0))
+    assert tuner.prices.method_factor(t, None, 1, "prompt_lookup") == (pytest.approx(0.85), 3)
     # against vanilla's loops, measured 10% over their price
-    auto._add("rounds", f"{base}|vanilla", (0.0, 0.0, 0.4, 0), (0.0, 0.0, 0.0, 0))
-    f, n_m, n_v = auto.relative_factor(t, None, 1, "prompt_lookup")
+    tuner.store.add("rounds", f"{base}|vanilla", (0.0, 0.0, 0.4, 0), (0.0, 0.0, 0.0, 0))
+    f, n_m, n_v = tuner.prices.relative_factor(t, None, 1, "prompt_lookup")
     assert (n_m, n_v) == (3, 1) and f == pytest.approx(0.85 / ((2.4 + 2) / 4))
     # what auto's choice divides by: a config's predicted speedup rises as 1 / f
     cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
-    plain = auto.predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1)
-    assert auto.predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1, f) == pytest.approx(
+    plain = predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1)
+    assert predicted_speedup("prompt_lookup", cfg, CPU_T, None, 0.1, f) == pytest.approx(
         plain / f)
-    assert auto.predicted_speedup("vanilla", None, CPU_T, None, 0.1, f) == 1.0
+    assert predicted_speedup("vanilla", None, CPU_T, None, 0.1, f) == 1.0
 
 
-def test_record_call_adds_the_methods_own_sums(tiny_target, fresh_auto):
+def test_record_call_adds_the_methods_own_sums(tiny_target, tuner):
     """A timed call adds its loop's unscaled price and measured seconds under its method, the
     same price the scales' sums pool."""
     t = tiny_target
     stats = {"target_calls": 40, "draft_calls": 0, "new_tokens": 48, "eta": 1.2}
     cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
-    auto.record_call("prompt_lookup", cfg, t, None, stats, 0.5, 1, 8, 64)
-    data = auto._read_cache()
-    base = auto._timing_key(t, None, 1)
+    tuner.prices.record_call("prompt_lookup", cfg, t, None, stats, 0.5, 1, 8, 64)
+    data = tuner.store.read()
+    base = tuner.prices.timing_key(t, None, 1)
     x_t, x_s, y, n = data["rounds"][f"{base}|prompt_lookup"]
     sums = data["timing"][base]
     assert n == 1 and y == 0.5 and x_s == 0.0
@@ -663,83 +681,108 @@ def test_record_call_adds_the_methods_own_sums(tiny_target, fresh_auto):
     assert f"{base}|vanilla" not in data["rounds"]
 
 
-def _prompt_lookup_at_1_02x(t, monkeypatch):
+def _cpu_prices(tuner, monkeypatch) -> None:
+    """The tuner prices every forward at CPU_T, nothing measured."""
+    monkeypatch.setattr(tuner.prices, "latency_tables", lambda *a, **k: (
+        CPU_T, None, {"measured": [], "assumed": []}))
+
+
+def _prompt_lookup_at_1_02x(tuner, t, monkeypatch):
     """(target, prompt, plens) with CPU-like prices and a realised copy hit rate at which
     prompt lookup's best config is predicted 1.02x vanilla: between TRY_GAIN and MIN_GAIN."""
-    monkeypatch.setattr(auto, "latency_tables", lambda *a, **k: (
-        CPU_T, None, {"measured": [], "assumed": []}))
+    _cpu_prices(tuner, monkeypatch)
     grid = list(METHODS["prompt_lookup"].auto_grid())
     hit = next(h / 1000 for h in range(1, 400)
-               if 1.01 < max(auto.predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
+               if 1.01 < max(predicted_speedup("prompt_lookup", c, CPU_T, None, h / 1000)
                              for c in grid) < 1.03)
-    auto.record_realised(t, None, hit, 10 * auto.MIN_REALISED_ROUNDS, method="prompt_lookup")
+    tuner.agreement.record_realised(t, None, hit, 10 * MIN_REALISED_ROUNDS, method="prompt_lookup")
     return t, np.array([[5, 6, 7, 0]], np.int32), np.array([3], np.int32)
 
 
-def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, fresh_auto,
+def test_an_untimed_method_is_tried_from_the_smaller_margin(tiny_target, tuner,
                                                             monkeypatch):
     """A method predicted under MIN_GAIN but over TRY_GAIN runs while no call has timed its
     rounds (its calls then teach its factor); timed at its price it needs MIN_GAIN, and timed
     10% under its price it runs again."""
-    t, prompt, plens = _prompt_lookup_at_1_02x(tiny_target, monkeypatch)
-    ask = functools.partial(auto._auto_choice, "prompt_lookup", t, None, prompt, plens, 64, True,
-                            timed=True)
-    auto._choose_memo.cache_clear()
+    t, prompt, plens = _prompt_lookup_at_1_02x(tuner, tiny_target, monkeypatch)
+    ask = functools.partial(tuner.chooser.current, "prompt_lookup", t, None, prompt, plens, 64,
+                            True, timed=True)
     untimed = ask()
     assert untimed.method == "prompt_lookup" and untimed.price_factor == 1.0
     assert "no call of it timed yet" in " ".join(untimed.notes["assumed"])
     for f, method in ((1.0, "vanilla"), (0.9, "prompt_lookup"), (1.1, "vanilla")):
-        monkeypatch.setattr(auto, "relative_factor", lambda *a, f=f: (f, 4, 4))
+        monkeypatch.setattr(tuner.prices, "relative_factor", lambda *a, f=f: (f, 4, 4))
         c = ask()
         assert c.method == method and c.price_factor == f, (f, c.reason)
         assert f"x{f:.3f} their price" in " ".join(c.notes["measured"])
     # timed by fewer than TRY_CALLS calls: still tried down to UNTIMED_GAIN
     for f, method in ((1.15, "prompt_lookup"), (1.25, "vanilla")):
-        monkeypatch.setattr(auto, "relative_factor", lambda *a, f=f: (f, auto.TRY_CALLS - 1, 4))
+        monkeypatch.setattr(tuner.prices, "relative_factor", lambda *a, f=f: (f, TRY_CALLS - 1, 4))
         c = ask()
         assert c.method == method, (f, c.reason)
         assert ("trying it" in c.reason) == (method == "prompt_lookup")
     # and where no call will time it (the serving engine), the full margin
-    monkeypatch.setattr(auto, "relative_factor", lambda *a: (1.15, auto.TRY_CALLS - 1, 4))
+    monkeypatch.setattr(tuner.prices, "relative_factor", lambda *a: (1.15, TRY_CALLS - 1, 4))
     assert ask().method == "prompt_lookup"
-    assert auto._auto_choice("prompt_lookup", t, None, prompt, plens, 64, True).method == "vanilla"
+    served = tuner.chooser.current("prompt_lookup", t, None, prompt, plens, 64, True)
+    assert served.method == "vanilla"
 
 
-def test_a_stalled_call_moves_the_factor_only_to_the_clip(tiny_target, fresh_auto):
+def test_a_stalled_call_moves_the_factor_only_to_the_clip(tiny_target, tuner):
     """Once FACTOR_CLIP_CALLS calls back the factor, a call measured far from it is pooled at
     FACTOR_CLIP of what the factor predicts; the first calls are pooled as measured."""
     t = tiny_target
     stats = {"target_calls": 40, "draft_calls": 0, "new_tokens": 48, "eta": 1.2}
     cfg = METHODS["prompt_lookup"].config_type(candidates=1, length=4)
-    key = f"{auto._timing_key(t, None, 1)}|prompt_lookup"
-    call = functools.partial(auto.record_call, "prompt_lookup", cfg, t, None, stats)
+    key = f"{tuner.prices.timing_key(t, None, 1)}|prompt_lookup"
+    call = functools.partial(tuner.prices.record_call, "prompt_lookup", cfg, t, None, stats)
     call(0.5, 1, 8, 64)
-    x_t = auto._read_cache()["rounds"][key][0]
+    x_t = tuner.store.read()["rounds"][key][0]
     call(0.5 * 3, 1, 8, 64)  # the second call: as measured (one call backs nothing yet)
-    assert auto._read_cache()["rounds"][key][2] == pytest.approx(2.0)
-    f, n = auto.method_factor(t, None, 1, "prompt_lookup")
-    s_t = auto.learned_scales(t, None, 1)[0]
+    assert tuner.store.read()["rounds"][key][2] == pytest.approx(2.0)
+    f, n = tuner.prices.method_factor(t, None, 1, "prompt_lookup")
+    s_t = tuner.prices.learned_scales(t, None, 1)[0]
     call(10.0, 1, 8, 64)  # stalled: pooled at the clip
-    assert auto._read_cache()["rounds"][key][2] == pytest.approx(
-        2.0 + auto.FACTOR_CLIP * f * s_t * x_t)
-    f, n = auto.method_factor(t, None, 1, "prompt_lookup")
-    s_t = auto.learned_scales(t, None, 1)[0]
-    before = auto._read_cache()["rounds"][key][2]
+    assert tuner.store.read()["rounds"][key][2] == pytest.approx(
+        2.0 + prices.FACTOR_CLIP * f * s_t * x_t)
+    f, n = tuner.prices.method_factor(t, None, 1, "prompt_lookup")
+    s_t = tuner.prices.learned_scales(t, None, 1)[0]
+    before = tuner.store.read()["rounds"][key][2]
     call(1e-4, 1, 8, 64)  # and from below
-    x = auto._read_cache()["rounds"][key]
-    assert x[3] == 4 and x[2] == pytest.approx(before + f * s_t * x_t / auto.FACTOR_CLIP)
+    x = tuner.store.read()["rounds"][key]
+    assert x[3] == 4 and x[2] == pytest.approx(before + f * s_t * x_t / prices.FACTOR_CLIP)
 
 
 def test_an_untimed_method_needs_the_full_margin_where_no_call_will_time_it(
-        tiny_target, fresh_auto, monkeypatch):
+        tiny_target, tuner, monkeypatch):
     """The serving engine's choices (`auto_config` without `timed`) teach no factor, so there a
     method no call has timed needs MIN_GAIN, as before; generate's calls try it from TRY_GAIN."""
-    t, prompt, plens = _prompt_lookup_at_1_02x(tiny_target, monkeypatch)
-    auto._choose_memo.cache_clear()
-    served = auto.auto_config("prompt_lookup", t, None, prompt, plens, 64)
+    t, prompt, plens = _prompt_lookup_at_1_02x(tuner, tiny_target, monkeypatch)
+    served = tuner.auto_config("prompt_lookup", t, None, prompt, plens, 64)
     assert served.method == "vanilla"
     assert "tried from" not in " ".join(served.notes["assumed"])
-    monkeypatch.setattr(auto, "_CHOICES", {})
-    asked = auto.auto_config("prompt_lookup", t, None, prompt, plens, 64, timed=True,
-                             switch_gain=1.0)
+    tuner = AutoTuner()  # a new process over the store: nothing chosen in memory
+    _cpu_prices(tuner, monkeypatch)
+    asked = tuner.auto_config("prompt_lookup", t, None, prompt, plens, 64, timed=True,
+                              switch_gain=1.0)
     assert asked.method == "prompt_lookup", asked.reason
+
+
+def test_the_engine_sizes_its_load_levels_with_a_tuner_of_its_own(tiny_pair, fresh_auto,
+                                                                  monkeypatch):
+    """An engine builds and owns its tuner: its load levels are chosen there (and stored),
+    never by the default tuner `generate` uses, and two engines keep apart."""
+    from ouroboros_jax.auto import default_tuner
+    from ouroboros_jax.serving.engine import Engine
+
+    def refuse(*a, **k):
+        raise AssertionError("the engine asked the default tuner")
+
+    monkeypatch.setattr(default_tuner().chooser, "auto_config", refuse)
+    target, draft, _ = tiny_pair
+    kw = dict(method="speculative", slots=2, max_cache_len=64, rounds_per_step=2)
+    one, two = Engine(target, draft, **kw), Engine(target, draft, **kw)
+    assert isinstance(one.tuner, AutoTuner) and one.tuner is not two.tuner
+    assert one.tuner is not default_tuner()
+    stored = json.loads((fresh_auto / "auto.json").read_text())["choice"]
+    assert {k.split("|B")[1].split("|")[0] for k in stored} == {"1", "2"}  # a level each

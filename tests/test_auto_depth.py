@@ -1,8 +1,9 @@
-"""Agreement by depth (decoding/cost.py `DepthAgreement`, decoding/auto.py `depth_agreement`,
-`explore`): a pair whose agreement comes in runs accepts the deeper tokens of a chain more
-often than the first, so one agreement fitted to short chains underprices long ones. Calls
-record their acceptance by depth, auto prices each chain length with it, and a greedy first
-call at a short chain drafts deeper once so that the depths past the first are measured."""
+"""Agreement by depth (decoding/cost.py `DepthAgreement`, `auto.agreement.depth_agreement`,
+`auto.choice.Chooser.explore`): a pair whose agreement comes in runs accepts the deeper tokens
+of a chain more often than the first, so one agreement fitted to short chains underprices long
+ones. Calls record their acceptance by depth, auto prices each chain length with it, and a
+greedy first call at a short chain drafts deeper once so that the depths past the first are
+measured."""
 
 import dataclasses
 import json
@@ -11,8 +12,11 @@ import numpy as np
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax import auto_switch
-from ouroboros_jax.decoding import auto, cost
+from ouroboros_jax.auto import AutoTuner, prices
+from ouroboros_jax.auto.agreement import MIN_REALISED_ROUNDS
+from ouroboros_jax.auto.choice import EXPLORE_DEPTH, EXPLORE_ROUNDS, Choice, choose, teaches
+from ouroboros_jax.auto.store import valid_entry
+from ouroboros_jax.decoding import cost
 from ouroboros_jax.decoding.cost import DepthAgreement
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
@@ -67,8 +71,8 @@ def test_runs_of_agreement_lengthen_the_chosen_chain():
     """Priced with the first token's agreement alone, the demo pair's CPU tables give a short
     chain; with the deeper tokens' (measured on that pair: about 0.58, then 0.75-0.9) a longer
     one, and the stats say by depth what the choice was priced with."""
-    flat = auto.choose("speculative", CPU_T, CPU_D, 0.58)
-    runs = auto.choose("speculative", CPU_T, CPU_D, DepthAgreement((0.58, 0.75, 0.77), 0.8))
+    flat = choose("speculative", CPU_T, CPU_D, 0.58)
+    runs = choose("speculative", CPU_T, CPU_D, DepthAgreement((0.58, 0.75, 0.77), 0.8))
     assert runs.config.gamma > flat.config.gamma
     assert runs.predicted_speedup > flat.predicted_speedup
     s = runs.as_stats("speculative")
@@ -80,84 +84,89 @@ def test_runs_of_agreement_lengthen_the_chosen_chain():
 
 @pytest.fixture
 def fresh_auto(tmp_path, monkeypatch):
+    """An empty auto disk store (its directory returned)."""
     monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(auto, "_AGREED", set())
-    monkeypatch.setattr(auto, "_CHOICES", {})
-    auto_switch.forget()
     return tmp_path
 
 
-def test_the_store_pools_depths_and_drops_bad_entries(tiny_pair, fresh_auto):
+@pytest.fixture
+def tuner(fresh_auto):
+    """A fresh AutoTuner over the empty store: nothing remembered, as in a fresh process."""
+    return AutoTuner()
+
+
+def test_the_store_pools_depths_and_drops_bad_entries(tiny_pair, fresh_auto, tuner):
     target, draft, _ = tiny_pair
-    assert auto.depth_agreement(target, draft) is None
-    auto.record_realised(target, draft, 0.6, 10, [[10, 6]])
-    assert auto.depth_agreement(target, draft) is None  # 10 rounds < MIN_DEPTH_ROUNDS
-    auto.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8]])
+    assert tuner.agreement.depth_agreement(target, draft) is None
+    tuner.agreement.record_realised(target, draft, 0.6, 10, [[10, 6]])
+    assert tuner.agreement.depth_agreement(target, draft) is None  # 10 rounds < MIN_DEPTH_ROUNDS
+    tuner.agreement.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8]])
     store = json.loads((fresh_auto / "auto.json").read_text())
     assert list(store["depth"].values()) == [[[30, 18], [12, 9], [9, 8]]]
-    a = auto.depth_agreement(target, draft)
+    a = tuner.agreement.depth_agreement(target, draft)
     # depth 1 measured (30 rounds); depth 2 (12) not on its own; past it the pooled 17/21
     assert a == DepthAgreement((0.6,), round(17 / 21, 2))
-    assert auto.known_agreement(target, draft) == a
-    assert auto._valid_entry("depth", [[30, 18], [12, 9]])
+    assert tuner.agreement.known_agreement(target, draft) == a
+    assert valid_entry("depth", [[30, 18], [12, 9]])
     for bad in ([[3, 4]], [], [[1, 1, 1]], [[-1, 0]], [[2.5, 1]], {"1": 2}):
-        assert not auto._valid_entry("depth", bad), bad
+        assert not valid_entry("depth", bad), bad
 
 
-def test_explore_drafts_deeper_once(tiny_pair, fresh_auto):
+def test_explore_drafts_deeper_once(tiny_pair, tuner):
     target, draft, _ = tiny_pair
-    short = auto.Choice("speculative", SpeculativeConfig(gamma=1), 1.3, 0.6, "predicted")
-    out = auto.explore(short, target, draft)
-    assert out.config == SpeculativeConfig(gamma=auto.EXPLORE_DEPTH) and "exploring" in out.reason
-    long = auto.Choice("speculative", SpeculativeConfig(gamma=6), 1.3, 0.6, "predicted")
-    off = auto.Choice("vanilla", None, 1.0, 0.2, "off")
-    ouro = auto.Choice("ouroboros", OuroborosConfig(gamma=1), 1.3, 0.6, "predicted")
+    short = Choice("speculative", SpeculativeConfig(gamma=1), 1.3, 0.6, "predicted")
+    out = tuner.chooser.explore(short, target, draft)
+    assert out.config == SpeculativeConfig(gamma=EXPLORE_DEPTH) and "exploring" in out.reason
+    long = Choice("speculative", SpeculativeConfig(gamma=6), 1.3, 0.6, "predicted")
+    off = Choice("vanilla", None, 1.0, 0.2, "off")
+    ouro = Choice("ouroboros", OuroborosConfig(gamma=1), 1.3, 0.6, "predicted")
     for c in (long, off, ouro):  # already deep, nothing to draft, or a round that learns nothing
-        assert auto.explore(c, target, draft) is c
+        assert tuner.chooser.explore(c, target, draft) is c
     sd = OuroborosConfig(gamma=1, window=2, suffixes=1, phrase_drafting=False, lengthening=False,
                          recycling=False, context_phrases=False)  # Ouroboros' SD step: a chain
-    out = auto.explore(auto.Choice("ouroboros", sd, 1.3, 0.6, "predicted"), target, draft)
-    assert out.config == dataclasses.replace(sd, gamma=auto.EXPLORE_DEPTH)
-    auto.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8], [8, 4]])
-    assert auto.explore(short, target, draft) is short  # depths past the first measured
+    out = tuner.chooser.explore(Choice("ouroboros", sd, 1.3, 0.6, "predicted"), target, draft)
+    assert out.config == dataclasses.replace(sd, gamma=EXPLORE_DEPTH)
+    tuner.agreement.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8], [8, 4]])
+    assert tuner.chooser.explore(short, target, draft) is short  # depths past the first measured
     _, draft2, _ = tiny_pair
-    cold = auto.Choice("speculative", SpeculativeConfig(gamma=2), 1.3, 0.1, "predicted")
-    auto._put("depth", f"{auto.model_signature(target)}|{auto.model_signature(target)}",
-              [[auto.EXPLORE_ROUNDS, 5], [5, 1]])
-    assert auto.explore(cold, target, target) is cold  # a pair that rarely passes token 1
+    cold = Choice("speculative", SpeculativeConfig(gamma=2), 1.3, 0.1, "predicted")
+    tuner.store.put("depth", f"{tuner.signatures(target)}|{tuner.signatures(target)}",
+                    [[EXPLORE_ROUNDS, 5], [5, 1]])
+    assert tuner.chooser.explore(cold, target, target) is cold  # a pair that rarely passes token 1
 
 
-def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, monkeypatch):
+def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, tuner,
+                                                      monkeypatch):
     """A first greedy call whose choice drafts 1 token drafts EXPLORE_DEPTH instead and records
     its acceptance at every depth; the next call runs the choice. Tokens equal vanilla's in
     both (the target is its own draft here: every token accepted, so depths fill at once;
     auto's own choice is fixed, so what is tested is what a call does with it)."""
     t = tiny_target
     # at agreement 0.3 a chain of 1 is clearly faster than one of 4 (past the sticky rule)
-    monkeypatch.setattr(auto, "_auto_choice", lambda *a, **k: auto.Choice(
+    monkeypatch.setattr(tuner.chooser, "current", lambda *a, **k: Choice(
         "speculative", SpeculativeConfig(gamma=1), 1.3, 0.3, "predicted", (CPU_T, CPU_D)))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
     # a sampled call teaches auto nothing (`MethodSpec.learn` is greedy only): no exploring
     sampled = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=8,
-                          temperature=1.0, seed=3)
+                          temperature=1.0, seed=3, tuner=tuner)
     assert sampled.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
     assert "exploring" not in sampled.stats["auto"]["reason"]
     first = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
-                        eos_token_id=-1)
+                        eos_token_id=-1, tuner=tuner)
     assert first.tokens == ref.tokens
-    assert first.stats["auto"]["config"] == f"SpeculativeConfig(gamma={auto.EXPLORE_DEPTH})"
+    assert first.stats["auto"]["config"] == f"SpeculativeConfig(gamma={EXPLORE_DEPTH})"
     assert "exploring" in first.stats["auto"]["reason"]
     counts = list(json.loads((fresh_auto / "auto.json").read_text())["depth"].values())[0]
-    assert len(counts) == auto.EXPLORE_DEPTH and all(r == a > 0 for r, a in counts)
+    assert len(counts) == EXPLORE_DEPTH and all(r == a > 0 for r, a in counts)
     assert counts[0][0] == sum(first.stats["acceptance_histogram"])  # every round reached 1
     second = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
-                         eos_token_id=-1)
+                         eos_token_id=-1, tuner=tuner)
     assert second.tokens == ref.tokens
     assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
 
 
-def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_target, fresh_auto,
+def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_target, tuner,
                                                                          monkeypatch):
     """A greedy first call priced below vanilla on the prompts' argmax agreement alone runs the
     method once anyway (`explore`'s vanilla case): vanilla teaches nothing, so a pair whose
@@ -166,38 +175,40 @@ def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_ta
     realised; a sampled call, which teaches nothing, is not explored; a pair measured and bad
     is not explored again."""
     t = tiny_target  # its own draft: every token accepted on its outputs
-    monkeypatch.setattr(auto, "pair_agreement", lambda *a, **k: (0.05, 40))  # a misleading prompt
+    # a misleading prompt
+    monkeypatch.setattr(tuner.agreement, "pair_agreement", lambda *a, **k: (0.05, 40))
     # by hand first: Ouroboros explores with a config whose round teaches (its SD step)
-    off = auto.Choice("vanilla", None, 1.0, 0.05, "no ouroboros setting is predicted to beat "
-                      "vanilla here", (CPU_T, CPU_D))
-    out = auto.explore(off, t, t, "ouroboros")
-    assert out.method == "ouroboros" and auto._teaches("ouroboros", out.config)
-    assert out.config.gamma >= auto.EXPLORE_DEPTH and out.reason.startswith("exploring")
-    assert auto.explore(off, t, t) is off  # the asked method unknown: nothing to explore
+    off = Choice("vanilla", None, 1.0, 0.05, "no ouroboros setting is predicted to beat "
+                 "vanilla here", (CPU_T, CPU_D))
+    out = tuner.chooser.explore(off, t, t, "ouroboros")
+    assert out.method == "ouroboros" and teaches("ouroboros", out.config)
+    assert out.config.gamma >= EXPLORE_DEPTH and out.reason.startswith("exploring")
+    assert tuner.chooser.explore(off, t, t) is off  # the asked method unknown: nothing to explore
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
-    kw = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1)
+    kw = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1, tuner=tuner)
     sampled = oj.generate(t, prompts, temperature=1.0, seed=3, **kw)
     assert sampled.stats["auto"]["method"] == "vanilla"
     first = oj.generate(t, prompts, **kw)
     a = first.stats["auto"]
     assert a["method"] == "speculative" and a["reason"].startswith("exploring")
-    assert eval(a["config"], {"SpeculativeConfig": SpeculativeConfig}).gamma >= auto.EXPLORE_DEPTH
+    assert eval(a["config"], {"SpeculativeConfig": SpeculativeConfig}).gamma >= EXPLORE_DEPTH
     assert first.tokens == ref.tokens
-    assert auto.depth_agreement(t, t) is not None  # measured on its outputs: 1.0 at each depth
+    # measured on its outputs: 1.0 at each depth
+    assert tuner.agreement.depth_agreement(t, t) is not None
     # the next call is priced with the agreement realised by depth, not explored again (the
     # model drafting for itself costs what it saves here: whatever it runs, it chose it)
     second = oj.generate(t, prompts, **kw)
     assert second.stats["auto"]["agreement_by_depth"][0] == 1.0
     assert "exploring" not in second.stats["auto"]["reason"] and second.tokens == ref.tokens
     # a pair whose outputs were measured and disagree is left to vanilla
-    bad = f"{auto.model_signature(t)}|{auto.model_signature(t)}"
-    auto._put("depth", bad, [[auto.EXPLORE_ROUNDS, 5], [5, 1]])
-    assert auto.explore(off, t, t, "speculative") is off
+    bad = f"{tuner.signatures(t)}|{tuner.signatures(t)}"
+    tuner.store.put("depth", bad, [[EXPLORE_ROUNDS, 5], [5, 1]])
+    assert tuner.chooser.explore(off, t, t, "speculative") is off
 
 
-def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts,
-                                                           fresh_auto, monkeypatch):
+def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts, fresh_auto,
+                                                       tuner, monkeypatch):
     """A call with an explicit config that compiled nothing teaches auto its loop's prices,
     once the device and the models are priced on disk (never measuring anything itself);
     calls of two chain lengths tell the draft's share from the target's, which calls of one
@@ -206,15 +217,15 @@ def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts
     prompts = random_prompts[:1]
     timing = lambda: sum(v[5] for v in json.loads(  # noqa: E731
         (fresh_auto / "auto.json").read_text()).get("timing", {}).values())
-    kw = dict(draft=draft, method="speculative", max_new_tokens=12)
+    kw = dict(draft=draft, method="speculative", max_new_tokens=12, tuner=tuner)
     for g in (2, 2):  # nothing priced yet: learns nothing, measures nothing
         oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
     store = json.loads((fresh_auto / "auto.json").read_text())  # their realised agreement
     assert not {"timing", "device", "anchor"} & set(store)
     oj.generate(target, prompts, **kw)  # auto: calibrates, anchors both models
-    assert auto.prices_known(target, draft, 1)
-    monkeypatch.setattr(auto, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
-    monkeypatch.setattr(auto, "_forward_seconds", lambda *a, **k: pytest.fail("probed"))
+    assert tuner.prices.prices_known(target, draft, 1)
+    monkeypatch.setattr(prices, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setattr(prices, "forward_seconds", lambda *a, **k: pytest.fail("probed"))
     before = timing()
     for g in (2, 5, 2, 5):
         oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
@@ -226,7 +237,7 @@ def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts
 
 
 def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_prompts,
-                                                            fresh_auto):
+                                                            fresh_auto, tuner):
     """Ouroboros with phrase drafting and lengthening off drafts and verifies one chain, as
     speculative decoding does: a greedy call of it records the same realised agreement and
     acceptance by depth as speculative's call at the same gamma on the same prompts (so a user
@@ -235,7 +246,7 @@ def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_pr
     target, draft, _ = tiny_pair
     prompts = random_prompts[:2]
     store = lambda: json.loads((fresh_auto / "auto.json").read_text())  # noqa: E731
-    kw = dict(draft=draft, method="ouroboros", max_new_tokens=24, eos_token_id=-1)
+    kw = dict(draft=draft, method="ouroboros", max_new_tokens=24, eos_token_id=-1, tuner=tuner)
     sd = OuroborosConfig(gamma=3, window=2, ngram=3, guesses=2, suffixes=1,
                          phrase_drafting=False, lengthening=False, recycling=False,
                          context_phrases=False)
@@ -247,7 +258,7 @@ def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_pr
     oj.generate(target, prompts, config=lengthening, **kw)
     assert store() == once
     spec = oj.generate(target, prompts, draft=draft, method="speculative", max_new_tokens=24,
-                       eos_token_id=-1, config=SpeculativeConfig(gamma=3))
+                       eos_token_id=-1, config=SpeculativeConfig(gamma=3), tuner=tuner)
     assert spec.tokens == ouro.tokens
     twice = store()
     assert list(twice["depth"].values()) == [[[2 * r, 2 * a] for r, a in depth]]
@@ -255,21 +266,21 @@ def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_pr
     assert n2 == 2 * n1 and s2 == pytest.approx(2 * s1)
 
 
-def test_rounds_short_of_the_threshold_move_the_prompt_estimate(tiny_pair, fresh_auto):
+def test_rounds_short_of_the_threshold_move_the_prompt_estimate(tiny_pair, tuner):
     """A first call's rounds count before MIN_REALISED_ROUNDS of them have run: the prompts'
     estimate moves toward what they realised by their share of the threshold (the real pair's
     first call explored 15 rounds at 0.92 where its prompts said 0.64, and priced at 0.64 it
     ran vanilla from then on, never realising the rest)."""
     target, draft, _ = tiny_pair
-    key = f"{auto.model_signature(target)}|{auto.model_signature(draft)}"
-    auto._add("agreement", key, (40, 80), (0, 0))  # the prompts: 0.5 over 80 positions
-    assert auto.known_agreement(target, draft) == pytest.approx(0.5)
-    half = auto.MIN_REALISED_ROUNDS // 2
-    auto.record_realised(target, draft, 0.9, half)
-    assert auto.realised_agreement(target, draft) is None
-    assert auto.known_agreement(target, draft) == pytest.approx(0.5 * 0.9 + 0.5 * 0.5)
-    auto.record_realised(target, draft, 0.9, auto.MIN_REALISED_ROUNDS - half)
-    assert auto.known_agreement(target, draft) == pytest.approx(0.9)
+    key = f"{tuner.signatures(target)}|{tuner.signatures(draft)}"
+    tuner.store.add("agreement", key, (40, 80), (0, 0))  # the prompts: 0.5 over 80 positions
+    assert tuner.agreement.known_agreement(target, draft) == pytest.approx(0.5)
+    half = MIN_REALISED_ROUNDS // 2
+    tuner.agreement.record_realised(target, draft, 0.9, half)
+    assert tuner.agreement.realised_agreement(target, draft) is None
+    assert tuner.agreement.known_agreement(target, draft) == pytest.approx(0.5 * 0.9 + 0.5 * 0.5)
+    tuner.agreement.record_realised(target, draft, 0.9, MIN_REALISED_ROUNDS - half)
+    assert tuner.agreement.known_agreement(target, draft) == pytest.approx(0.9)
 
 
 def _timing_sums(calls):
@@ -280,25 +291,25 @@ def _timing_sums(calls):
     return sums
 
 
-def test_the_drafts_own_scale_waits_for_three_calls_that_ran_it(tiny_pair, fresh_auto):
+def test_the_drafts_own_scale_waits_for_three_calls_that_ran_it(tiny_pair, tuner):
     """Eleven vanilla calls at 1.08x their price and one speculative call 19% over its price
     (the real pair's store): solved freely, that one call alone sets the draft's scale (1.37x);
     below MIN_SPLIT_CALLS calls with the draft, one scale prices both models. Three calls that
     say the draft is dearer than its price give it its own."""
     target, draft, _ = tiny_pair
-    alone = auto._timing_key(target, None, 1)
-    pair = auto._timing_key(target, draft, 1)
-    auto._add("timing", alone, tuple(_timing_sums([(15.5, 0.0, 15.5 * 1.08)] * 11)),
-              (0.0,) * 5 + (0,))
+    alone = tuner.prices.timing_key(target, None, 1)
+    pair = tuner.prices.timing_key(target, draft, 1)
+    tuner.store.add("timing", alone, tuple(_timing_sums([(15.5, 0.0, 15.5 * 1.08)] * 11)),
+                    (0.0,) * 5 + (0,))
     one_call = _timing_sums([(7.44, 4.76, 1.19 * 1.08 * (7.44 + 4.76))])
-    auto._add("timing", pair, tuple(one_call), (0.0,) * 5 + (0,))
-    free = auto.solve_scales([a + b for a, b in zip(
+    tuner.store.add("timing", pair, tuple(one_call), (0.0,) * 5 + (0,))
+    free = prices.solve_scales([a + b for a, b in zip(
         _timing_sums([(15.5, 0.0, 15.5 * 1.08)] * 11), one_call)])
     assert free[2] and free[1] > 1.3  # what the lone call would have said
-    s_t, s_s, calls, separated = auto.learned_scales(target, draft, 1)
+    s_t, s_s, calls, separated = tuner.prices.learned_scales(target, draft, 1)
     assert calls == 12 and not separated and s_t == s_s
     assert s_t == pytest.approx(1.08, rel=0.03)
     more = _timing_sums([(7.0, 4.0, 1.08 * 7.0 + 1.3 * 4.0), (6.0, 6.0, 1.08 * 6.0 + 1.3 * 6.0)])
-    auto._add("timing", pair, tuple(more), (0.0,) * 5 + (0,))
-    s_t, s_s, calls, separated = auto.learned_scales(target, draft, 1)
+    tuner.store.add("timing", pair, tuple(more), (0.0,) * 5 + (0,))
+    s_t, s_s, calls, separated = tuner.prices.learned_scales(target, draft, 1)
     assert calls == 14 and separated and s_s > s_t

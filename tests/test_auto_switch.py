@@ -1,21 +1,17 @@
-"""When config="auto" changes its mind (ouroboros_jax/auto_switch.py): no call after a
+"""When config="auto" changes its mind (ouroboros_jax/auto/switch.py): no call after a
 signature's first compiles its loop. The first call compiles auto's new choice at its end; a
 later change runs the last compiled choice while the new loop compiles on a background thread.
-Auto's choices are scripted here (generate's `_auto_choice` replaced), so each step is known;
-compiles are counted from jax's monitoring events (`decoding.auto.compiles`), and every output
+Auto's choices are scripted here (the tuner's `call_choice` replaced), so each step is known;
+compiles are counted from jax's monitoring events (the tuner's `compiles`), and every output
 equals vanilla's."""
 
 import dataclasses
-import importlib
 
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax import auto_switch
-from ouroboros_jax.decoding import auto
-from ouroboros_jax.decoding.auto import Choice, compiles, latency_tables
-
-gen = importlib.import_module("ouroboros_jax.generate")  # the module (oj.generate is the function)
+from ouroboros_jax.auto import AutoTuner
+from ouroboros_jax.auto.choice import Choice
 
 
 def choice(gamma):
@@ -25,7 +21,8 @@ def choice(gamma):
 
 @pytest.fixture
 def scripted(monkeypatch, request):
-    """Auto's answers, in order (the last repeats); the log of the choices asked for."""
+    """Auto's answers, in order (the last repeats); the log of the choices asked for; whether
+    each ask was at the end of a first call; the fresh tuner that answers them."""
     answers, asked = [], []
 
     def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool,
@@ -35,24 +32,24 @@ def scripted(monkeypatch, request):
         return asked[-1], 64
 
     anyway = []
-
-    monkeypatch.setattr(gen, "_auto_choice", fake)
-    auto_switch.forget()
+    tuner = AutoTuner()
+    monkeypatch.setattr(tuner, "call_choice", fake)
     # a real first call prices its choice, measuring the device and the models' anchors on a
     # fresh store; the scripted one does not, so the first learning call would measure them
     target, draft, _ = request.getfixturevalue("tiny_pair")
-    latency_tables(target, draft, 1, 64)
-    yield answers, asked, anyway
-    auto_switch.forget()
+    tuner.prices.latency_tables(target, draft, 1, 64)
+    yield answers, asked, anyway, tuner
+    tuner.switch.wait_for_background()
 
 
-def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted, monkeypatch):
+def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     target, draft, _ = tiny_pair
-    answers, asked, anyway = scripted
+    answers, asked, anyway, tuner = scripted
     # every switch pays at once here (when one pays: the test after this one)
-    monkeypatch.setattr(auto_switch, "pays_off", lambda *a: True)
+    tuner.switch.pays_off = lambda *a: True
     prompt = [[5, 6, 7, 8, 9, 10]]
-    kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
+    kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1,
+              tuner=tuner)
     ref = oj.generate(target, prompt, max_new_tokens=12, eos_token_id=-1).tokens
 
     # call 1 runs gamma 2; asked again at its end, auto says gamma 3: compiled there
@@ -60,14 +57,14 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted, 
     first = oj.generate(target, prompt, **kw)
     assert first.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
     assert [c.config.gamma for c in asked] == [2, 3] and first.tokens == ref
-    # asked again at its end, auto switches on a smaller predicted gain (`auto.SETTLE_GAIN`):
+    # asked again at its end, auto switches on a smaller predicted gain (`SETTLE_GAIN`):
     # the first call compiles what it settles on, so no later call does
     assert anyway == [False, True]
 
     # call 2 runs gamma 3 and compiles nothing
-    before = compiles()
+    before = tuner.compiles.programs
     second = oj.generate(target, prompt, **kw)
-    assert compiles() == before
+    assert tuner.compiles.programs == before
     assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
     assert anyway[2:] == [False]  # a later call's switch would compile: the sticky gain
     assert second.tokens == ref
@@ -79,104 +76,102 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted, 
     assert third.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
     assert "compiles in the background" in third.stats["auto"]["reason"]
     assert third.tokens == ref
-    auto_switch.wait_for_background()
+    tuner.switch.wait_for_background()
 
     # the background compile done, call 4 runs gamma 5 without compiling
-    before = compiles()
+    before = tuner.compiles.programs
     fourth = oj.generate(target, prompt, **kw)
-    assert compiles() == before
+    assert tuner.compiles.programs == before
     assert fourth.stats["auto"]["config"] == "SpeculativeConfig(gamma=5)"
     assert fourth.tokens == ref
 
 
-def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile(monkeypatch):
+def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
     """A later call's switch compiles only once the calls made so far (taken as the calls to
     come) would save the compile's seconds: here a first call that compiled for 2 s, later
     calls of 0.3 s, and a rival predicted 1.40x vanilla against 1.30x, which saves
     0.3 * (1 - 1.30 / 1.40) = 0.0214 s a call: 93 calls do not pay, 94 do."""
-    auto_switch.forget()
+    switch = AutoTuner().switch
     sig = ("p",)
     last, rival = choice(1), choice(4)
     last.predicted_speedup, rival.predicted_speedup = 1.30, 1.40
     warmed = []
-    auto_switch.record(sig, last, 3.0, 2.0)  # the signature's first call: it compiled 2 s
+    switch.record(sig, last, 3.0, 2.0)  # the signature's first call: it compiled 2 s
     for _ in range(92):
-        auto_switch.record(sig, last, 0.3, 0.0)
-    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+        switch.record(sig, last, 0.3, 0.0)
+    ran, own = switch.runnable(sig, rival, warmed.append)
     assert not own and ran.config.gamma == 1 and "pays its compile (2.0 s) after 94 calls, 93 so far" in ran.reason
     # said as what the kept loop is predicted at now, not as the kept choice's own reason (an
     # exploring first call's read "exploring: no speculative setting is predicted to beat
     # vanilla here" on calls that ran gamma 10)
     assert ran.reason.startswith("predicted 1.30x vanilla (kept: ") and "scripted" not in ran.reason
-    auto_switch.wait_for_background()
+    switch.wait_for_background()
     assert not warmed  # nothing compiles
-    auto_switch.record(sig, last, 0.3, 0.0)  # call 94
-    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    switch.record(sig, last, 0.3, 0.0)  # call 94
+    ran, own = switch.runnable(sig, rival, warmed.append)
     assert not own and ran.config.gamma == 1 and "compiles in the background" in ran.reason
-    auto_switch.wait_for_background()
+    switch.wait_for_background()
     assert warmed == [rival]
-    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    ran, own = switch.runnable(sig, rival, warmed.append)
     assert own and ran.config.gamma == 4
     # a signature whose first call compiled nothing (its loop built by another's call) prices
-    # a switch at the longest compile of the process
-    auto_switch.forget()
-    monkeypatch.setattr(auto, "_COMPILE_SECONDS", [9.0, 2.0])
-    auto_switch.record(sig, last, 0.3, 0.0)
-    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    # a switch at the longest compile the tuner counted
+    switch = AutoTuner().switch
+    switch.compiles.seconds, switch.compiles.longest = 9.0, 2.0
+    switch.record(sig, last, 0.3, 0.0)
+    ran, own = switch.runnable(sig, rival, warmed.append)
     assert "pays its compile (2.0 s) after 94 calls, 1 so far" in ran.reason
-    monkeypatch.setattr(auto, "_COMPILE_SECONDS", [0.0, 0.0])  # all from the persistent cache
-    ran, own = auto_switch.runnable(sig, rival, warmed.append)
+    switch.compiles.seconds = switch.compiles.longest = 0.0  # all from the persistent cache
+    ran, own = switch.runnable(sig, rival, warmed.append)
     assert "compiles in the background" in ran.reason
-    auto_switch.forget()
+    switch.wait_for_background()
 
 
 def test_the_signature_follows_what_decides_the_loop(tiny_pair):
     target, draft, _ = tiny_pair
-    sig = auto_switch.signature("speculative", target, draft, 1, 16, 32, None, True, -1)
+    switch = AutoTuner().switch
+    sig = switch.signature("speculative", target, draft, 1, 16, 32, None, True, -1)
     # another Model object of the same shapes shares the compiled loops
-    assert auto_switch.signature("speculative", dataclasses.replace(target), draft, 1, 16, 32,
-                                 None, True, -1) == sig
+    assert switch.signature("speculative", dataclasses.replace(target), draft, 1, 16, 32,
+                            None, True, -1) == sig
     # each asked method keeps its own choices
-    assert auto_switch.signature("ouroboros", target, draft, 1, 16, 32, None, True, -1) != sig
+    assert switch.signature("ouroboros", target, draft, 1, 16, 32, None, True, -1) != sig
     for changed in [(2, 16, 32, None, True, -1), (1, 32, 32, None, True, -1),
                     (1, 16, 64, None, True, -1), (1, 16, 32, 256, True, -1),
                     (1, 16, 32, None, False, -1), (1, 16, 32, None, True, 5)]:
-        assert auto_switch.signature("speculative", target, draft, *changed) != sig
+        assert switch.signature("speculative", target, draft, *changed) != sig
 
 
-def test_a_failed_background_compile_keeps_the_last_choice(capsys, monkeypatch):
-    monkeypatch.setattr(auto_switch, "pays_off", lambda *a: True)
-    auto_switch.forget()
+def test_a_failed_background_compile_keeps_the_last_choice(capsys):
+    switch = AutoTuner().switch
+    switch.pays_off = lambda *a: True
     sig = ("s",)
-    auto_switch.record(sig, choice(2))
+    switch.record(sig, choice(2))
 
     def broken(c):
         raise RuntimeError("no memory")
 
-    ran, own = auto_switch.runnable(sig, choice(4), broken)
+    ran, own = switch.runnable(sig, choice(4), broken)
     assert not own and ran.config.gamma == 2
-    auto_switch.wait_for_background()
+    switch.wait_for_background()
     assert "compiling SpeculativeConfig(gamma=4" in capsys.readouterr().err
-    ran, own = auto_switch.runnable(sig, choice(4), broken)
+    ran, own = switch.runnable(sig, choice(4), broken)
     assert ran.config.gamma == 2  # still not compiled: still the last choice
-    auto_switch.forget()
 
 
 EXIT_SCRIPT = """
 import atexit
-import importlib
 import sys
 import ouroboros_jax as oj
-gen = importlib.import_module("ouroboros_jax.generate")
-from ouroboros_jax.decoding.auto import Choice
+from ouroboros_jax.auto import Choice, default_tuner
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
 target, draft = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
 answers = [2, 2, 5]
-gen._auto_choice = lambda *a, **k: (Choice("speculative", SpeculativeConfig(gamma=answers.pop(0)),
-                                            1.5, 0.7, "scripted"), 64)
-from ouroboros_jax import auto_switch
-auto_switch.pays_off = lambda *a: True  # the switch pays at once (when one does: tested apart)
+tuner = default_tuner()  # what generate uses without a tuner of its own
+tuner.call_choice = lambda *a, **k: (Choice("speculative", SpeculativeConfig(
+    gamma=answers.pop(0)), 1.5, 0.7, "scripted"), 64)
+tuner.switch.pays_off = lambda *a: True  # the switch pays at once (when one does: tested apart)
 kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
 oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2 (asked again at its end: 2)
 out = oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 5 starts compiling in the background
@@ -184,8 +179,7 @@ print(out.stats["auto"]["reason"])
 
 
 def done():  # atexit runs after the interpreter has joined its non-daemon threads
-    from ouroboros_jax import auto_switch
-    ran = [k for r in auto_switch._RAN.values() for k in r]
+    ran = tuner.switch.ran()
     print("gamma 5 compiled at exit:", ("speculative", "SpeculativeConfig(gamma=5, confidence=0.0)") in ran)
 
 

@@ -245,7 +245,7 @@ def test_cpu_validation_is_the_cost_models_price(bench_run):
     10%; the error follows the measured time (not a constant), the price does not."""
     import copy
 
-    from ouroboros_jax.bench.cost_check import TOLERANCE, validate
+    from ouroboros_jax.bench.cost_model import TOLERANCE, validate
 
     res, out = bench_run
     cm = res["cost_model"]
@@ -274,7 +274,7 @@ def test_cpu_validation_is_the_cost_models_price(bench_run):
     slow = copy.deepcopy(res)
     for s in slow["methods"].values():
         s["seconds"] *= 2
-    from ouroboros_jax.bench.accelerator import configs_of
+    from experiments.reproject import configs_of
 
     again = cost_model.cost_rows(slow, table, {**configs_of(slow), "vanilla": None})
     validate(again)
@@ -284,10 +284,10 @@ def test_cpu_validation_is_the_cost_models_price(bench_run):
 
 
 def test_saved_counts_reprojected_onto_preset_shapes(bench_run, capsys):
-    """`python -m ouroboros_jax.bench.accelerator results.json --target ... --draft ...`:
+    """`python -m experiments.reproject results.json --target ... --draft ...`:
     the saved run's counts priced with other shapes, on each device asked; vanilla 1x by
     construction."""
-    from ouroboros_jax.bench.accelerator import main as reproject
+    from experiments.reproject import main as reproject
 
     res, out = bench_run
     rows = reproject([str(out / "results.json"), "--target", "llama-3.1-8b", "--draft",
@@ -371,7 +371,7 @@ def test_auto_row_with_changing_choices_priced_per_choice():
     call's counts priced at its own config's forward sizes, summed; acceptance histograms of
     different lengths summed bin by bin."""
     from ouroboros_jax.bench.auto_rows import config_from_recipe
-    from ouroboros_jax.bench.runner import summed_histograms
+    from ouroboros_jax.bench.records import summed_histograms
     from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
     spec3 = {"method": "speculative", "config": "SpeculativeConfig(gamma=3)"}
@@ -408,12 +408,14 @@ def test_auto_row_with_changing_choices_priced_per_choice():
 def test_context_mix_hand_computed():
     # prompt 100, 200 new tokens: forwards after 99 .. 298 committed tokens; blocks of 128:
     # 99..128 (30 contexts, 1 live block), 129..256 (128, 2 blocks), 257..298 (42, 3 blocks)
-    mix = cost_model.context_mix([100], 200, block=128)
+    from experiments.cost_check import context_mix
+
+    mix = context_mix([100], 200, block=128)
     assert [w for _, w in mix] == pytest.approx([30 / 200, 128 / 200, 42 / 200])
     assert [c for c, _ in mix] == [pytest.approx(113.5, abs=0.5), pytest.approx(192.5, abs=0.5),
                                    pytest.approx(277.5, abs=0.5)]
     # two prompts pool their contexts
-    assert sum(w for _, w in cost_model.context_mix([10, 300], 50)) == pytest.approx(1.0)
+    assert sum(w for _, w in context_mix([10, 300], 50)) == pytest.approx(1.0)
 
 
 def test_weights_bound_table_hand_computed():
@@ -547,10 +549,10 @@ def test_batch_sizes_table_plot_and_exactness(tiny_pair, tmp_path):
 
 
 def test_cpu_forward_bench_times_every_size_and_both_vanilla_rates(tiny_target, capsys):
-    """bench/cpu_forward on a tokenizer-less tiny model without llama.cpp: every requested
+    """experiments/cpu_forward on a tokenizer-less tiny model without llama.cpp: every requested
     forward size is timed and reported relative to T = 1, vanilla's whole-call and decode-only
     rates are positive, and llama.cpp is reported as skipped, not compared."""
-    from ouroboros_jax.bench import cpu_forward
+    from experiments import cpu_forward
 
     assert cpu_forward.main(["--target", tiny_target.path, "--max-new-tokens", "24",
                              "--reps", "1", "--sizes", "4,2"]) == 0
@@ -570,7 +572,7 @@ def test_cpu_forward_bench_times_every_size_and_both_vanilla_rates(tiny_target, 
                                            (["--sizes", "0"], "--sizes"),
                                            (["--reps", "0"], "--reps")])
 def test_cpu_forward_bench_refuses_bad_flags(argv, message):
-    from ouroboros_jax.bench import cpu_forward
+    from experiments import cpu_forward
 
     with pytest.raises(SystemExit, match=message):
         cpu_forward.main(["--target", "unused"] + argv)
@@ -581,7 +583,7 @@ def test_auto_check_reads_its_noise_pass_by_pass():
     row of the config auto ran (matched by its knobs, the grid repr naming every field)."""
     from types import SimpleNamespace
 
-    from ouroboros_jax.bench.auto_check import noise, per_pass
+    from experiments.auto_check import noise, per_pass
 
     def calls(walls):  # 10 tokens per call
         return [(0, SimpleNamespace(stats={"new_tokens": 10}), w) for w in walls]
@@ -603,7 +605,7 @@ def test_auto_check_reads_its_noise_pass_by_pass():
 def test_spec_bound_is_the_rounds_forwards_against_vanilla_steps():
     """spec_bound's arithmetic: eta from the agreement by depth, the decode bound eta * t_step /
     t_round, and the call's bound with both prefills over N new tokens."""
-    from ouroboros_jax.bench.spec_bound import bound_rows
+    from experiments.spec_bound import bound_rows
     from ouroboros_jax.decoding.cost import DepthAgreement
 
     every = DepthAgreement((1.0, 1.0), 1.0)  # every draft token accepted: eta = gamma + 1
@@ -621,7 +623,7 @@ def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny
     """run_bench: every method's warm-up first, then each prompt by every method in turn (so the
     machine's drift weighs on every row alike); a background compile of config="auto" is waited
     out before a fixed config's call and charged to the auto row."""
-    from ouroboros_jax import auto_switch
+    from ouroboros_jax import auto
     from ouroboros_jax.bench import runner
     from ouroboros_jax.bench.workloads import Prompt
 
@@ -644,7 +646,7 @@ def test_methods_are_timed_interleaved_and_auto_pays_its_background_compile(tiny
         time.sleep(0.2)
 
     monkeypatch.setattr(runner, "_oj_caller", logged)
-    monkeypatch.setattr(auto_switch, "wait_for_background", background)
+    monkeypatch.setattr(auto, "wait_for_background", background)
     prompts = [Prompt("a", "t", ((5, 6, 7),), 6), Prompt("b", "t", ((8, 9, 10, 11),), 6)]
     runs = [runner.MethodRun("vanilla", "vanilla"),
             runner.MethodRun("speculative@auto", "speculative", "auto"),
@@ -670,7 +672,7 @@ def test_auto_check_median_calls_ignore_one_stalled_call():
     more than any other), tokens per prompt as its calls made them."""
     from types import SimpleNamespace
 
-    from ouroboros_jax.bench.auto_check import median_calls
+    from experiments.auto_check import median_calls
 
     def c(i, n, w):
         return (i, SimpleNamespace(stats={"new_tokens": n}), w)

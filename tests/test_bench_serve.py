@@ -4,7 +4,8 @@ and writes its JSON, markdown table and plot; every method's greedy outputs equa
 import json
 import os
 
-from ouroboros_jax.bench.serve import percentile, serve_markdown, summarize
+from ouroboros_jax.bench.http_load import percentile
+from ouroboros_jax.bench.serve import serve_markdown, summarize
 from ouroboros_jax.cli import main
 
 

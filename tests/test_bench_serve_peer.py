@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from ouroboros_jax.bench.serve_peer import (Server, method_ran, parse_concurrency, parse_peer,
+from ouroboros_jax.bench.http_load import concurrency_levels
+from ouroboros_jax.bench.serve_peer import (CONCURRENCY, Server, method_ran, parse_peer,
                                             peer_markdown, peer_servers, run_peer_bench)
 from ouroboros_jax.cli import main
 from ouroboros_jax.serving.engine import Engine
@@ -125,8 +126,9 @@ def test_peer_servers_commands_and_flag_errors():
     with pytest.raises(ValueError, match="--peer needs --model"):
         peer_servers(_args(target=None), None)
     with pytest.raises(ValueError, match="--serve-concurrency"):
-        parse_concurrency("1,0")
-    assert parse_concurrency("1,4,16") == (1, 4, 16) and parse_concurrency(None) == (1, 4, 16)
+        concurrency_levels("1,0", CONCURRENCY)
+    assert concurrency_levels("1,4,16", CONCURRENCY) == (1, 4, 16)
+    assert concurrency_levels(None, CONCURRENCY) == (1, 4, 16)
     with pytest.raises(SystemExit, match="--peer goes with --serve"):
         main(["bench", "--peer", "x=http://127.0.0.1:9"])
 

@@ -1,4 +1,4 @@
-"""The prepared device script (ouroboros_jax/bench/device/run.sh) runs end to end at tiny shapes
+"""The prepared device script (experiments/device/run.sh) runs end to end at tiny shapes
 on this CPU, with every network connection refused, and leaves the JSON and plot the device run
 will leave: on the device nothing but the shapes changes.
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from ouroboros_jax.bench.cost_model import LatencyTable
-from ouroboros_jax.bench.device.probe import TINY_SIZES
+from experiments.device.probe import TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("vanilla", "speculative")
-SCRIPT = ROOT / "ouroboros_jax" / "bench" / "device" / "run.sh"
+SCRIPT = ROOT / "experiments" / "device" / "run.sh"
 
 # imported by every Python started with this directory on its path: any connection fails
 NO_NETWORK = """
@@ -121,7 +121,7 @@ def test_each_further_pair_leaves_a_latency_table(device_run):
 
 
 def test_the_first_difference():
-    from ouroboros_jax.bench.device.demo_pair import first_difference
+    from experiments.device.demo_pair import first_difference
 
     assert first_difference([1, 2, 3], [1, 2, 3]) == -1
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
@@ -129,7 +129,7 @@ def test_the_first_difference():
 
 
 def test_pairs_flag_names_itself():
-    from ouroboros_jax.bench.device.probe import parse_pairs
+    from experiments.device.probe import parse_pairs
 
     assert set(parse_pairs("qwen2.5-coder-1.5b:qwen2.5-coder-0.5b", tiny=False)) == {
         "qwen2.5-coder-1.5b"}
@@ -141,7 +141,7 @@ def test_pairs_flag_names_itself():
 
 
 def test_variants_table_reads_rows_and_errors():
-    from ouroboros_jax.bench.device.variants import VARIANTS, table
+    from experiments.device.variants import VARIANTS, table
 
     ok = {"layers": "packed", "attention": "dense", "t_of_T": {"m": {"1": 0.002, "16": 0.003}},
           "calls": {"vanilla": {"seconds_per_token": 0.004}}}

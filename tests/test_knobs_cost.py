@@ -105,9 +105,9 @@ def test_rates_priced_from_forward_sizes_by_hand():
 
 
 def test_round_cost_prices_a_round_by_hand():
-    """bench.round_cost: a round's price is its target forward, its draft forwards per round
+    """experiments.round_cost: a round's price is its target forward, its draft forwards per round
     and the first draft forward's extra (timed after the target), each at its own size."""
-    from ouroboros_jax.bench import round_cost
+    from experiments import round_cost
 
     cfg = OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2)
     sh = round_cost.forward_shapes(cfg)
@@ -126,7 +126,7 @@ def test_round_cost_prices_a_round_by_hand():
 def test_round_cost_fit_prices_sd_as_speculative():
     """The SD variant's best rate equals speculative's best (the same forwards, the same round
     model), here and on flat latencies; every variant is priced on both tables."""
-    from ouroboros_jax.bench import round_cost
+    from experiments import round_cost
 
     rows = round_cost.fit({1: 0.122, 4: 0.182, 16: 0.279}, {1: 0.057, 16: 0.104}, 0.9, 0.32)
     assert [r[0] for r in rows][:2] == ["speculative", "Ouroboros, every mechanism"]
@@ -143,18 +143,18 @@ def test_round_cost_fit_prices_sd_as_speculative():
 def test_dense_tables_price_every_config_as_the_measured_tables_do(method):
     # measured at a few sizes only (string keys, as the store's JSON gives them): every config
     # of the grid must be priced the same from auto's dense tables, whose sizes are exact hits
-    from ouroboros_jax.decoding import auto
+    from ouroboros_jax.auto import choice
 
     tt = {"1": 0.004, "2": 0.0047, "5": 0.0051, "9": 0.007, "17": 0.0091}
     td = {"1": 0.0011, "4": 0.0013, "16": 0.0024}
     spec = METHODS[method]
     grid = list(spec.auto_grid())
-    dt, dd = auto.dense_tables({spec.forward_sizes(c) for c in grid}, tt, td)
+    dt, dd = choice.dense_tables({spec.forward_sizes(c) for c in grid}, tt, td)
     assert all(isinstance(n, int) for n in dt)  # exact hits, not a copy of the string keys
     for a in (0.5, 0.9):
         for c in grid:
             assert spec.rate(c, a, dt, dd) == pytest.approx(spec.rate(c, a, tt, td), rel=1e-12)
-    best = auto.choose(method, tt, td, 0.9, min_gain=0.0)  # never vanilla
+    best = choice.choose(method, tt, td, 0.9, min_gain=0.0)  # never vanilla
     assert best.config in grid and best.predicted_speedup == pytest.approx(
         max(spec.rate(c, 0.9, tt, td) for c in grid) / cost.vanilla_rate(tt))
 

@@ -24,6 +24,14 @@ class _Cfg:
     num_layers, num_kv_heads, head_dim = 2, 2, 4
 
 
+def _random_model(config, seed: int):
+    """A float32 `Model` of random weights for `config`."""
+    from ouroboros_jax.models import Model
+    from ouroboros_jax.models.llama import init_params
+
+    return Model(config=config, params=init_params(config, jax.random.key(seed), jnp.float32))
+
+
 def test_deferred_commits_settle_to_the_eager_cache():
     """Random commits (narrower than, as wide as and wider than the pending slots, some past
     the end) and rollbacks: after each, the settled deferring cache's committed slots and
@@ -69,7 +77,6 @@ def _step_cache_copies(monkeypatch, method: str, pending: int) -> dict:
     256: steps of 1 and of 2 rows)."""
     import ouroboros_jax.decoding.common as common
     from ouroboros_jax import serving
-    from ouroboros_jax.bench.device.probe import random_model
     from ouroboros_jax.models import layout
     from ouroboros_jax.models.config import ModelConfig
 
@@ -79,8 +86,8 @@ def _step_cache_copies(monkeypatch, method: str, pending: int) -> dict:
                       num_heads=4, num_kv_heads=2, max_position_embeddings=1024)
     draft = None
     if method != "vanilla":  # a 1-layer draft: its cache has another shape
-        draft = random_model(dataclasses.replace(cfg, num_layers=1), "float32", 1)
-    eng = serving.Engine(random_model(cfg, "float32", 0), draft, method=method, config=None,
+        draft = _random_model(dataclasses.replace(cfg, num_layers=1), 1)
+    eng = serving.Engine(_random_model(cfg, 0), draft, method=method, config=None,
                          slots=2, max_cache_len=256, rounds_per_step=2)
     seen = {}
     real = _DEVICE_STEP

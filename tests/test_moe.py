@@ -513,9 +513,9 @@ def test_methods_on_a_mesh_with_experts_sharded(moe, draft):
 
 
 def test_the_verify_cost_bench_runs(capsys):
-    """`python -m ouroboros_jax.bench.moe_verify` on a toy model: a row per T with both
+    """`python -m experiments.moe_verify` on a toy model: a row per T with both
     paths' times and the distinct experts of its tokens (k to min(Y, T*k))."""
-    from ouroboros_jax.bench import moe_verify
+    from experiments import moe_verify
 
     out = moe_verify.main(["--sizes", "1", "3", "--reps", "1", "--hidden", "32",
                            "--expert-ffn", "16", "--layers", "1", "--heads", "4",

@@ -187,9 +187,9 @@ def test_no_recompile_across_prompts_and_auto(tiny_target):
 
 
 def test_replay_predicts_the_rounds_generate_takes(bigram, tiny_target, random_prompts):
-    """bench/lookup_replay's eta, computed from vanilla's output alone, equals what greedy
+    """experiments/lookup_replay's eta, computed from vanilla's output alone, equals what greedy
     prompt lookup measures as tokens per target call, on copying and on random rows."""
-    from ouroboros_jax.bench.lookup_replay import replay_eta
+    from experiments.lookup_replay import replay_eta
 
     cases = [(bigram, p) for p in _cycling_prompts(bigram)[:3]]
     cases += [(tiny_target, p) for p in random_prompts[:2]]
@@ -203,7 +203,7 @@ def test_replay_predicts_the_rounds_generate_takes(bigram, tiny_target, random_p
 
 
 def test_oracle_eta_by_hand():
-    from ouroboros_jax.bench.lookup_replay import oracle_eta, parse_configs
+    from experiments.lookup_replay import oracle_eta, parse_configs
 
     assert oracle_eta([1, 2, 3, 4], [1, 2, 3, 4], length=8) == 4.0  # one round copies it all
     # round 1: 9 is new (the target's own token); round 2 copies 5 6 7 and the target adds 8

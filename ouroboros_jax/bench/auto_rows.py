@@ -1,7 +1,7 @@
 """What a bench row ran, in parts the cost model can price: one part for a fixed config, one per
 distinct choice for a `METHOD@auto` row.
 
-config="auto" picks per call (decoding/auto.py) and may run the asked method sized for this
+config="auto" picks per call (ouroboros_jax/auto/) and may run the asked method sized for this
 machine, or plain decoding where nothing pays (`stats["auto"]["method"] == "vanilla"`). The
 runner keeps each call's choice (`per_call[i]["auto"]`: the method it ran and its evaluable
 recipe, `knobs.recipe_of`) with that call's counted forwards, so a row's counts split exactly

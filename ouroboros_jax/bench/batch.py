@@ -16,6 +16,7 @@ from typing import Optional
 
 from ..decoding import METHODS
 from ..generate import generate
+from .report import pyplot, save_figure
 from .runner import encode
 from .workloads import Prompt
 
@@ -93,11 +94,7 @@ def batch_markdown(rows: list[dict]) -> str:
 
 def plot_batch(rows: list[dict], path: str) -> str:
     """Throughput (tokens/s, all rows together) by batch size, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for m in dict.fromkeys(r["method"] for r in rows):
         rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["batch"])
@@ -112,7 +109,4 @@ def plot_batch(rows: list[dict], path: str) -> str:
     ax.set_title("Throughput by batch size (config=auto; 'off' = auto ran vanilla)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional
 
 from ..decoding import METHODS
-from .runner import HF_PEERS, MethodRun
+from .peers import HF_PEERS
+from .runner import MethodRun
 
 AUTO_SUFFIX = "@auto"
 

@@ -34,7 +34,6 @@ import numpy as np
 
 from ..decoding import METHODS
 from ..decoding.cost import interpolate
-from ..models.attention import BLOCK
 from ..models.timing import forward_timer as timer, sequence_timer
 from ..request import bucket
 
@@ -54,7 +53,7 @@ class LatencyTable:
     draft_first: dict = dataclasses.field(default_factory=dict)
     # seconds of work outside the forwards per round (per target forward, vanilla's steps
     # included): 0 for a table measured here, whose forwards explain the run within 10%
-    # (cost_check.py); stated for a projection onto an accelerator (bench/accelerator.py)
+    # (`validate`); stated for a projection onto an accelerator (bench/accelerator.py)
     round_overhead: float = 0.0
 
     @staticmethod
@@ -124,23 +123,6 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
 
 def prompt_bucket(n: int) -> int:
     return bucket(int(n))
-
-
-def context_mix(prompt_lengths, new_tokens: int, block: Optional[int] = None) -> list:
-    """[(context, weight)]: the committed cache lengths a run's forwards see, grouped by the
-    number of live attention blocks (what attention's cost follows: models/attention.py), one
-    representative context (the group's mean) per group, weights summing to 1.
-
-    A call with prompt length p and n new tokens ignoring EOS runs its forwards after p - 1 ..
-    p + n - 2 committed tokens; a method emitting several tokens per round samples the same
-    range more sparsely, so the mix is the same for every method."""
-    C = block or BLOCK
-    groups: dict = {}
-    for p in prompt_lengths:
-        for ctx in range(max(int(p) - 1, 0), int(p) + int(new_tokens) - 1):
-            groups.setdefault(-(-ctx // C), []).append(ctx)
-    total = sum(len(v) for v in groups.values())
-    return [(int(round(np.mean(v))), len(v) / total) for _, v in sorted(groups.items())]
 
 
 def forward_sizes(method: str, config) -> tuple[int, int, int]:
@@ -308,5 +290,28 @@ def cost_rows(results: dict, table: LatencyTable, configs: dict) -> list[dict]:
     return rows
 
 
-def load_or_none(path: Optional[str]) -> Optional[LatencyTable]:
-    return LatencyTable.from_json(path) if path else None
+# The CPU validation's bound: the cost model must predict a run's measured time within 10%
+# (`validate`; how much of a run the counted forwards explain with each measurement paired with
+# a latency measurement taken right after it: `python -m experiments.cost_check`).
+TOLERANCE = 0.10
+
+
+def relative_error(measured: float, predicted: float) -> Optional[float]:
+    """measured / predicted - 1: how far the counted forwards' price is from the measured time
+    (+0.05: the run took 5% longer than its forwards cost); None without both."""
+    return measured / predicted - 1.0 if measured and predicted else None
+
+
+def validate(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
+    """Marks each cost-model row (`cost_model.cost_rows`, priced with this CPU's latency table)
+    with `cpu_error` (`relative_error` of its measured and predicted seconds) and
+    `within_tolerance`; returns {"tolerance", "within", "rows", "summary"}."""
+    n = 0
+    for r in rows:
+        r["cpu_error"] = relative_error(r.get("measured_seconds"), r.get("predicted_seconds"))
+        r["within_tolerance"] = r["cpu_error"] is not None and abs(r["cpu_error"]) <= tolerance
+        n += r["within_tolerance"]
+    return {"tolerance": tolerance, "within": n, "rows": len(rows),
+            "summary": f"CPU validation: {n} of {len(rows)} rows within {tolerance:.0%} "
+                       "(measured time vs the cost model's price of the row's counted forwards "
+                       "with this CPU's timed forwards)"}

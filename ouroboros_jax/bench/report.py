@@ -10,7 +10,9 @@ Plots (each written only when its data is present):
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Optional
 
 
@@ -256,10 +258,44 @@ def plots(results: dict, out_dir: str) -> list[str]:
     return written
 
 
+def bench_command() -> Optional[str]:
+    """The `ouroboros-jax bench ...` command line this process runs (None: run otherwise)."""
+    return "ouroboros-jax bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+
+
+def write_json(path: str, obj) -> None:
+    """obj as indented JSON at path."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def write_markdown(path: str, md: str) -> None:
+    """Writes the table to `path` and prints it."""
+    with open(path, "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Lays `fig` out, writes it to `path` and closes it -> path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def write_all(results: dict, out_dir: str, make_plots: bool = True) -> dict:
     """results.json, results.md and the plots into out_dir -> {kind: path}."""
-    import json
-
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, "results.json"),
              "markdown": os.path.join(out_dir, "results.md")}
@@ -282,8 +318,3 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-def best(results: dict) -> Optional[str]:
-    ms = [(s["tokens_per_second"] or 0, m) for m, s in results["methods"].items()]
-    return max(ms)[1] if ms else None

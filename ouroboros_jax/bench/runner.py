@@ -21,20 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
-import resource
-import subprocess
 import sys
 import time
 from typing import Any, Optional
 
-import numpy as np
-
 from ..heap import freeze_heap
+from .peers import HF_PEERS, HFModels, hf_caller
+from .records import Call, environment, model_info, peak_rss_mib, summarize
 from .workloads import Prompt
-
-HF_PEERS = {"hf-greedy": {}, "hf-assisted": {"assistant": True},
-            "hf-pld": {"prompt_lookup_num_tokens": 10}}
 TURN_SEPARATOR = "\n\n"
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -108,88 +102,7 @@ def _fit(ids: list[int], n: int, limit: int, margin: int = 64) -> list[int]:
     return ids[-room:]
 
 
-# -- environment -----------------------------------------------------------------------------
-
-
-def environment() -> dict:
-    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform(),
-                           "cpus": os.cpu_count()}
-    for mod in ("jax", "jaxlib", "transformers", "torch", "numpy"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - optional
-            env[mod] = None
-    try:
-        import jax
-
-        env["jax_backend"] = jax.default_backend()
-        env["devices"] = [str(d) for d in jax.devices()][:8]
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        env["cpu_model"] = names[0] if names else None
-    except OSError:
-        env["cpu_model"] = platform.processor() or None
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root,
-                                           capture_output=True, text=True,
-                                           timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        env["git_dirty"] = bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
-    try:
-        env["load_average"] = list(os.getloadavg())
-    except OSError:
-        pass
-    try:
-        import torch
-
-        env["torch_threads"] = torch.get_num_threads()
-    except Exception:  # noqa: BLE001
-        pass
-    return env
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def config_dict(cfg) -> Optional[dict]:
-    if cfg is None:
-        return None
-    if cfg == "auto":
-        return {"auto": True}
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
-    return {"repr": repr(cfg)}
-
-
-def model_info(model) -> dict:
-    c = model.config
-    return {"path": model.path, "params": int(c.num_params()), "layers": c.num_layers,
-            "hidden": c.hidden_size, "vocab": c.vocab_size, "dtype": str(model.dtype),
-            "tokenizer": model.tokenizer is not None}
-
-
 # -- one method ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Call:
-    id: str
-    task: str
-    turn: int
-    repeat: int
-    tokens: list
-    seconds: float
-    compile_seconds: float
-    stats: dict
-    prompt_tokens: int = 0
 
 
 def _oj_caller(run: MethodRun, target, draft, eos):
@@ -216,91 +129,6 @@ def _oj_caller(run: MethodRun, target, draft, eos):
     return call, shape_key
 
 
-class _HFModels:
-    """torch copies of the target/draft, loaded once per bench from the same checkpoints (HF
-    directories or GGUF files), on first use: the peers run after every method of ours, whose
-    packed copies are dropped first, so a 1.5B/0.5B fp32 pair's four copies (ours, packed,
-    torch's) never sit in memory at once (measured: 20 GB peak, then refused, on 24 GB)."""
-
-    def __init__(self, target, draft):
-        if target.path is None:
-            raise FileNotFoundError("the target was not loaded from a directory or GGUF file "
-                                    "(no .path); transformers peers need the checkpoint")
-        import torch  # noqa: F401  (a peer without torch is skipped before anything runs)
-        import transformers  # noqa: F401
-
-        self._paths = (target.path, draft.path if draft is not None else None)
-        self._ours = (target, draft)
-        self._loaded = None
-
-    @property
-    def has_draft(self) -> bool:
-        return self._paths[1] is not None
-
-    def _load(self):
-        if self._loaded is None:
-            import gc
-
-            import jax
-
-            from ..models import layout
-
-            for m in self._ours:
-                if m is not None:
-                    layout.release(m)
-            gc.collect()
-            jax.clear_caches()
-            t, d = self._paths
-            self._loaded = (hf_load(t), hf_load(d) if d else None)
-        return self._loaded
-
-    @property
-    def target(self):
-        return self._load()[0]
-
-    @property
-    def draft(self):
-        return self._load()[1]
-
-
-def hf_load(path: str):
-    """transformers' fp32 copy of the checkpoint at `path`: an HF directory, or a GGUF file
-    (transformers dequantizes it itself, `gguf_file=`), so the peers run the same weights."""
-    import torch
-    import transformers
-
-    from ..models.gguf import is_gguf_path
-
-    if is_gguf_path(path):
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-            dtype=torch.float32).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _hf_caller(run: MethodRun, hf: _HFModels, eos):
-    import torch
-
-    extra = dict(HF_PEERS[run.method])
-    if extra.pop("assistant", False):
-        if hf.draft is None:
-            raise FileNotFoundError("assisted generation needs the draft's HF directory")
-        extra["assistant_model"] = hf.draft
-
-    def call(ids, n, pool):
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                     max_new_tokens=n, eos_token_id=None if eos == -1 else eos,
-                                     pad_token_id=0, **extra)
-        s = time.perf_counter() - t0
-        toks = out[0, len(ids):].tolist()
-        return toks, s, {"new_tokens": len(toks)}, None
-
-    return call, lambda ids, n: (len(ids), n)
-
-
 def _next_context(model, ctx: list[int], answer: list[int], turn_text) -> list[int]:
     return ctx + list(answer) + encode(model, TURN_SEPARATOR + turn_text, first=False) \
         if isinstance(turn_text, str) else ctx + list(answer) + list(turn_text)
@@ -324,7 +152,7 @@ class _Runner:
 
 def _runner(run: MethodRun, target, draft, prompts: list[Prompt], eos, hf) -> _Runner:
     if run.kind == "hf":
-        call, shape_key = _hf_caller(run, hf, eos)
+        call, shape_key = hf_caller(run, hf, eos)
     else:
         call, shape_key = _oj_caller(run, target, draft, eos)
     limit = target.config.max_position_embeddings
@@ -364,61 +192,53 @@ def _run_prompt(rn: _Runner, target, i: int, p: Prompt, repeat: int, progress=No
         # warm-up call is part of its calls' time
         if not rn.run.charges_compiles:
             secs = max(secs - comp, 1e-9)
-        rn.calls.append(_Call(p.id, p.task, t, repeat, toks, secs, comp, stats, len(ctx)))
+        rn.calls.append(Call(p.id, p.task, t, repeat, toks, secs, comp, stats, len(ctx)))
         if progress is not None:
             progress.update(1)
 
 
 def run_method(run: MethodRun, target, draft, prompts: list[Prompt], *, repeats: int = 1,
-               eos: int = -1, hf: Optional[_HFModels] = None, progress=None,
+               eos: int = -1, hf: Optional[HFModels] = None, progress=None,
                settle: float = 0.0) -> tuple[dict, list]:
-    """Runs one method over the prompts; returns (summary dict, list of _Call).
+    """Runs one method over the prompts; returns (summary dict, list of `Call`).
 
     settle: seconds of idle before measuring. Thread pools of the previous method (XLA's,
     torch's OpenMP) keep competing for the cores for a moment after their work; on a small
     machine that slows whatever runs next."""
-    rn = _runner(run, target, draft, prompts, eos, hf)
-    _warm_up(rn, prompts)
-    freeze_heap()  # what lives from here on is the run's: full GC passes skip it (heap.py)
-    if settle > 0:
-        time.sleep(settle)
-    for r in range(repeats):
-        rn.pool = None  # each pass starts from an empty pool
-        for i, p in enumerate(prompts):
-            _run_prompt(rn, target, i, p, r, progress)
-    return _summarize(run, rn.calls, rn.compile_s, rn.n_warm), rn.calls
+    return run_interleaved([run], target, draft, prompts, repeats=repeats, eos=eos, hf=hf,
+                           progress=progress, settle=settle)[0]
 
 
 def _charge_background(auto_runner: _Runner) -> None:
-    """Waits out any loop config="auto" compiles in the background (`auto_switch`) and adds
+    """Waits out any loop config="auto" compiles in the background (`auto.switch`) and adds
     the wait to the last auto call's time: interleaved, that compile would otherwise overlap
     another method's timed call. Charged whole, as if it had run serially: an upper bound of
     what the auto user's next calls lose to it (they share the cores with it)."""
-    from .. import auto_switch
+    from ..auto import wait_for_background
 
     t0 = time.perf_counter()
-    auto_switch.wait_for_background()
+    wait_for_background()
     if auto_runner.calls:
         auto_runner.calls[-1].seconds += time.perf_counter() - t0
 
 
 def run_interleaved(runs: list[MethodRun], target, draft, prompts: list[Prompt], *,
-                    repeats: int = 1, eos: int = -1, progress=None, settle: float = 0.0
-                    ) -> list[tuple[dict, list]]:
+                    repeats: int = 1, eos: int = -1, hf: Optional[HFModels] = None,
+                    progress=None, settle: float = 0.0) -> list[tuple[dict, list]]:
     """This project's methods timed side by side: every method's warm-up first, then each
     prompt of each pass run by every method in turn, so that a machine that slows down or
     speeds up during the bench (10-15% within one run on a shared 2-core VM: vanilla timed
     first ran 14% faster than the same loop timed ten minutes later) weighs on every row
-    alike. Returns run_method's (summary, calls) per run, in order."""
-    runners = [_runner(r, target, draft, prompts, eos, None) for r in runs]
+    alike. Returns (summary, calls) per run, in order."""
+    runners = [_runner(r, target, draft, prompts, eos, hf) for r in runs]
     growth = []
     for rn in runners:
         if progress is not None:
             progress.set_description(f"bench warm-up {rn.run.label}")
-        rss0 = _peak_rss_mib()
+        rss0 = peak_rss_mib()
         _warm_up(rn, prompts)
-        growth.append(_peak_rss_mib() - rss0)
-    if progress is not None:
+        growth.append(peak_rss_mib() - rss0)
+    if progress is not None and len(runners) > 1:
         progress.set_description("bench (methods interleaved)")
     freeze_heap()  # full GC passes skip the warmed-up heap (heap.py)
     if settle > 0:
@@ -438,85 +258,11 @@ def run_interleaved(runs: list[MethodRun], target, draft, prompts: list[Prompt],
         _charge_background(last_auto)
     out = []
     for rn, g in zip(runners, growth):
-        summary = _summarize(rn.run, rn.calls, rn.compile_s, rn.n_warm)
+        summary = summarize(rn.run, rn.calls, rn.compile_s, rn.n_warm)
         # ru_maxrss is the process's high-water mark: what the method's warm-up added to it
         summary["peak_rss_growth_mib"] = g
         out.append((summary, rn.calls))
     return out
-
-
-def summed_histograms(histograms) -> list:
-    """Element-wise sum of per-call acceptance histograms, shorter ones padded with zeros:
-    config="auto" may size each call differently (gamma 3, then 4, or vanilla's 2 bins)."""
-    hs = [np.asarray(h) for h in histograms]
-    out = np.zeros(max(len(h) for h in hs), dtype=np.int64)
-    for h in hs:
-        out[:len(h)] += h.astype(np.int64)
-    return out.tolist()
-
-
-def _summarize(run: MethodRun, calls: list[_Call], compile_s: float, n_warm: int) -> dict:
-    new = sum(len(c.tokens) for c in calls)
-    secs = sum(c.seconds for c in calls)
-    s: dict[str, Any] = {
-        "method": run.method, "kind": run.kind, "config": config_dict(run.config),
-        "compile_seconds": compile_s, "warmup_calls": n_warm,
-        "recompiled_calls": sum(1 for c in calls if c.compile_seconds > 0),
-        "recompile_seconds_excluded": (0.0 if run.charges_compiles
-                                       else sum(c.compile_seconds for c in calls)),
-        "recompile_seconds_included": (sum(c.compile_seconds for c in calls)
-                                       if run.charges_compiles else 0.0),
-        "calls": len(calls), "seconds": secs, "new_tokens": new,
-        "tokens_per_second": new / secs if secs > 0 else None,
-        "peak_rss_mib": _peak_rss_mib(),
-    }
-    if run.kind == "oj":
-        tc = sum(c.stats["target_calls"] for c in calls)
-        dc = sum(c.stats["draft_calls"] for c in calls)
-        df = sum(c.stats.get("draft_forwards", c.stats["draft_calls"]) for c in calls)
-        dtok = sum(c.stats["c"] * c.stats["draft_calls"] for c in calls)
-        hist = summed_histograms([c.stats["acceptance_histogram"] for c in calls])
-        s.update(target_calls=tc, draft_calls=dc, draft_forwards=df,
-                 eta=new / tc if tc else None, c=dtok / dc if dc else None,
-                 acceptance_histogram=hist)
-        if "pool_hit_rate" in calls[0].stats:
-            hits = sum(c.stats.get("pool_hits", 0) for c in calls)
-            rounds = sum(c.stats["target_calls"] for c in calls)
-            s["pool_hit_rate"] = hits / rounds if rounds else None
-            s["pool_growth"] = [int(c.stats.get("pool_occupancy", 0)) for c in calls
-                                if c.repeat == 0]
-            s["pool_bytes"] = calls[-1].stats.get("pool_bytes")
-        for k in ("suffix_tokens_accepted", "guess_tokens_accepted"):
-            if k in calls[0].stats:
-                s[k] = sum(int(c.stats.get(k, 0)) for c in calls)
-        mvas = [c.stats["match_vs_accept"] for c in calls if "match_vs_accept" in c.stats]
-        if "match_vs_accept" in calls[0].stats and len({len(m) for m in mvas}) == 1:
-            s["match_vs_accept"] = [float(x) for x in np.mean(mvas, axis=0)]
-    else:
-        s.update(target_calls=None, draft_calls=None, draft_forwards=None,
-                 eta=1.0 if run.method == "hf-greedy" else None, c=None,
-                 acceptance_histogram=None)
-    tasks: dict[str, dict] = {}
-    for c in calls:
-        t = tasks.setdefault(c.task, {"new_tokens": 0, "seconds": 0.0, "target_calls": 0})
-        t["new_tokens"] += len(c.tokens)
-        t["seconds"] += c.seconds
-        t["target_calls"] += c.stats.get("target_calls", 0)
-    for t in tasks.values():
-        t["tokens_per_second"] = t["new_tokens"] / t["seconds"] if t["seconds"] else None
-        t["eta"] = t["new_tokens"] / t["target_calls"] if t["target_calls"] else None
-    s["per_task"] = tasks
-    s["per_call"] = [{"id": c.id, "task": c.task, "turn": c.turn, "repeat": c.repeat,
-                      "prompt_tokens": c.prompt_tokens,
-                      "new_tokens": len(c.tokens), "seconds": c.seconds,
-                      "compile_seconds": c.compile_seconds,
-                      "target_calls": c.stats.get("target_calls"),
-                      "draft_forwards": c.stats.get("draft_forwards", c.stats.get("draft_calls")),
-                      "eta": c.stats.get("eta"), "pool_occupancy": c.stats.get("pool_occupancy"),
-                      # config="auto": what it chose for this call (method, recipe, why)
-                      "auto": c.stats.get("auto")}
-                     for c in calls]
-    return s
 
 
 # -- the whole bench -------------------------------------------------------------------------
@@ -566,7 +312,7 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
                 skipped[r.label] = f"unknown peer {r.method!r}"
                 continue
             try:
-                hf = hf or _HFModels(target, draft)
+                hf = hf or HFModels(target, draft)
                 if r.method == "hf-assisted" and not hf.has_draft:
                     raise FileNotFoundError("no draft HF directory")
                 ok_runs.append(r)
@@ -594,7 +340,7 @@ def run_bench(target, draft, prompts: list[Prompt], runs: list[MethodRun], *, re
     for r in ok_runs[len(ours):]:  # peers after: torch's threads would slow the next JAX call
         if bar is not None:
             bar.set_description(f"bench {r.label}")
-        rss0 = _peak_rss_mib()
+        rss0 = peak_rss_mib()
         summary, calls = run_method(r, target, draft, prompts, repeats=repeats, eos=eos, hf=hf,
                                     progress=bar, settle=settle)
         # ru_maxrss is the process's high-water mark: growth is what this method added to it

@@ -25,12 +25,14 @@ event loop takes some of the time the engine would have, the same for every meth
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
-import sys
 import time
 from typing import Optional
+
+from . import http_load
+from .http_load import concurrency_levels, fmt_ms, fmt_s, quantile_fields, stream_events
+from .report import bench_command, pyplot, save_figure, write_json, write_markdown
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 RATE_FRACTIONS = (0.25, 0.5, 0.9)
@@ -47,31 +49,6 @@ def method_engine_args(name: str) -> dict:
     return dict(method=name)
 
 
-def concurrency_levels(text: Optional[str], default: tuple) -> tuple:
-    """--serve-concurrency "1,4,16" -> (1, 4, 16); None -> default."""
-    if text is None:
-        return default
-    try:
-        cs = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        cs = ()
-    if not cs or min(cs) < 1:
-        raise ValueError(f"--serve-concurrency must be comma-separated integers >= 1, e.g. "
-                         f"1,4,16; got {text!r}")
-    return cs
-
-
-def percentile(xs: list[float], q: float) -> Optional[float]:
-    """The q-th percentile (0-100) with linear interpolation; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 async def _request(client, url: str, prompt: list[int], max_tokens: int, ignore_eos: bool,
                    model: str) -> dict:
     """One streamed completion -> {ttft_s, latency_s, tokens, token_ids}."""
@@ -79,20 +56,12 @@ async def _request(client, url: str, prompt: list[int], max_tokens: int, ignore_
             "stream": True, "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     ttft, ids = None, []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(f"stream error: {ev['error']}")
-            for ch in ev["choices"]:
-                if ch.get("token_ids"):
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    ids.extend(ch["token_ids"])
+    async for ev in stream_events(client, url + "/v1/completions", body):
+        for ch in ev["choices"]:
+            if ch.get("token_ids"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids.extend(ch["token_ids"])
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "tokens": len(ids),
             "token_ids": ids}
 
@@ -100,20 +69,11 @@ async def _request(client, url: str, prompt: list[int], max_tokens: int, ignore_
 async def closed_loop(url: str, jobs: list[tuple[list[int], int]], concurrency: int, *,
                       ignore_eos: bool, model: str) -> tuple[list[dict], float]:
     """Sends jobs with `concurrency` in flight at all times -> (records in job order, wall s)."""
-    import httpx
+    async def send(client, i):
+        p, n = jobs[i]
+        return await _request(client, url, p, n, ignore_eos, model)
 
-    out: list = [None] * len(jobs)
-    it = iter(range(len(jobs)))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        async def worker():
-            for i in it:
-                p, n = jobs[i]
-                out[i] = await _request(client, url, p, n, ignore_eos, model)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
-        wall = time.perf_counter() - t0
-    return out, wall
+    return await http_load.closed_loop(send, len(jobs), concurrency, timeout_s=600.0)
 
 
 async def poisson(url: str, jobs: list[tuple[list[int], int]], rate: float, *, ignore_eos: bool,
@@ -145,16 +105,11 @@ async def poisson(url: str, jobs: list[tuple[list[int], int]], rate: float, *, i
 
 def summarize(records: list[dict], wall: float, pool: tuple[int, int]) -> dict:
     """Client records of one level + (pool hits, lookups) over it -> the level's figures."""
-    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
-    lat = [r["latency_s"] for r in records]
     toks = sum(r["tokens"] for r in records)
-    row = {"requests": len(records), "wall_s": wall, "req_per_s": len(records) / wall,
-           "tok_per_s": toks / wall, "completion_tokens": toks,
-           "pool_hit_rate": pool[0] / pool[1] if pool[1] else None}
-    for name, xs in (("ttft", ttft), ("latency", lat)):
-        for q in (50, 95, 99):
-            row[f"{name}_p{q}_s"] = percentile(xs, q)
-    return row
+    return {"requests": len(records), "wall_s": wall, "req_per_s": len(records) / wall,
+            "tok_per_s": toks / wall, "completion_tokens": toks,
+            "pool_hit_rate": pool[0] / pool[1] if pool[1] else None,
+            **quantile_fields(records, (50, 95, 99))}
 
 
 def _pool_counts(engine) -> tuple[int, int]:
@@ -273,14 +228,6 @@ def run_serve_bench(target, draft, prompts: list[list[int]], max_tokens: list[in
     return results
 
 
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1e3:.0f}"
-
-
-def _s(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def serve_markdown(results: dict) -> str:
     """The results as a markdown table (one row per method x level)."""
     st = results["settings"]
@@ -297,9 +244,9 @@ def serve_markdown(results: dict) -> str:
                     else f"Poisson {r['value']:g}/s")
             hit = "-" if r["pool_hit_rate"] is None else f"{r['pool_hit_rate']:.2f}"
             lines.append(f"| {name} | {load} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | "
-                         f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} / "
-                         f"{_ms(r['ttft_p99_s'])} | {_s(r['latency_p50_s'])} / "
-                         f"{_s(r['latency_p95_s'])} / {_s(r['latency_p99_s'])} | {hit} |")
+                         f"{fmt_ms(r['ttft_p50_s'])} / {fmt_ms(r['ttft_p95_s'])} / "
+                         f"{fmt_ms(r['ttft_p99_s'])} | {fmt_s(r['latency_p50_s'])} / "
+                         f"{fmt_s(r['latency_p95_s'])} / {fmt_s(r['latency_p99_s'])} | {hit} |")
     failed = {n: r["error"] for n, r in results["methods"].items() if r.get("error")}
     for n, err in failed.items():
         lines.append(f"| {n} | failed: {err[:120]} | | | | | |")
@@ -313,11 +260,7 @@ def serve_markdown(results: dict) -> str:
 
 def plot_serve(results: dict, path: str) -> str:
     """Two panels: tok/s by concurrency, and p50 latency by Poisson rate; one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, res in results["methods"].items():
         cl = sorted((r for r in res["levels"] if r["load"] == "concurrency"),
@@ -341,10 +284,7 @@ def plot_serve(results: dict, path: str) -> str:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def serve_main(a, target, draft, prompts, names, log) -> dict:
@@ -379,21 +319,16 @@ def serve_main(a, target, draft, prompts, names, log) -> dict:
     os.makedirs(out, exist_ok=True)
 
     def save(r):
-        with open(os.path.join(out, "serve.json"), "w") as f:
-            json.dump(r, f, indent=1)
+        write_json(os.path.join(out, "serve.json"), r)
 
-    command = ("ouroboros-jax bench " + " ".join(sys.argv[2:])
-               if sys.argv[1:2] == ["bench"] else None)
+    command = bench_command()
     res = run_serve_bench(target, draft, ids, lens, methods=methods, concurrency=conc,
                           rate_fractions=fracs, requests_per_level=n_req, slots=slots,
                           ignore_eos=a.ignore_eos or quick, log=log,
                           on_method=lambda r: save({**r, "partial": True}))
     res["settings"]["command"] = command
     save(res)
-    md = serve_markdown(res)
-    with open(os.path.join(out, "serve.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
+    write_markdown(os.path.join(out, "serve.md"), serve_markdown(res))
     if not a.no_plots:
         log(f"[serve] plot: {plot_serve(res, os.path.join(out, 'serve.png'))}")
     log(f"[serve] wrote {out}/serve.json, serve.md")

@@ -26,7 +26,6 @@ methods are exact); a peer's agreement is reported, not required (other kernels,
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import socket
@@ -36,7 +35,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .serve import _ms, _s, concurrency_levels, percentile  # one format for both tables
+from . import http_load
+from .http_load import concurrency_levels, fmt_ms, fmt_s, quantile_fields, stream_events
+from .records import machine
+from .report import bench_command, pyplot, save_figure, write_json, write_markdown
 
 CONCURRENCY = (1, 4, 16)
 QUANTILES = (50, 95)
@@ -172,23 +174,15 @@ async def chat_request(client, url: str, model: str, text: str, max_tokens: int)
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, parts, chunks, usage, finish = None, [], 0, None, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(f"stream error: {ev['error']}")
-            usage = ev.get("usage") or usage
-            for ch in ev.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    parts.append(piece)
-                    chunks += 1
-                finish = ch.get("finish_reason") or finish
+    async for ev in stream_events(client, url + "/v1/chat/completions", body):
+        usage = ev.get("usage") or usage
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                parts.append(piece)
+                chunks += 1
+            finish = ch.get("finish_reason") or finish
     n = usage["completion_tokens"] if usage else chunks
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "tokens": n,
             "counted": "usage" if usage else "chunks", "text": "".join(parts),
@@ -198,36 +192,22 @@ async def chat_request(client, url: str, model: str, text: str, max_tokens: int)
 async def closed_loop(url: str, model: str, jobs: list[str], concurrency: int,
                       max_tokens: int) -> tuple[list[dict], float]:
     """The jobs with `concurrency` in flight at all times -> (records in job order, wall s)."""
-    import httpx
+    async def send(client, i):
+        return await chat_request(client, url, model, jobs[i], max_tokens)
 
-    out: list = [None] * len(jobs)
-    it = iter(range(len(jobs)))
-    limits = httpx.Limits(max_connections=max(concurrency, 1))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
-        async def worker():
-            for i in it:
-                out[i] = await chat_request(client, url, model, jobs[i], max_tokens)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(jobs)))))
-    return out, time.perf_counter() - t0
+    return await http_load.closed_loop(send, len(jobs), concurrency, timeout_s=1800.0)
 
 
 def level_row(server: Server, method: Optional[str], c: int, recs: list[dict],
               wall: float) -> dict:
     """One server x concurrency level -> its figures."""
-    ttft = [r["ttft_s"] for r in recs if r["ttft_s"] is not None]
-    lat = [r["latency_s"] for r in recs]
     toks = sum(r["tokens"] for r in recs)
-    row = {"server": server.name, "kind": server.kind, "method": method, "concurrency": c,
-           "requests": len(recs), "wall_s": wall, "req_per_s": len(recs) / wall,
-           "tok_per_s": toks / wall, "completion_tokens": toks,
-           "tokens_counted_by": sorted({r["counted"] for r in recs}),
-           "unfinished": sum(r["finish_reason"] is None for r in recs)}
-    for name, xs in (("ttft", ttft), ("latency", lat)):
-        for q in QUANTILES:
-            row[f"{name}_p{q}_s"] = percentile(xs, q)
-    return row
+    return {"server": server.name, "kind": server.kind, "method": method, "concurrency": c,
+            "requests": len(recs), "wall_s": wall, "req_per_s": len(recs) / wall,
+            "tok_per_s": toks / wall, "completion_tokens": toks,
+            "tokens_counted_by": sorted({r["counted"] for r in recs}),
+            "unfinished": sum(r["finish_reason"] is None for r in recs),
+            **quantile_fields(recs, QUANTILES)}
 
 
 def bench_server(server: Server, texts: list[str], *, concurrency, requests: int,
@@ -323,8 +303,8 @@ def peer_markdown(results: dict) -> str:
         for r in res["levels"]:
             lines.append(f"| {name} | {r['method'] or '-'} | {r['concurrency']} | "
                          f"{r['tok_per_s']:.1f} | {r['req_per_s']:.2f} | "
-                         f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p95_s'])} | "
-                         f"{_s(r['latency_p50_s'])} / {_s(r['latency_p95_s'])} | "
+                         f"{fmt_ms(r['ttft_p50_s'])} / {fmt_ms(r['ttft_p95_s'])} | "
+                         f"{fmt_s(r['latency_p50_s'])} / {fmt_s(r['latency_p95_s'])} | "
                          f"{r['completion_tokens']} | {_accepted(res)} |")
         if res.get("error"):
             lines.append(f"| {name} | failed: {res['error'][:120]} | | | | | | | |")
@@ -340,11 +320,7 @@ def peer_markdown(results: dict) -> str:
 def plot_peer(results: dict, path: str) -> str:
     """Three panels by concurrency: tok/s, TTFT p50 (band to p95), latency p50 (band to p95);
     one line per server."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (("tok_per_s", None, "completion tokens/s (all requests)", "Throughput"),
               ("ttft_p50_s", "ttft_p95_s", "TTFT p50 (band to p95), s", "Time to first token"),
@@ -366,15 +342,7 @@ def plot_peer(results: dict, path: str) -> str:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def parse_concurrency(text: Optional[str]) -> tuple:
-    """--serve-concurrency "1,4,16" -> (1, 4, 16); None -> CONCURRENCY (this bench's)."""
-    return concurrency_levels(text, CONCURRENCY)
+    return save_figure(fig, path)
 
 
 def peer_servers(a, names: Optional[list]) -> list[Server]:
@@ -400,21 +368,6 @@ def peer_servers(a, names: Optional[list]) -> list[Server]:
     return ours + [parse_peer(p) for p in a.peer]
 
 
-def _machine() -> dict:
-    import platform
-
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f
-                          if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": model,
-            "python": platform.python_version(), "niceness": os.nice(0),
-            "loadavg_at_start": list(os.getloadavg())}
-
-
 def peer_main(a, names: Optional[list], log, workload) -> dict:
     """`bench --serve --peer ...`: flags -> run_peer_bench -> JSON, markdown, plot. names: the
     methods asked for, None for the default (the methods that need no draft); workload: the
@@ -422,7 +375,7 @@ def peer_main(a, names: Optional[list], log, workload) -> dict:
     from .workloads import load_workload
 
     servers = peer_servers(a, names)
-    conc = parse_concurrency(a.serve_concurrency)
+    conc = concurrency_levels(a.serve_concurrency, CONCURRENCY)
     requests = a.serve_requests or 16
     if requests < 1:
         raise ValueError(f"--serve-requests must be >= 1, got {requests}")
@@ -437,21 +390,16 @@ def peer_main(a, names: Optional[list], log, workload) -> dict:
     log(f"[peer] {len(texts)} prompts; servers: {', '.join(s.name for s in servers)}")
 
     def save(r):
-        with open(os.path.join(out, "serve_peer.json"), "w") as f:
-            json.dump(r, f, indent=1)
+        write_json(os.path.join(out, "serve_peer.json"), r)
 
-    settings = {"command": ("ouroboros-jax bench " + " ".join(sys.argv[2:])
-                            if sys.argv[1:2] == ["bench"] else None), "machine": _machine()}
+    settings = {"command": bench_command(), "machine": machine()}
     res = run_peer_bench(servers, texts, concurrency=conc, requests=requests,
                          max_tokens=max_tokens, log_dir=os.path.join(out, "logs"), log=log,
                          on_server=lambda r: save({**r, "partial": True}))
     res["settings"].update(settings)
     res["settings"]["machine"]["loadavg_at_end"] = list(os.getloadavg())
     save(res)
-    md = peer_markdown(res)
-    with open(os.path.join(out, "serve_peer.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
+    write_markdown(os.path.join(out, "serve_peer.md"), peer_markdown(res))
     if not a.no_plots:
         log(f"[peer] plot: {plot_peer(res, os.path.join(out, 'serve_peer.png'))}")
     log(f"[peer] wrote {out}/serve_peer.json, serve_peer.md")

@@ -18,7 +18,8 @@ from typing import Optional
 
 from .configs import AUTO_SUFFIX, make_config, method_runs  # noqa: F401  (make_config: public)
 from .pair import load_models
-from .runner import HF_PEERS, MethodRun, run_bench
+from .peers import HF_PEERS
+from .runner import MethodRun, run_bench
 from .sweeps import SWEEPS, run_sweeps
 from .workloads import Prompt, WorkloadSpec, limit_per_task, load_workload, parse_lengths
 
@@ -42,8 +43,7 @@ def run_suite(target, draft, prompts: list[Prompt], methods: list[MethodRun], *,
     if sweeps:
         sample = limit_per_task(prompts, sweep_prompts) if sweep_prompts else prompts
         results["sweeps"] = run_sweeps(target, draft, sample, sweeps, quick=quick,
-                                       overrides=overrides, ignore_eos=ignore_eos,
-                                       vanilla=results["methods"]["vanilla"], log=log)
+                                       overrides=overrides, ignore_eos=ignore_eos, log=log)
     return results
 
 
@@ -72,11 +72,10 @@ def cost_model_section(results: dict, target, draft, methods: list[MethodRun], p
                        latency_json: Optional[str] = None, quick: bool = False,
                        project=()) -> dict:
     """results["cost_model"]: every row's counted forwards priced with this CPU's latency table
-    (or `latency_json`'s) and validated against its measured time (cost_check.validate), with
+    (or `latency_json`'s) and validated against its measured time (cost_model.validate), with
     flat latencies, and on each `project` accelerator (a projection). METHOD@auto rows are
     priced by the configs auto ran (bench/auto_rows.py)."""
-    from .cost_check import validate
-    from .cost_model import LatencyTable, cost_rows, weights_bound_table
+    from .cost_model import LatencyTable, cost_rows, validate, weights_bound_table
     from .runner import encode
 
     configs = {r.label: r.config for r in methods}
@@ -139,10 +138,8 @@ def workload_of_args(a, prompts_per_task: Optional[int] = None) -> WorkloadSpec:
                         max_new_tokens=a.max_new_tokens, lengths=parse_lengths(a.length))
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true",
-                   help="seconds: tiny random pair (unless --model), 2 prompts per task, "
-                        "16 new tokens, small trees")
+def add_pair_and_prompt_args(p: argparse.ArgumentParser) -> None:
+    """The model and prompt-source flags `bench` and `tune` share (`workload_of_args`)."""
     p.add_argument("--model", "--target", dest="target", metavar="PATH",
                    help="target model: an HF directory or a GGUF file; default: demo pair")
     p.add_argument("--draft", metavar="PATH", help="draft model: an HF directory or a GGUF file")
@@ -154,6 +151,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-jsonl", action="append", metavar="PATH",
                    help='jsonl of {"prompt": ...} (repeatable)')
     p.add_argument("--demo-prompts", action="store_true", help="the demo's held-out code prompts")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: tiny random pair (unless --model), 2 prompts per task, "
+                        "16 new tokens, small trees")
+    add_pair_and_prompt_args(p)
     p.add_argument("--copy-heavy", action="store_true",
                    help="code-rewrite prompts, plus Spec-Bench's summarization and RAG questions "
                         "with --spec-bench: answers that copy their prompt (prompt_lookup)")
@@ -253,7 +257,7 @@ def _project_names(a) -> list[str]:
 
 
 def bench_main(a) -> dict:
-    from .report import markdown, write_all
+    from .report import bench_command, markdown, write_all
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     quick = a.quick
@@ -299,8 +303,7 @@ def bench_main(a) -> dict:
                         progress=not a.no_progress, log=log,
                         settle=a.settle if a.settle is not None else (0.2 if quick else 1.0))
     results["settings"]["models_source"] = source
-    results["settings"]["command"] = "ouroboros-jax bench " + " ".join(sys.argv[2:]) \
-        if sys.argv[1:2] == ["bench"] else None
+    results["settings"]["command"] = bench_command()
     out = a.out or os.path.join("runs", "bench-quick" if quick else "bench")
     paths = write_all(results, out, make_plots=not a.no_plots)
     print(markdown(results))
@@ -312,6 +315,7 @@ def bench_main(a) -> dict:
 def _batch_main(a, target, draft, prompts, names, log) -> dict:
     from ..decoding import METHODS
     from .batch import batch_markdown, batch_throughput, parse_batch_sizes, plot_batch
+    from .report import bench_command, write_json, write_markdown
 
     sizes = parse_batch_sizes(a.batch_sizes)
     methods = [n for n in names if n in METHODS]
@@ -319,14 +323,9 @@ def _batch_main(a, target, draft, prompts, names, log) -> dict:
                             eos=-1 if a.ignore_eos else None, log=log, repeats=max(2, a.repeats))
     out = a.out or os.path.join("runs", "bench-batch")
     os.makedirs(out, exist_ok=True)
-    res = {"batch": rows, "command": "ouroboros-jax bench " + " ".join(sys.argv[2:])
-           if sys.argv[1:2] == ["bench"] else None}
-    with open(os.path.join(out, "batch.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    md = batch_markdown(rows)
-    with open(os.path.join(out, "batch.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
+    res = {"batch": rows, "command": bench_command()}
+    write_json(os.path.join(out, "batch.json"), res)
+    write_markdown(os.path.join(out, "batch.md"), batch_markdown(rows))
     if not a.no_plots:
         log(f"[bench] plot: {plot_batch(rows, os.path.join(out, 'batch_throughput.png'))}")
     return res

@@ -37,17 +37,13 @@ def _point(value, s: dict, van_tps: Optional[float]) -> dict:
             "new_tokens": s["new_tokens"], "seconds": s["seconds"]}
 
 
-def _base(quick: bool, overrides: Optional[dict]):
-    return make_config("ouroboros", (overrides or {}).get("ouroboros"), quick)
-
-
 def sweep(name: str, target, draft, prompts: list[Prompt], *, quick: bool = False,
           overrides: Optional[dict] = None, values=None, ignore_eos: bool = False,
           log=None) -> dict:
     """One sweep -> {"param", "points": [...], "vanilla_tokens_per_second"}."""
     if name not in SWEEPS:
         raise ValueError(f"unknown sweep {name!r}; choose from {', '.join(SWEEPS)}")
-    base = _base(quick, overrides)
+    base = make_config("ouroboros", (overrides or {}).get("ouroboros"), quick)
     values = list(values or (QUICK_VALUES if quick else VALUES).get(name, []))
     kw = dict(ignore_eos=ignore_eos, progress=False, log=log)
     points = []
@@ -83,7 +79,8 @@ def sweep(name: str, target, draft, prompts: list[Prompt], *, quick: bool = Fals
 
 
 def run_sweeps(target, draft, prompts, names, *, quick=False, overrides=None, ignore_eos=False,
-               vanilla=None, log=None) -> dict:
+               log=None) -> dict:
+    """{sweep name: `sweep`'s result} for each of `names`, in order."""
     out = {}
     for n in names:
         if log:

@@ -4,11 +4,8 @@ One knob at a time, each chosen by measured wall time on a prompt sample (greedy
 same for every setting, so least time = most tokens/s), the others held at the values chosen so
 far (or at middle values before they are chosen): first gamma, then W (with G = W), then N
 (phrase length beta = N - 1), then K. Compilation is excluded (each candidate gets a warm-up
-call). Prints a recipe usable as `OuroborosConfig(...)`.
-
-`--method speculative` (gamma) and `--method lookahead` (W with G = W, then N) tune the
-baselines the same way, so that a comparison can give every method its best setting on the
-machine at hand.
+call). Prints a recipe usable as `OuroborosConfig(...)`; `--method` tunes the baselines the
+same way (bench/README.md, "Tuner").
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from ..decoding import METHODS
 from ..decoding.knobs import recipe_of
 from .pair import load_models
 from .runner import MethodRun, run_method
-from .suite import workload_of_args
+from .suite import add_pair_and_prompt_args, workload_of_args
 from .workloads import Prompt, load_workload
 
 
@@ -81,15 +78,7 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny random pair, tiny grid")
     p.add_argument("--method", default="ouroboros", choices=sorted(tunable()),
                    help="which method's knobs to tune (default ouroboros)")
-    p.add_argument("--model", "--target", dest="target", metavar="PATH",
-                   help="target model directory (default: demo pair)")
-    p.add_argument("--draft", metavar="PATH", help="draft model directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--humaneval", nargs="?", const=True, default=None, metavar="PATH")
-    p.add_argument("--spec-bench", metavar="PATH")
-    p.add_argument("--task", action="append")
-    p.add_argument("--prompts-jsonl", action="append", metavar="PATH")
-    p.add_argument("--demo-prompts", action="store_true")
+    add_pair_and_prompt_args(p)
     p.add_argument("--prompts-per-task", type=int, default=None,
                    help="sample size per task (default 4, --quick 2)")
     p.add_argument("--max-new-tokens", type=int)

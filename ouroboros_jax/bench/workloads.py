@@ -10,7 +10,7 @@ Readers:
   read_prompt_jsonl(path)    any jsonl of {"prompt": ...} (optional "task", "id", "max_new_tokens")
   demo_code_prompts()        the demo pair's held-out code prompts
   code_rewrite_prompts()     copy-heavy code requests (type hints, docstrings, renames) over
-                             the shipped snippets below
+                             the shipped snippets (assets/workloads/code_rewrite.json)
   copy_heavy_prompts(path)   code rewrites + Spec-Bench's summarization and RAG questions: the
                              requests whose answers copy their prompt (prompt lookup's workload)
 Every reader refuses a malformed line with a ValueError naming the file and line number.
@@ -149,74 +149,19 @@ def demo_code_prompts(lengths: Optional[dict] = None) -> list[Prompt]:
 
 
 # Copy-heavy code requests: the answer restates the given code with small edits, so most of
-# its n-grams are in the prompt (what prompt lookup decoding serves).
-REWRITE_SNIPPETS = (
-    '''def moving_average(values, window):
-    result = []
-    total = 0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            result.append(total / window)
-    return result
-''',
-    '''def parse_config(lines):
-    config = {}
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        config[key.strip()] = value.strip()
-    return config
-''',
-    '''class Inventory:
-    def __init__(self):
-        self.items = {}
-
-    def add(self, name, count):
-        self.items[name] = self.items.get(name, 0) + count
-
-    def remove(self, name, count):
-        if self.items.get(name, 0) < count:
-            raise ValueError("not enough " + name)
-        self.items[name] -= count
-
-    def total(self):
-        return sum(self.items.values())
-''',
-    '''def merge_sorted(left, right):
-    merged = []
-    i = 0
-    j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            merged.append(left[i])
-            i += 1
-        else:
-            merged.append(right[j])
-            j += 1
-    merged.extend(left[i:])
-    merged.extend(right[j:])
-    return merged
-''',
-)
-REWRITE_INSTRUCTIONS = (
-    "Rewrite this Python code with type hints. Keep everything else the same.",
-    "Add a docstring to this Python code and return the whole code.",
-    "Rename the variables of this Python code to longer, clearer names and return the code.",
-)
+# its n-grams are in the prompt (what prompt lookup decoding serves). Shipped prompt text, as
+# the demo's prompts are.
+CODE_REWRITE = Path(__file__).resolve().parents[1] / "assets" / "workloads" / "code_rewrite.json"
 
 
 def code_rewrite_prompts(lengths: Optional[dict] = None) -> list[Prompt]:
     """Every instruction over every shipped snippet, task "code-rewrite" (12 prompts)."""
+    data = json.loads(CODE_REWRITE.read_text())
     return [Prompt(id=f"rewrite/{i}.{j}", task="code-rewrite",
                    turns=(f"{inst}\n\n```python\n{code}```",),
                    max_new_tokens=gen_length("code-rewrite", lengths))
-            for j, inst in enumerate(REWRITE_INSTRUCTIONS)
-            for i, code in enumerate(REWRITE_SNIPPETS)]
+            for j, inst in enumerate(data["instructions"])
+            for i, code in enumerate(data["snippets"])]
 
 
 COPY_HEAVY_TASKS = ("summarization", "rag")

@@ -9,7 +9,7 @@ where n_T, n_S are the method's forward sizes (`MethodSpec.forward_sizes`: token
 and per draft forward, fixed shapes as compiled), draft_forwards and overhead come from the
 method's `RoundModel` (`MethodSpec.round_model(config, agreement)`), and t_T, t_S are latency
 tables {tokens: seconds} read through `interpolate`. The predicted rate is the round model's
-expected tokens over t_round. `config="auto"` (decoding/auto.py) maximises it over a method's
+expected tokens over t_round. `config="auto"` (auto/choice.py) maximises it over a method's
 knob grid; the bench's cost model (bench/cost_model.py) uses the same interpolator and forward
 sizes to predict a measured run from its counted forwards.
 

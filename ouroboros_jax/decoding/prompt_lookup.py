@@ -237,7 +237,7 @@ run_prompt_lookup = make_runner(prompt_lookup_init, prompt_lookup_insert, prompt
 # ------------------------------------------------------------------------------ config="auto"
 # How often a copied candidate pays, fitted to the tokens per round greedy prompt lookup takes
 # on SmolLM2-135M-Instruct's copy-heavy requests (3 code rewrites, 3 Spec-Bench summarization,
-# 3 RAG; 128 tokens; `python -m ouroboros_jax.bench.lookup_replay ... --per-task 3`): X = 1
+# 3 RAG; 128 tokens; `python -m experiments.lookup_replay ... --per-task 3`): X = 1
 # gave eta 1.61 / 1.83 / 2.09 / 2.29 at M = 2 / 4 / 8 / 16, and each further candidate adds
 # about 8% of the first one's gain (X = 2, 3 at M = 8: 2.19, 2.28), far less than independent
 # candidates would: they are the same context's other matches, right or wrong together.

@@ -36,7 +36,7 @@ Letters (package glossary): B rows, γ (`gamma`) draft tokens per round, V vocab
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from functools import lru_cache, partial
 from typing import ClassVar
 
 import jax
@@ -343,20 +343,19 @@ def run_speculative(pair: Pair, prompt, prompt_lengths, limits: Limits, sp: Samp
     if accept_rule is None:
         return _run_speculative(pair, prompt, prompt_lengths, limits, sp, pool, cfg=cfg,
                                 slots=slots, greedy=greedy)
-    runner = _RULE_RUNNERS.get(accept_rule)
-    if runner is None:
-        runner = _RULE_RUNNERS[accept_rule] = make_runner(
-            speculative_init, speculative_insert,
-            partial(_step_with_rule, accept_rule), speculative_finish)
-    return runner(pair, prompt, prompt_lengths, limits, sp, pool, cfg=cfg, slots=slots,
-                  greedy=greedy)
+    return _rule_runner(accept_rule)(pair, prompt, prompt_lengths, limits, sp, pool, cfg=cfg,
+                                     slots=slots, greedy=greedy)
+
+
+@lru_cache(maxsize=None)
+def _rule_runner(accept_rule):
+    """The loop of a test hook's accept rule, built once per rule (so it compiles once)."""
+    return make_runner(speculative_init, speculative_insert,
+                       partial(_step_with_rule, accept_rule), speculative_finish)
 
 
 def _step_with_rule(rule, pair, cfg, greedy, sp, limits, state):
     return speculative_step(pair, cfg, greedy, sp, limits, state, accept_rule=rule)
-
-
-_RULE_RUNNERS: dict = {}
 
 
 def chain_lesson(gamma: int, confidence: float, stats: dict, greedy: bool):

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-BLOCK = 128  # cache slots per block (measured on the demo pair, see bench/engine_speed.py)
+BLOCK = 128  # cache slots per block (measured on the demo pair, see experiments/engine_speed.py)
 
 _F32 = jnp.float32
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -169,9 +169,10 @@ KERNELS: dict[str, Callable] = {"blockwise": blockwise_attention, "dense": dense
 # (e.g. "gpu": "cudnn") once it is registered in KERNELS and tested against "dense".
 # GPU: "dense". A `while` loop on a GPU sends its predicate to the host every iteration, so the
 # blockwise loop costs a round trip per cache block per layer. Measured on an H200 (bf16, random
-# weights, 512 cached tokens, bench/device/variants.py, docs/bench/device-h200): one forward of
-# a Llama-3.1-8B / 3.2-1B / Qwen2.5-0.5B shape, stacked layers, 16.5 / 4.3 / 4.6 ms blockwise,
-# 12.5 / 2.5 / 2.0 ms dense; packed layers 8.4 / 3.3 / 3.7 ms blockwise, 5.5 / 1.6 / 1.3 dense.
+# weights, 512 cached tokens, experiments/device/variants.py, docs/bench/device-h200): one
+# forward of a Llama-3.1-8B / 3.2-1B / Qwen2.5-0.5B shape, stacked layers, 16.5 / 4.3 / 4.6 ms
+# blockwise, 12.5 / 2.5 / 2.0 ms dense; packed layers 8.4 / 3.3 / 3.7 ms blockwise, 5.5 / 1.6 /
+# 1.3 dense.
 # Dense reads every padded slot, which the GPU's bandwidth makes cheap next to a round trip.
 BY_BACKEND: dict[str, str] = {"gpu": "dense"}
 _override: Optional[str] = None

@@ -22,7 +22,7 @@ decoding on either layout gives the same tokens (tested).
 canonical layout the mesh's shardings describe): on a CPU for weights of at least
 PACK_MIN_BYTES; on a GPU whenever the copy fits with as much again to spare (`gpu_has_room`).
 On a GPU the scan's per-layer slice costs too, and the scan is a `while` loop whose predicate
-goes to the host every layer: measured on an H200 (bf16, bench/device/variants.py,
+goes to the host every layer: measured on an H200 (bf16, experiments/device/variants.py,
 docs/bench/device-h200), a Llama-3.1-8B-shaped forward took 12.5 ms stacked and 5.5 ms packed
 (dense attention; 3.3 ms is its weights over the HBM bandwidth), and vanilla decoding 13.1 ->
 5.7 ms per token. The packed
@@ -46,6 +46,8 @@ UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_norm_
                  "k_norm_all")
 # a mixture of experts' leaves, copied unchanged too (its router and experts are not fused)
 MOE_LEAVES = ("router", "we_gate", "we_up", "we_down")
+# the key of a Model's packed copy among its derived copies (`Model.derived_copy`)
+PACKED = "packed"
 
 
 def is_packed(params: Params) -> bool:
@@ -92,7 +94,7 @@ _pack_jit = jax.jit(pack, static_argnums=1)
 # (32 MB L3), packing made SmolLM2-135M's (538 MB) vanilla steps 1.3-2x faster and its
 # 9-token forward 1.3x, while for the demo pair (76 MB target, 13 MB draft: largely
 # cache-resident, where a stacked layer's slice costs little) it sped up vanilla but slowed
-# the draft's multi-token forwards and the speculative methods (bench/cpu_forward.py, the
+# the draft's multi-token forwards and the speculative methods (experiments/cpu_forward.py, the
 # `set_packing` A/B in README's "Where the CPU path stands").
 PACK_MIN_BYTES = 256 * 2**20
 
@@ -156,12 +158,11 @@ def decode_params(model) -> Params:
     params = model.params
     if is_packed(params):
         return params
-    packed = _made(model)
+    packed = model.derived_copy(PACKED)
     if not wants_packing(params, held=packed is not None):
         return params
     if packed is None:
-        packed = _pack_jit(params, model.config)
-        model._packed["params"] = (params, packed)
+        packed = model.keep_derived(PACKED, _pack_jit(params, model.config))
     return packed
 
 
@@ -169,13 +170,7 @@ def release(model) -> None:
     """Drops a `Model`'s packed copy (the next call that wants it packs again): frees a
     second copy of the weights when something else needs the memory, e.g. a benchmark that
     loads transformers' own copies of the same checkpoints after ours have run."""
-    model._packed.pop("params", None)
-
-
-def _made(model):
-    """The model's packed copy when it was made from its current params, else None."""
-    hit = model._packed.get("params")
-    return hit[1] if hit is not None and hit[0] is model.params else None
+    model.drop_derived(PACKED)
 
 
 def packed_bytes(model) -> int:
@@ -183,7 +178,7 @@ def packed_bytes(model) -> int:
     packed or the copy already exists): every layer's weights, and the transposed head of a
     tied model."""
     params = model.params
-    if is_packed(params) or not wants_packing(params) or _made(model) is not None:
+    if is_packed(params) or not wants_packing(params) or model.derived_copy(PACKED) is not None:
         return 0
     head = params["embed"].size * params["embed"].dtype.itemsize
     return weight_bytes(params["layers"]) + (head if model.config.tie_word_embeddings else 0)

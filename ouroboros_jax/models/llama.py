@@ -178,7 +178,7 @@ def _matmul_heads(h: jax.Array, w: jax.Array) -> jax.Array:
 
     The same product as einsum("bte,end->btnd"), but XLA:CPU runs the 3-D contraction far
     slower than the plain matrix product of the same weights (measured on SmolLM2-135M at
-    T = 1, bench/cpu_forward.py); a reshape of a contiguous weight costs nothing inside jit,
+    T = 1, experiments/cpu_forward.py); a reshape of a contiguous weight costs nothing inside jit,
     so the parameter layout (sharding, loading, training) stays [E,N,D]."""
     E, N, D = w.shape
     return (h @ w.reshape(E, N * D)).reshape(*h.shape[:-1], N, D)

@@ -38,15 +38,30 @@ class Model:
     path: Optional[str] = None
     # generation_config.json's fields (eos_token_id, ...), {} when the directory has none
     generation_config: dict = dataclasses.field(default_factory=dict)
-    # mesh -> this model placed on it (sharding.shard_model); lives and dies with the model
-    _sharded: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
-                                       compare=False)
-    # the packed copy decoding runs on a CPU (layout.decode_params), made once per params
-    _packed: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+    # copies made from the params, each kept beside the params it was made from: this model
+    # placed on a mesh (sharding.shard_model, key ("mesh", mesh)) and the packed copy decoding
+    # runs on a CPU (layout.decode_params, key "packed"). They live and die with the model; a
+    # `dataclasses.replace` of it starts with none.
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                       compare=False)
 
     def __post_init__(self):
         check_params(self.config, self.params)
+
+    def derived_copy(self, key) -> Any:
+        """The copy kept under `key` when it was made from the current params (the same
+        object), else None: a model whose params were replaced makes its copies anew."""
+        hit = self.derived.get(key)
+        return hit[1] if hit is not None and hit[0] is self.params else None
+
+    def keep_derived(self, key, copy) -> Any:
+        """Keeps `copy`, made from the current params, under `key`; returns it."""
+        self.derived[key] = (self.params, copy)
+        return copy
+
+    def drop_derived(self, key) -> None:
+        """Forgets the copy under `key` (its memory goes when nothing else holds it)."""
+        self.derived.pop(key, None)
 
     @property
     def dtype(self):

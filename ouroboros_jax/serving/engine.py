@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from ..auto import AutoTuner
 from ..decoding import METHODS, PLAIN
 from ..decoding.common import make_pair
 from ..distributed import (check_same, fetch, is_leader, mesh_id, model_id,
@@ -131,8 +132,9 @@ class Engine:
         self.slots, self.rounds, self.max_queue = int(slots), int(rounds_per_step), int(max_queue)
         self.limit, self.shared_pool, self.vocab = limit, shared_pool, target.config.vocab_size
         self._default_eos = eos_array(default_eos_ids(target), self.vocab)
+        self.tuner = AutoTuner()  # config="auto"'s: this engine's own prices and choices
         levels = load_levels(method, spec, config, lambda: auto_levels(
-            method, spec, target, draft, self.slots, limit))
+            self.tuner, method, spec, target, draft, self.slots, limit))
         cfgs = [c for _, c in levels if c is not OFF]
         if not cfgs:  # speculation off at every load: plain decoding
             method, spec, levels, cfgs = PLAIN, METHODS[PLAIN], [(1, None)], [None]

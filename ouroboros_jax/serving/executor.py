@@ -46,7 +46,7 @@ OFF = "off"  # a load level without speculation
 # the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
 # temperature and top_p (float32 bits), speculation on, then EOS_BUCKET stop ids; the prompt
 # follows
-_HEAD = 9 + EOS_BUCKET
+INSERT_HEAD = 9 + EOS_BUCKET
 
 
 @struct.dataclass
@@ -77,29 +77,30 @@ def engine_state(state):
 
 
 def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
-    """One insert's host data -> int32[_HEAD + P] (P the prompt's bucket): one upload."""
+    """One insert's host data -> int32[INSERT_HEAD + P] (P the prompt's bucket): one upload."""
     p, ids = req.params, req.ids
-    out = np.zeros((_HEAD + bucket(len(ids)),), np.int32)
+    out = np.zeros((INSERT_HEAD + bucket(len(ids)),), np.int32)
     greedy = p.temperature == 0
     out[:6] = (slot, len(ids), p.top_k, np.uint32(p.seed).view(np.int32), greedy, p.max_tokens)
     out[6:8] = np.asarray([1.0 if greedy else p.temperature, p.top_p], np.float32).view(np.int32)
     out[8] = p.speculation
-    out[9:_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
-    out[_HEAD:_HEAD + len(ids)] = ids
+    out[9:INSERT_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
+    out[INSERT_HEAD:INSERT_HEAD + len(ids)] = ids
     return out
 
 
 def unpack_insert(packed: jax.Array, vocab: int):
     """pack_insert's array (traced) -> (rows int32[1], prompt int32[1,P], prompt_lengths
     int32[1], SamplingParams [1], Limits [1])."""
-    h = packed[:_HEAD]
+    h = packed[:INSERT_HEAD]
     floats = jax.lax.bitcast_convert_type(h[6:8], jnp.float32)
     sp = SamplingParams(temperature=floats[:1], top_k=jnp.minimum(h[2:3], vocab),
                         top_p=floats[1:2],
                         seed=jax.lax.bitcast_convert_type(h[3:4], jnp.uint32),
                         stream=jnp.zeros((1,), jnp.int32), greedy_rows=h[4:5] != 0)
-    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[9:_HEAD][None], speculate=h[8:9] != 0)
-    return h[0:1], packed[_HEAD:][None], h[1:2], sp, limits
+    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[9:INSERT_HEAD][None],
+                    speculate=h[8:9] != 0)
+    return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits
 
 
 def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:

@@ -5,7 +5,7 @@ Why: a jitted call's host cost grows with its argument and output leaves (each i
 donated and wrapped as an array), and on a busy host that cost is paid while the device
 computes. The engine's state has about 30 leaves, of which two dozen are per-slot vectors and
 scalars (lengths, knobs, counters) of a few hundred bytes in all; packed, a step's dispatch
-took 0.31 ms of host time instead of 0.49 at 16 busy slots (`bench.engine_host`).
+took 0.31 ms of host time instead of 0.49 at 16 busy slots (`experiments/engine_host.py`).
 
 `Packed` is a pytree whose leaves are the large arrays, as they are, and one int32 vector
 holding every small leaf (bool, int32, uint32 and float32 leaves of fewer than

@@ -8,8 +8,9 @@ the row ends there.
 
 Speculation fitted to the load: `levels` maps busy-slot counts to configs, e.g.
 [(1, OuroborosConfig(...)), (4, OFF)]; the level with the largest threshold <= busy slots runs
-(`level`). "off" runs the method's plain round. config="auto" asks `decoding.auto` once per
-load level (1, 2, 4, .. slots); levels must share a state layout (`MethodSpec.family`).
+(`level`). "off" runs the method's plain round. config="auto" asks the engine's
+`auto.AutoTuner` once per load level (1, 2, 4, .. slots); levels must share a state layout
+(`MethodSpec.family`).
 
 Each step computes only the slots up to the highest busy one, rounded up to a row bucket
 (`row_buckets`): with lowest-free-slot admission, one request runs a one-row step.
@@ -60,18 +61,18 @@ def load_levels(method: str, spec, config, auto_levels) -> list:
     return [(1, _one_config(method, spec, config))]
 
 
-def auto_levels(method: str, spec, target, draft, slots: int, limit: int) -> list:
-    """decoding.auto's choice per load level: batches of 1, 2, 4, .. slots. A level whose
-    choice has another state layout than the first speculative one reuses that one."""
-    from ..decoding.auto import auto_config
-
+def auto_levels(tuner, method: str, spec, target, draft, slots: int, limit: int) -> list:
+    """The tuner's choice (`auto.AutoTuner.auto_config`) per load level: batches of 1, 2, 4,
+    .. slots. A level whose choice has another state layout than the first speculative one
+    reuses that one."""
     V = target.config.vocab_size
     probe = [(7 * i + 3) % V for i in range(32)]
     out, first, n = [], None, 1
     while True:
         prompt = jnp.asarray([probe] * n, jnp.int32)
         plens = jnp.full((n,), len(probe), jnp.int32)
-        ch = auto_config(method, target, draft, prompt, plens, cache_slots(0, 0, 0, limit))
+        ch = tuner.auto_config(method, target, draft, prompt, plens,
+                               cache_slots(0, 0, 0, limit))
         c = OFF if ch.config is None or ch.method != method else ch.config
         if c is not OFF:
             if first is None:

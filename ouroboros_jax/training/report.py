@@ -121,7 +121,7 @@ def greedy_continue(params, cfg, prompts: list[list[int]], n_new: int) -> list[l
 
 
 @partial(jax.jit, static_argnums=(1, 4))
-def _greedy_cached(params, cfg: ModelConfig, toks, lens, n_new: int):
+def greedy_cached(params, cfg: ModelConfig, toks, lens, n_new: int):
     """Greedy continuation with the KV cache: prefill the right-padded prompts toks[B, P] (true
     lengths lens[B]), then n_new single-token steps in one scan. Returns int32[B, n_new]."""
     B, P = toks.shape
@@ -150,7 +150,7 @@ def greedy_continue_cached(params, cfg, prompts: list[list[int]], n_new: int) ->
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    return np.asarray(_greedy_cached(params, cfg, jnp.asarray(toks), lens, n_new)).tolist()
+    return np.asarray(greedy_cached(params, cfg, jnp.asarray(toks), lens, n_new)).tolist()
 
 
 def teacher_forced_mismatches(params, cfg, prompts, conts) -> int:

@@ -104,7 +104,7 @@ def rollouts(params, cfg: ModelConfig, windows: np.ndarray, prefix: int, continu
     greedy continuations of the first `prefix` tokens of each training window."""
     pre = np.ascontiguousarray(windows[:, :prefix]).astype(np.int32)
     lens = jnp.full((pre.shape[0],), prefix, jnp.int32)
-    cont = np.asarray(report._greedy_cached(params, cfg, jnp.asarray(pre), lens, continuation))
+    cont = np.asarray(report.greedy_cached(params, cfg, jnp.asarray(pre), lens, continuation))
     rep = negatives(cont, n)
     flagged = np.zeros((pre.shape[0], prefix + continuation - 1), bool)
     flagged[:, prefix - 1 :] = rep  # target index j predicts token j+1

@@ -1,10 +1,11 @@
-"""A mixture-of-experts target's forward of T tokens, grouped beside one-hot: what a
-verification of T nodes costs against a decoding step (issue 57).
+"""What does a mixture-of-experts target's forward of T tokens cost, grouped beside one-hot: a
+verification of T nodes against a decoding step (issue 57)? Result: docs/performance.md,
+"Mixture-of-experts verification".
 
-    python -m ouroboros_jax.bench.moe_verify --sizes 1 4 8 16 --reps 5
+    python -m experiments.moe_verify --sizes 1 4 8 16 --reps 5
 
 A random MoE model (`--experts` experts, top `--top-k`, layers of `--hidden` / `--expert-ffn`:
-by default 8 experts, top 2, about 450 MB of fp32 weights) runs forwards of T tokens (random
+by default 8 experts, top 2, about 480 MB of fp32 weights) runs forwards of T tokens (random
 ids, fixed seed: tokens route to different experts, as a verification tree's do) per row after
 `--context` cached tokens, for each T of `--sizes`, through both expert paths
 (`ModelConfig.moe_dispatch`): "grouped" (routed rows sorted by expert; below Y routed rows
@@ -26,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.config import ModelConfig
-from ..models.kv_cache import init_cache
-from ..models.llama import causal_mask, embed_tokens, forward, init_params, route, rms_norm
+from ouroboros_jax.models.config import ModelConfig
+from ouroboros_jax.models.kv_cache import init_cache
+from ouroboros_jax.models.llama import (causal_mask, embed_tokens, forward, init_params, rms_norm,
+                                        route)
 
 
 def moe_config(args, dispatch: str) -> ModelConfig:

@@ -1,9 +1,12 @@
-"""Does `config="auto"` pay its way? Auto's choice against a stated grid of explicit configs, from
-the second call on, with the wall clock as the judge.
+"""Does `config="auto"` pay its way against a grid of explicit configs? Result:
+docs/bench/auto_check.md (raw: docs/bench/auto_check_*.json).
 
-    python -m ouroboros_jax.bench.auto_check --workload demo --calls 2 --max-new-tokens 64
-    python -m ouroboros_jax.bench.auto_check --workload smollm2 --calls 2
-    python -m ouroboros_jax.bench.auto_check --workload real --calls 2 --prompts 1
+Auto's choice against a stated grid of explicit configs, from the second call on, with the
+wall clock as the judge.
+
+    python -m experiments.auto_check --workload demo --calls 2 --max-new-tokens 64
+    python -m experiments.auto_check --workload smollm2 --calls 2
+    python -m experiments.auto_check --workload real --calls 2 --prompts 1
 
 Workloads: `demo` (the shipped demo pair: every method), `smollm2` (SmolLM2-135M GGUF, no draft:
 lookahead and prompt lookup), `real` (Qwen2.5-Coder 1.5B / 0.5B GGUFs: speculative and
@@ -76,43 +79,50 @@ def auto_view(target, draft, method, slots) -> tuple:
     """(target table, draft table or None, agreement or None): what auto prices `method` with
     now, its learned scales included; without a draft, the rate the method's calls realised
     (prompt lookup's copy hit rate), else None (its prior)."""
-    from ..decoding import METHODS, auto
+    from ouroboros_jax.auto import default_tuner
+    from ouroboros_jax.decoding import METHODS
 
+    auto = default_tuner()
     used_draft = method != "vanilla" and METHODS[method].needs_draft
-    tt, td, _ = auto.latency_tables(target, draft if used_draft else None, 1, slots)
+    tt, td, _ = auto.prices.latency_tables(target, draft if used_draft else None, 1, slots)
     if used_draft:
-        return tt, td, auto.known_agreement(target, draft)
+        return tt, td, auto.agreement.known_agreement(target, draft)
     learns = method != "vanilla" and METHODS[method].learn is not None
-    return tt, td, auto.realised_agreement(target, None, method) if learns else None
+    return tt, td, auto.agreement.realised_agreement(target, None, method) if learns else None
 
 
 def price(target, draft, method, cfg, stats, prompt_width, slots) -> float:
     """The cost model's seconds for a finished call's counted forwards, at auto's tables now,
     times the factor auto's own calls of the method taught (`auto.method_factor`)."""
-    from ..decoding import METHODS, auto
+    from ouroboros_jax.auto import default_tuner
+    from ouroboros_jax.auto.prices import call_parts
+    from ouroboros_jax.decoding import METHODS
 
-    x_t, x_s = auto.call_parts(method, cfg, stats, prompt_width,
+    auto = default_tuner()
+    x_t, x_s = call_parts(method, cfg, stats, prompt_width,
                                *auto_view(target, draft, method, slots))
     used = draft if method != "vanilla" and METHODS[method].needs_draft else None
-    return (x_t + x_s) * auto.method_factor(target, used, 1, method)[0]
+    return (x_t + x_s) * auto.prices.method_factor(target, used, 1, method)[0]
 
 
 def predicted(target, draft, method, cfg, slots) -> float:
     """The cost model's speedup over vanilla for one config at auto's tables, agreement and
     method factor now (what auto weighs when it chooses: its ranking of the grid)."""
-    from ..decoding import auto
+    from ouroboros_jax.auto import default_tuner
+    from ouroboros_jax.auto.choice import predicted_speedup
 
+    auto = default_tuner()
     tt, td, a = auto_view(target, draft, method, slots)
-    f = 1.0 if method == "vanilla" else auto.relative_factor(target, draft, 1, method)[0]
-    return auto.predicted_speedup(method, cfg, tt, td, a, f)
+    f = 1.0 if method == "vanilla" else auto.prices.relative_factor(target, draft, 1, method)[0]
+    return predicted_speedup(method, cfg, tt, td, a, f)
 
 
 def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir: str) -> dict:
     import ouroboros_jax as oj
-    from .. import auto_switch
-    from ..decoding import METHODS, auto
-    from ..heap import freeze_heap
-    from ..request import bucket, cache_slots, pad_prompts
+    from ouroboros_jax.auto import default_tuner, wait_for_background
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.heap import freeze_heap
+    from ouroboros_jax.request import bucket, cache_slots, pad_prompts
 
     # auto learns in a store of its own, as a user who runs the defaults does: the grid's
     # explicit calls teach their prices and the pair's agreement by depth too, and in one
@@ -140,7 +150,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     def call(r, i):
         d = draft if r["method"] != "vanilla" and METHODS[r["method"]].needs_draft else None
         os.environ["OUROBOROS_JAX_CACHE"] = stores["auto" if r["config"] == "auto" else "grid"]
-        c0, w0 = auto.compiles(), time.perf_counter()
+        c0, w0 = default_tuner().compiles.programs, time.perf_counter()
         out = oj.generate(target, [ids[i]], draft=d, method=r["method"],
                           config=r["config"] if r["method"] != "vanilla" else None, **kw)
         if r["config"] == "auto":
@@ -148,9 +158,9 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
             # the auto call that started it: interleaved, it would otherwise slow the next
             # rows' timed calls (on the demo pair, lookahead's and prompt lookup's vanilla rows
             # lost 9% to Ouroboros auto's compile)
-            auto_switch.wait_for_background()
+            wait_for_background()
         # compiles in the call's thread or in the background
-        return out, time.perf_counter() - w0, auto.compiles() - c0
+        return out, time.perf_counter() - w0, default_tuner().compiles.programs - c0
 
     from tqdm import tqdm
 

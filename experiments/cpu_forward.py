@@ -1,6 +1,9 @@
-"""Our CPU forward beside the memory-bandwidth bound and llama.cpp, on the same weights.
+"""How far is our CPU forward from the memory-bandwidth bound and from llama.cpp? Result:
+docs/real-models.md ("The CPU layout").
 
-    python -m ouroboros_jax.bench.cpu_forward --target SMOLLM2_DIR --gguf SmolLM2-F32.gguf \
+Our CPU forward beside the memory-bandwidth bound and llama.cpp, on the same weights.
+
+    python -m experiments.cpu_forward --target SMOLLM2_DIR --gguf SmolLM2-F32.gguf \
         --max-new-tokens 96 --reps 3
 
 Measures, interleaved over `--reps` rounds (the machine is shared: medians and spread):
@@ -122,7 +125,7 @@ def llama_cpp_runner(gguf: str, threads: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.cpu_forward")
+    ap = argparse.ArgumentParser(prog="python -m experiments.cpu_forward")
     ap.add_argument("--target", required=True, help="model directory (HF layout, fp32)")
     ap.add_argument("--gguf", help="F32 GGUF of the same weights, for llama.cpp")
     ap.add_argument("--quantize-from", help="write --gguf from this GGUF first")
@@ -143,8 +146,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--sizes must be >= 1, got {a.sizes!r}")
 
     import ouroboros_jax as oj
-    from ..models import layout
-    from ..models.timing import forward_timer
+    from ouroboros_jax.models import layout
+    from ouroboros_jax.models.timing import forward_timer
 
     model = oj.load_model(a.target)
     vocab = model.config.vocab_size
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
             rows["llama_cpp_call_s_per_token"].append(call / len(theirs))
             rows["llama_cpp_decode_s_per_token"].append(decode)
     med = {k: float(np.median(v)) if v else None for k, v in rows.items()}
-    res = {"command": "python -m ouroboros_jax.bench.cpu_forward " + " ".join(
+    res = {"command": "python -m experiments.cpu_forward " + " ".join(
         sys.argv[1:] if argv is None else argv),
         "weight_bytes": int(weight_bytes), "prompt_tokens": len(ids), "new_tokens": n,
         "median": med, "spread": {k: [round(min(v), 5), round(max(v), 5)] for k, v in

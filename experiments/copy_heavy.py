@@ -1,7 +1,10 @@
-"""Copy-heavy chat requests, one prompt per call as a user makes it: vanilla vs the other
+"""Do the methods (and a mechanism switch) pay on copy-heavy chat requests? Result:
+docs/methods.md ("Ouroboros": context phrases on copy-heavy requests).
+
+Copy-heavy chat requests, one prompt per call as a user makes it: vanilla vs the other
 methods interleaved prompt by prompt, repeated, with the ratio of each repeat side by side.
 
-    python -m ouroboros_jax.bench.copy_heavy --target DIR \
+    python -m experiments.copy_heavy --target DIR \
         --spec-bench ../shared/data/spec_bench/question.jsonl --per-task 4 --reps 3
 
 `--switch FIELD` runs every method whose config has that mechanism switch twice, with it on
@@ -52,7 +55,7 @@ def run(target, prompts: list[list[int]], lengths: list[int], methods: dict, rep
     """methods {label: generate kwargs}; "vanilla" must be one. Interleaved: each repeat runs
     every prompt once per method, methods in turn. tasks (one per prompt) adds the same figures
     per task ("per_task")."""
-    from ..generate import generate
+    from ouroboros_jax.generate import generate
 
     for label, kw in methods.items():  # compile (and auto's probe) outside the timings
         t = time.perf_counter()
@@ -104,7 +107,7 @@ def switch_variants(methods: dict, field: str) -> dict:
     (label-field). Such a method needs a config object (auto's choice has no switch to flip)."""
     import dataclasses
 
-    from ..decoding import METHODS
+    from ouroboros_jax.decoding import METHODS
 
     out = {}
     for label, kw in methods.items():
@@ -121,7 +124,7 @@ def switch_variants(methods: dict, field: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.copy_heavy",
+    ap = argparse.ArgumentParser(prog="python -m experiments.copy_heavy",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model directory")
     ap.add_argument("--draft", help="draft directory (for methods that need one)")
@@ -141,8 +144,8 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     import ouroboros_jax as oj
-    from ..decoding import METHODS
-    from .workloads import copy_heavy_prompts, demo_code_prompts, limit_per_task
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.bench.workloads import copy_heavy_prompts, demo_code_prompts, limit_per_task
 
     target = oj.load_model(a.target)
     draft = oj.load_model(a.draft) if a.draft else None
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     res = run(target, ids, [a.max_new_tokens] * len(ids), methods, a.reps,
               log=lambda s: print(s, file=sys.stderr, flush=True),
               tasks=[p.task for p in prompts])
-    res["command"] = "python -m ouroboros_jax.bench.copy_heavy " + " ".join(
+    res["command"] = "python -m experiments.copy_heavy " + " ".join(
         sys.argv[1:] if argv is None else argv)
     res["tasks"] = sorted({p.task for p in prompts})
     print(json.dumps(res, indent=1))

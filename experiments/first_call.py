@@ -1,8 +1,11 @@
-"""The first call of each method in a fresh, cold process (no auto table, no compilation
+"""What does a fresh process's first call cost per method, against vanilla's? Result: printed
+(JSON); listed in docs/performance.md ("Other benchmarks").
+
+The first call of each method in a fresh, cold process (no auto table, no compilation
 cache), as a user's one-off script or `ouroboros-jax generate` pays it; methods interleaved
 over repeats, each (method, repeat) its own process.
 
-    python -m ouroboros_jax.bench.first_call --reps 3 --max-new-tokens 128
+    python -m experiments.first_call --reps 3 --max-new-tokens 128
 
 Default models: the demo pair. Prints one JSON object: per method the first call's seconds
 per repeat, their median, and the median ratio to vanilla's first call in the same repeat.
@@ -59,7 +62,7 @@ def first_call(method: str, n: int, target: str = "", draft: str = "", prompt: s
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.first_call")
+    ap = argparse.ArgumentParser(prog="python -m experiments.first_call")
     ap.add_argument("--methods", default="vanilla,speculative,ouroboros")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
             print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s", file=sys.stderr,
                   flush=True)
     van = np.array(secs["vanilla"])
-    res = {"command": "python -m ouroboros_jax.bench.first_call " + " ".join(
+    res = {"command": "python -m experiments.first_call " + " ".join(
         sys.argv[1:] if argv is None else argv), "methods": {}}
     for m in methods:
         s = np.array(secs[m])

@@ -1,6 +1,9 @@
-"""KV layout: [L,B,S,K,D] (slots before heads, the cache's layout) against [L,B,K,S,D].
+"""Is the KV cache faster as [L,B,K,S,D] than as its [L,B,S,K,D]? Result: printed; equal within
+noise, so the cache kept slots before heads (commit 7409493).
 
-    python -m ouroboros_jax.bench.kv_layout
+KV layout: [L,B,S,K,D] (slots before heads, the cache's layout) against [L,B,K,S,D].
+
+    python -m experiments.kv_layout
 
 Times, in one process and interleaved, the two things the layout touches on the demo target's
 shape (L 8, K 6, D 64, fp32, batch 1): the blockwise attention of every layer over a
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.attention import BLOCK, online_update
+from ouroboros_jax.models.attention import BLOCK, online_update
 
 L, B, S, K, D, J = 8, 1, 1024, 6, 64, 1
 

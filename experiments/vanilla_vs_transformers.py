@@ -1,6 +1,9 @@
-"""Vanilla decoding: ouroboros-jax vs transformers' own greedy `generate`, same weights, CPU.
+"""Is our vanilla decoding as fast as transformers' greedy `generate` on the same weights?
+Result: docs/real-models.md ("Against transformers").
 
-    python -m ouroboros_jax.bench.vanilla_vs_transformers [--model DIR|FILE.gguf] [--prompts 5]
+Vanilla decoding: ouroboros-jax vs transformers' own greedy `generate`, same weights, CPU.
+
+    python -m experiments.vanilla_vs_transformers [--model DIR|FILE.gguf] [--prompts 5]
         [--max-new-tokens 128] [--torch-threads 1]
 
 Without --model a ~25M-parameter random Llama (the demo target's shape) is built locally.

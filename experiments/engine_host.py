@@ -1,8 +1,11 @@
-"""The serving engine's host time per step and its tokens/s, this checkout against another (e.g.
+"""What does the serving engine's host work cost per step, this checkout against another?
+Result: docs/bench/engine-host.md (raw: docs/bench/engine_host.json).
+
+The serving engine's host time per step and its tokens/s, this checkout against another (e.g.
 the pre-change commit), side by side in one process.
 
     git worktree add /tmp/base <commit>
-    python -m ouroboros_jax.bench.engine_host --base /tmp/base --busy 1 8 16 --tokens 256
+    python -m experiments.engine_host --base /tmp/base --busy 1 8 16 --tokens 256
 
 The other checkout's package is imported under another name (`oj_base`, `engine_speed.
 load_tree`); both serve the demo model (each loads its own copy; fp32, its real BPE
@@ -83,7 +86,7 @@ def run(base: str, busy: list, tokens: int, reps: int) -> dict:
 
     import ouroboros_jax as oj
 
-    from .engine_speed import load_tree
+    from experiments.engine_speed import load_tree
 
     pkgs = {"base": load_tree("oj_base", base), "new": oj}
     # each package's own Model (the same weights): each engine checks its target's type

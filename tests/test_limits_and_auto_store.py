@@ -1,7 +1,7 @@
-"""Issue 24, a hostile but realistic user: a config="auto" cache that cannot break the default
-path, sizes bounded by the model and the device before anything is allocated, concurrent
-writers that lose nothing, a pool clock that cannot wrap, named errors for the remaining raw
-exceptions, and the CLI cases."""
+"""Limits and the auto store under a hostile but realistic user: a config="auto" cache that cannot
+break the default path, sizes bounded by the model and the device before anything is allocated,
+concurrent writers that lose nothing, a pool clock that cannot wrap, named errors for the
+remaining raw exceptions, and the CLI cases."""
 
 import dataclasses
 import json
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax.decoding import auto
+from ouroboros_jax.auto import AutoTuner, prices
 from ouroboros_jax.decoding.lookahead import LookaheadConfig
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
@@ -40,13 +40,19 @@ def cache_dir(tmp_path, monkeypatch):
     return d
 
 
+@pytest.fixture
+def tuner(cache_dir):
+    """A fresh AutoTuner over that directory's store, as a new process has it."""
+    return AutoTuner()
+
+
 def _cache_file(d):
     return d / "auto.json"
 
 
 def _usable(section, v) -> bool:
     """What a cache entry must be for a decision to use it (the issue's spec, written here
-    independently of auto.py's own check)."""
+    independently of auto/store.py's own check)."""
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     if section == "device":  # a device's calibration: two positive rates
         return (isinstance(v, dict) and sorted(v) == ["bandwidth", "flops"]
@@ -88,14 +94,14 @@ def _file_is_valid(path) -> dict:
                                   '{"realised": [1, 2]}', '{"agreement": {"k": "half"}}',
                                   '{"anchor": {"k": -1.5}}'])
 def test_structurally_wrong_cache_is_ignored_rewritten_and_warned_once(tiny_pair, cache_dir,
-                                                                       text):
+                                                                       tuner, text):
     target, draft, _ = tiny_pair
     _cache_file(cache_dir).write_text(text)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert auto.realised_agreement(target, draft) is None
-        auto.record_realised(target, draft, 0.5, 80)
-        assert auto.realised_agreement(target, draft) is not None
+        assert tuner.agreement.realised_agreement(target, draft) is None
+        tuner.agreement.record_realised(target, draft, 0.5, 80)
+        assert tuner.agreement.realised_agreement(target, draft) is not None
     said = [w for w in caught if "auto.json" in str(w.message)]
     assert len(said) == 1 and issubclass(said[0].category, RuntimeWarning), \
         [str(w.message) for w in caught]
@@ -104,38 +110,41 @@ def test_structurally_wrong_cache_is_ignored_rewritten_and_warned_once(tiny_pair
 
 
 @pytest.mark.parametrize("bad", ["fast", 0, -1.0, float("nan"), float("inf"), None, [1]])
-def test_unusable_latency_entry_is_measured_again(tiny_target, cache_dir, bad):
+def test_unusable_latency_entry_is_measured_again(tiny_target, cache_dir, tuner, bad):
     B, S = 1, 64
-    key = auto._latency_key(tiny_target, B, S)  # the store's own key for this model and shape
+    key = tuner.prices.latency_key(tiny_target, B, S)  # the store's key for this model and shape
     _cache_file(cache_dir).write_text(json.dumps({"latency": {key: {"1": bad}}}))
     with pytest.warns(RuntimeWarning, match="invalid latency"):
-        table = auto.probe_latency(tiny_target, B, S, sizes=(1,), reps=1)
+        table = tuner.prices.probe_latency(tiny_target, B, S, sizes=(1,), reps=1)
     assert set(table) == {1} and math.isfinite(table[1]) and table[1] > 0
     assert _file_is_valid(_cache_file(cache_dir))["latency"][key]["1"] == table[1]
 
 
 @pytest.mark.parametrize("bad", [["3", 10], [30, 10], [-1, 10], [1.5, 10], "0.7", [1, 2, 3]])
-def test_unusable_agreement_entry_never_reaches_a_decision(tiny_pair, cache_dir, bad):
+def test_unusable_agreement_entry_never_reaches_a_decision(tiny_pair, cache_dir, tuner, bad):
     target, draft, _ = tiny_pair
-    key = f"{auto.model_signature(target)}|{auto.model_signature(draft)}"
+    key = f"{tuner.signatures(target)}|{tuner.signatures(draft)}"
     _cache_file(cache_dir).write_text(json.dumps({"agreement": {key: bad},
                                                   "realised": {key: bad}}))
     prompt = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]], jnp.int32)
     with pytest.warns(RuntimeWarning, match="invalid"):
-        a, n = auto.pair_agreement(target, draft, prompt, jnp.asarray([8], jnp.int32))
+        a, n = tuner.agreement.pair_agreement(target, draft, prompt,
+                                              jnp.asarray([8], jnp.int32))
     assert 0.0 <= a <= 1.0 and n == 8  # this call's positions only: the bad entry was dropped
-    assert auto.realised_agreement(target, draft) is None
+    assert tuner.agreement.realised_agreement(target, draft) is None
     _file_is_valid(_cache_file(cache_dir))
 
 
-def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir, monkeypatch):
+def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir, tuner,
+                                                            monkeypatch):
     target, draft, _ = tiny_pair
-    monkeypatch.setattr(auto, "TARGET_SIZES", (1, 4))  # a short probe: this test is the cache's
-    monkeypatch.setattr(auto, "DRAFT_SIZES", (1, 4))
+    monkeypatch.setattr(prices, "TARGET_SIZES", (1, 4))  # a short probe: this test is the store's
+    monkeypatch.setattr(prices, "DRAFT_SIZES", (1, 4))
     _cache_file(cache_dir).write_text("[]")
     kw = dict(max_new_tokens=6, eos_token_id=-1)
     with pytest.warns(RuntimeWarning, match="auto.json"):
-        out = oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative", **kw)
+        out = oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative",
+                          tuner=tuner, **kw)
     assert out.tokens == oj.generate(target, [[5, 6, 7, 8]], **kw).tokens
     assert "nan" not in out.stats["auto"]["reason"]
     kept = _file_is_valid(_cache_file(cache_dir))
@@ -143,14 +152,14 @@ def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir
     assert kept["device"] and kept["agreement"] and kept["choice"] and kept["anchor"]
 
 
-def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir):
+def test_cache_that_cannot_be_replaced_leaves_no_temp_files(tiny_pair, cache_dir, tuner):
     target, draft, _ = tiny_pair
     _cache_file(cache_dir).mkdir()  # a directory where the file should be
     with pytest.warns(RuntimeWarning, match="cannot be"):
         for _ in range(3):
-            auto.record_realised(target, draft, 0.5, 80)
+            tuner.agreement.record_realised(target, draft, 0.5, 80)
     # the results still serve this process
-    assert auto.realised_agreement(target, draft) is not None
+    assert tuner.agreement.realised_agreement(target, draft) is not None
     assert sorted(os.listdir(cache_dir)) == ["auto.json", "auto.json.lock"]
 
 
@@ -166,10 +175,10 @@ def ready_then_wait(i):
 
 _PROBE_CHILD = _READY + """
 import ouroboros_jax as oj
-from ouroboros_jax.decoding import auto
+from ouroboros_jax.auto import AutoTuner
 m = oj.load_model(sys.argv[1])
 ready_then_wait(sys.argv[2])
-auto.probe_latency(m, int(sys.argv[2]), 64, sizes=(1,), reps=1)
+AutoTuner().prices.probe_latency(m, int(sys.argv[2]), 64, sizes=(1,), reps=1)
 """
 
 
@@ -199,13 +208,13 @@ def test_concurrent_processes_probing_keep_every_entry(tiny_target, cache_dir):
     assert [f for f in os.listdir(cache_dir) if f.endswith(".tmp")] == []
 
 
-def test_concurrent_threads_pool_every_count(tiny_pair, cache_dir):
+def test_concurrent_threads_pool_every_count(tiny_pair, cache_dir, tuner):
     target, draft, _ = tiny_pair
     n_threads, calls = 8, 5
 
     def work():
         for _ in range(calls):
-            auto.record_realised(target, draft, 0.5, 10)
+            tuner.agreement.record_realised(target, draft, 0.5, 10)
 
     threads = [threading.Thread(target=work) for _ in range(n_threads)]
     for t in threads:

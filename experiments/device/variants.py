@@ -1,8 +1,11 @@
-"""Why a forward costs what it costs on the device: one forward timed under each combination of
-the two switches that change its program, each in a fresh process (both are read at trace time).
+"""Why does a forward cost what it costs on the device? Result: docs/bench/device-h200.md,
+section 1 (raw: docs/bench/device-h200/variants.json).
 
-    python -m ouroboros_jax.bench.device.variants --out $OUT          # on the device
-    python -m ouroboros_jax.bench.device.variants --tiny --out /tmp/v # anywhere (CI)
+One forward timed under each combination of the two switches that change its program, each in
+a fresh process (both are read at trace time).
+
+    python -m experiments.device.variants --out $OUT          # on the device
+    python -m experiments.device.variants --tiny --out /tmp/v # anywhere (CI)
 
 - layers: `stacked` (a `lax.scan` over the stacked layer weights, the default off a CPU) or
   `packed` (one buffer per layer, the layers unrolled: `models.layout.set_packing(True)`);
@@ -37,14 +40,14 @@ def one_variant(layers: str, attention: str, models, tiny: bool, context: int,
     """Times the forwards and calls of one variant in this process (switches set first)."""
     import numpy as np
 
-    from ...models.attention import set_kernel
-    from ...models.layout import set_packing
-    from ..cost_model import forward_timer
-    from .probe import random_model, tiny_configs
+    from ouroboros_jax.models.attention import set_kernel
+    from ouroboros_jax.models.layout import set_packing
+    from ouroboros_jax.bench.cost_model import forward_timer
+    from experiments.device.probe import random_model, tiny_configs
 
     set_packing(layers == "packed")
     set_kernel(attention)
-    from ...models.presets import PRESETS
+    from ouroboros_jax.models.presets import PRESETS
 
     configs = {m: (tiny_configs()[i % 2] if tiny else PRESETS[m]) for i, m in enumerate(models)}
     out = {"layers": layers, "attention": attention, "t_of_T": {}, "calls": {}}
@@ -55,7 +58,7 @@ def one_variant(layers: str, attention: str, models, tiny: bool, context: int,
         for n in sizes:
             timed = forward_timer(model, int(n), context)
             out["t_of_T"][name][int(n)] = float(np.median([timed() for _ in range(7)]))
-    from ... import generate
+    from ouroboros_jax import generate
 
     target, draft = built[models[0]], built[models[1]]
     prompt = [list(np.random.default_rng(0).integers(1, target.config.vocab_size, 64))]
@@ -106,11 +109,14 @@ def main(argv=None) -> list:
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for layers, attention in VARIANTS:
-        cmd = [sys.executable, "-m", "ouroboros_jax.bench.device.variants", "--one",
+        cmd = [sys.executable, "-m", "experiments.device.variants", "--one",
                f"{layers},{attention}", "--context", str(context), "--new-tokens",
                str(new_tokens)] + (["--tiny"] if a.tiny else [])
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # from the repository root, where `experiments` is importable (it is not installed)
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                                  os.path.abspath(__file__)))))
         if proc.returncode == 0:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
         else:

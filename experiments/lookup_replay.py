@@ -1,7 +1,10 @@
-"""Prompt lookup's candidates replayed over vanilla's greedy outputs: tokens per target forward
+"""Which prompt-lookup config drafts the most accepted tokens? Result: docs/methods.md ("Prompt
+lookup") and the default config in ouroboros_jax/decoding/prompt_lookup.py.
+
+Prompt lookup's candidates replayed over vanilla's greedy outputs: tokens per target forward
 (eta) for each config, beside what an oracle choosing candidates could reach, with no timing.
 
-    python -m ouroboros_jax.bench.lookup_replay --target SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m experiments.lookup_replay --target SmolLM2-135M-Instruct.Q4_1.gguf \
         --spec-bench ../shared/data/spec_bench/question.jsonl --per-task 3 \
         --configs 1x4,1x8,1x16,2x4,2x8,3x4
 
@@ -15,7 +18,7 @@ tokens per target call (`test_bench.py` checks the two agree).
 The oracle takes, at each round, the longest span of the context so far (any start) that
 equals the output's next tokens, up to M: no candidate ranking reaches more, so it bounds what
 better ranking could add. Speed on a device is eta over the cost of a 1 + X*M token forward
-relative to a 1-token one (`bench/cpu_forward.py --sizes`).
+relative to a 1-token one (`experiments/cpu_forward.py --sizes`).
 
 Prints one JSON object: per config and task the mean eta, and the oracle's per M.
 """
@@ -35,7 +38,7 @@ def replay_eta(prompt: list[int], out: list[int], cfg, find=None) -> float:
     import jax
     import jax.numpy as jnp
 
-    from ..decoding.prompt_lookup import find_candidates
+    from ouroboros_jax.decoding.prompt_lookup import find_candidates
 
     if not out:
         return 0.0
@@ -94,7 +97,7 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.lookup_replay",
+    ap = argparse.ArgumentParser(prog="python -m experiments.lookup_replay",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True, help="target model directory or GGUF")
     ap.add_argument("--spec-bench", help="Spec-Bench question.jsonl (summarization + RAG)")
@@ -111,9 +114,9 @@ def main(argv=None) -> int:
     import jax
 
     import ouroboros_jax as oj
-    from ..decoding.prompt_lookup import PromptLookupConfig, find_candidates
-    from .copy_heavy import chat_ids
-    from .workloads import copy_heavy_prompts, limit_per_task
+    from ouroboros_jax.decoding.prompt_lookup import PromptLookupConfig, find_candidates
+    from experiments.copy_heavy import chat_ids
+    from ouroboros_jax.bench.workloads import copy_heavy_prompts, limit_per_task
 
     target = oj.load_model(a.target)
     prompts = limit_per_task(copy_heavy_prompts(a.spec_bench), a.per_task)
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
         return {**{t: round(v, 3) for t, v in per.items()},
                 "mean": round(float(np.mean(list(per.values()))), 3)}
 
-    res = {"command": "python -m ouroboros_jax.bench.lookup_replay " + " ".join(
+    res = {"command": "python -m experiments.lookup_replay " + " ".join(
         sys.argv[1:] if argv is None else argv), "prompts": len(runs),
         "new_tokens": sum(len(o) for _, _, o in runs), "eta": {}, "oracle_eta": {}}
     for x, m in configs:

@@ -1,7 +1,10 @@
-"""How much of a run the counted forwards explain: measured time / cost-model prediction, with
-every measurement paired with a latency measurement taken right after it.
+"""How much of a run do its counted forwards explain? Result: docs/performance.md ("The cost
+model beside the measurement") and docs/auto.md.
 
-    python -m ouroboros_jax.bench.cost_check --reps 5 --max-new-tokens 256
+Measured time / cost-model prediction, with every measurement paired with a latency
+measurement taken right after it.
+
+    python -m experiments.cost_check --reps 5 --max-new-tokens 256
 
 The bench's cost model (`cost_model.py`) times forwards once, after all methods ran; on a shared
 machine whose load changes by the minute that pairs a run with a latency table measured under
@@ -9,7 +12,7 @@ other load. Here each repetition runs every method on the same demo prompts (bat
 EOS ignored so the counts are fixed) and then times, in the same minute, the forwards that
 method used (target and draft forwards of its input sizes after the contexts the run visits,
 one per number of live attention blocks and weighted by its share of the run
-(cost_model.context_mix), in a cache
+(context_mix), in a cache
 of the run's slots, a round's first draft forward right after a target forward as it runs in a
 round (cost_model.first_draft_timer), and the prefills); the ratio measured / predicted is taken per repetition
 and the median over repetitions is reported. A ratio near 1 means the work outside the forwards
@@ -24,38 +27,33 @@ from typing import Optional
 
 import numpy as np
 
-from ..decoding import METHODS
-from ..request import cache_slots
-from .cost_model import (LatencyTable, context_mix, first_draft_timer, forward_sizes,
-                         forward_timer, predict_seconds, prompt_bucket)
-
-# The validation's bound: the cost model must predict a run's measured time within 10%.
-TOLERANCE = 0.10
+from ouroboros_jax.bench.cost_model import (LatencyTable, first_draft_timer, forward_sizes,
+                                            forward_timer, predict_seconds, prompt_bucket,
+                                            validate)
+from ouroboros_jax.decoding import METHODS
+from ouroboros_jax.models.attention import BLOCK
+from ouroboros_jax.request import cache_slots
 
 # The small trees of the README's CPU bench.
 CONFIGS = {"speculative": {"gamma": 3}, "lookahead": {"window": 4, "ngram": 3, "guesses": 4},
            "ouroboros": {"gamma": 2, "window": 4, "ngram": 3, "guesses": 4, "suffixes": 2}}
 
 
-def relative_error(measured: float, predicted: float) -> Optional[float]:
-    """measured / predicted - 1: how far the counted forwards' price is from the measured time
-    (+0.05: the run took 5% longer than its forwards cost); None without both."""
-    return measured / predicted - 1.0 if measured and predicted else None
+def context_mix(prompt_lengths, new_tokens: int, block: Optional[int] = None) -> list:
+    """[(context, weight)]: the committed cache lengths a run's forwards see, grouped by the
+    number of live attention blocks (what attention's cost follows: models/attention.py), one
+    representative context (the group's mean) per group, weights summing to 1.
 
-
-def validate(rows: list[dict], tolerance: float = TOLERANCE) -> dict:
-    """Marks each cost-model row (`cost_model.cost_rows`, priced with this CPU's latency table)
-    with `cpu_error` (`relative_error` of its measured and predicted seconds) and
-    `within_tolerance`; returns {"tolerance", "within", "rows", "summary"}."""
-    n = 0
-    for r in rows:
-        r["cpu_error"] = relative_error(r.get("measured_seconds"), r.get("predicted_seconds"))
-        r["within_tolerance"] = r["cpu_error"] is not None and abs(r["cpu_error"]) <= tolerance
-        n += r["within_tolerance"]
-    return {"tolerance": tolerance, "within": n, "rows": len(rows),
-            "summary": f"CPU validation: {n} of {len(rows)} rows within {tolerance:.0%} "
-                       "(measured time vs the cost model's price of the row's counted forwards "
-                       "with this CPU's timed forwards)"}
+    A call with prompt length p and n new tokens ignoring EOS runs its forwards after p - 1 ..
+    p + n - 2 committed tokens; a method emitting several tokens per round samples the same
+    range more sparsely, so the mix is the same for every method."""
+    C = block or BLOCK
+    groups: dict = {}
+    for p in prompt_lengths:
+        for ctx in range(max(int(p) - 1, 0), int(p) + int(new_tokens) - 1):
+            groups.setdefault(-(-ctx // C), []).append(ctx)
+    total = sum(len(v) for v in groups.values())
+    return [(int(round(np.mean(v))), len(v) / total) for _, v in sorted(groups.items())]
 
 
 def main(argv=None):

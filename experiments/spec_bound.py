@@ -1,6 +1,7 @@
-"""The most speculative decoding can reach on this device and pair: the bound behind a speed gate.
+"""What is the most speculative decoding can reach on this device and pair? Result:
+docs/real-pair.md ("The bound on this CPU"). The bound behind a speed gate.
 
-    python -m ouroboros_jax.bench.spec_bound --target T.gguf --draft D.gguf --prompts 3 \\
+    python -m experiments.spec_bound --target T.gguf --draft D.gguf --prompts 3 \\
         --max-new-tokens 128 --gammas 2 4 6 8
 
 A speculative round costs at least its forwards: gamma one-token draft steps and one target
@@ -41,7 +42,7 @@ def say(what: str) -> None:
 def seconds(steps: list, context: int, slots: int, reps: int) -> float:
     """Median seconds of `steps` [(model, tokens), ...] back to back in one compiled loop
     (`models.timing.sequence_timer`)."""
-    from ..models.timing import sequence_timer
+    from ouroboros_jax.models.timing import sequence_timer
 
     timer = sequence_timer(steps, context, slots, inner=2)
     return statistics.median(timer() for _ in range(reps))
@@ -60,7 +61,7 @@ def agreement(target, draft, ids: list, gamma: int, new: int):
     """(DepthAgreement, rounds) over greedy speculative calls at `gamma`, one per prompt."""
     import ouroboros_jax as oj
 
-    from ..decoding.cost import DepthAgreement, depth_counts
+    from ouroboros_jax.decoding.cost import DepthAgreement, depth_counts
 
     counts = [[0, 0] for _ in range(gamma)]
     for row in ids:
@@ -75,7 +76,7 @@ def agreement(target, draft, ids: list, gamma: int, new: int):
 
 def bound_rows(gammas, a, t_step: float, rounds: dict, p_t: float, p_s: float, new: int) -> list:
     """Per gamma: expected tokens per round, round seconds, and the bounds (pure arithmetic)."""
-    from ..decoding.cost import chain_tokens
+    from ouroboros_jax.decoding.cost import chain_tokens
 
     rows = []
     for g in gammas:
@@ -116,7 +117,7 @@ def measure(target, draft, ids: list, gamma: int, new: int, prefill: dict) -> di
 
 
 def run(target, draft, texts: list, gammas: list, new: int, reps: int, do_measure: bool) -> dict:
-    from ..request import cache_slots, pad_prompts
+    from ouroboros_jax.request import cache_slots, pad_prompts
 
     ids = [list(target.tokenizer(t)["input_ids"]) for t in texts]
     width = pad_prompts(ids)[0].shape[1]
@@ -172,7 +173,7 @@ def table(res: dict) -> str:
 def main(argv=None):
     import ouroboros_jax as oj
 
-    from .auto_check import CODE_PROMPTS
+    from experiments.auto_check import CODE_PROMPTS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="target GGUF or checkpoint")

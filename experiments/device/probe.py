@@ -1,8 +1,9 @@
-"""The device script's work (bench/device/run.sh): what the first accelerator at hand should
-measure, in one run of a few minutes, with nothing downloaded.
+"""What does the first accelerator at hand measure, in one run of a few minutes, with nothing
+downloaded? Result: docs/bench/device-h200.md (raw: docs/bench/device-h200/). The device
+script's work (experiments/device/run.sh).
 
-    python -m ouroboros_jax.bench.device.probe --out $OUT            # Llama 3.1-8B / 3.2-1B
-    python -m ouroboros_jax.bench.device.probe --tiny --out /tmp/x   # CI: tiny shapes, CPU
+    python -m experiments.device.probe --out $OUT            # Llama 3.1-8B / 3.2-1B
+    python -m experiments.device.probe --tiny --out /tmp/x   # CI: tiny shapes, CPU
 
 1. t(T): one bf16 forward of T = 1 ... 256 tokens at batch 1 after `--context` cached tokens,
    for the target (Llama-3.1-8B shape) and the draft (Llama-3.2-1B shape), random weights built
@@ -13,8 +14,9 @@ measure, in one run of a few minutes, with nothing downloaded.
    target forwards, a fixed number of new tokens (EOS ignored). Random weights agree on
    nothing, so η is about 1 here: the round's cost is what is measured, not its yield.
 3. Vanilla tokens/s against the HBM-bandwidth bound (weight bytes / bandwidth per token).
-4. The shipped demo pair on the device (bench/device/demo_pair.py): every method's greedy tokens
-   against vanilla's in fp32 and bf16, and tokens/s and eta with a real draft's acceptance.
+4. The shipped demo pair on the device (experiments/device/demo_pair.py): every method's greedy
+   tokens against vanilla's in fp32 and bf16, and tokens/s and eta with a real draft's
+   acceptance.
 5. t(T) of further pairs' shapes (`--pairs`, default the real Qwen2.5-Coder 1.5B/0.5B pair),
    each written as a latency table of its own: `bench --latency-json latency-PAIR.json` prices
    that pair's counted CPU forwards with the device's measured latencies.
@@ -45,7 +47,7 @@ METHODS = ("vanilla", "speculative", "lookahead", "prompt_lookup", "ouroboros")
 def tiny_configs():
     """(target, draft) ModelConfigs small enough for a CI run on a CPU: the same code path as
     the full shapes, nothing but the sizes changed."""
-    from ...models.config import ModelConfig
+    from ouroboros_jax.models.config import ModelConfig
 
     t = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=4, num_kv_heads=2, max_position_embeddings=1024)
@@ -55,7 +57,7 @@ def tiny_configs():
 
 
 def full_configs():
-    from ...models.presets import PRESETS
+    from ouroboros_jax.models.presets import PRESETS
 
     return PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"]
 
@@ -67,7 +69,7 @@ def parse_pairs(text: str, tiny: bool) -> dict:
     """{name: (target ModelConfig, draft ModelConfig)} from "TARGET:DRAFT,..." preset names
     (models/presets.py); --tiny measures each pair at the tiny shapes (the same code path).
     Raises ValueError naming --pairs on an unknown preset or a malformed entry."""
-    from ...models.presets import PRESETS
+    from ouroboros_jax.models.presets import PRESETS
 
     out = {}
     for item in (x.strip() for x in text.split(",")):
@@ -90,8 +92,8 @@ def random_model(config, dtype: str, seed: int):
     import jax
     import jax.numpy as jnp
 
-    from ...models import Model
-    from ...models.llama import init_params
+    from ouroboros_jax.models import Model
+    from ouroboros_jax.models.llama import init_params
 
     params = jax.jit(lambda k: init_params(config, k, jnp.dtype(dtype)))(jax.random.key(seed))
     return Model(config=config, params=jax.block_until_ready(params))
@@ -102,7 +104,7 @@ def known_device():
     chip): matched on jax's device_kind ("NVIDIA H100 80GB HBM3", "TPU v5 lite", ...)."""
     import jax
 
-    from ..accelerator import ACCELERATORS
+    from ouroboros_jax.bench.accelerator import ACCELERATORS
 
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")
     names = {"v5e": ("v5lite", "v5e"), "v5p": ("v5p",), "a100": ("a100",), "h100": ("h100",),
@@ -117,7 +119,7 @@ def time_forwards(model, sizes, context: int, reps: int) -> dict:
     """{T: median seconds of one forward of T tokens after `context` cached tokens}."""
     import numpy as np
 
-    from ..cost_model import forward_timer
+    from ouroboros_jax.bench.cost_model import forward_timer
 
     out = {}
     for n in sizes:
@@ -132,8 +134,8 @@ def round_times(target, draft, prompt_len: int, new_tokens: int, methods, in_bud
     (method, config); in_budget() False: the rest are yielded as skipped."""
     import numpy as np
 
-    from ... import generate
-    from ...decoding import METHODS as SPECS
+    from ouroboros_jax import generate
+    from ouroboros_jax.decoding import METHODS as SPECS
 
     prompt = [list(np.random.default_rng(0).integers(1, target.config.vocab_size,
                                                      prompt_len))]
@@ -166,7 +168,7 @@ def round_times(target, draft, prompt_len: int, new_tokens: int, methods, in_bud
 def bandwidth_bound(model, acc) -> dict:
     """Vanilla's ceiling on `acc`: tokens/s if every token read the weights once at peak HBM
     bandwidth (None on an unknown device)."""
-    from ...models.layout import weight_bytes
+    from ouroboros_jax.models.layout import weight_bytes
 
     w = weight_bytes(model.params)
     return {"weight_bytes": w,
@@ -319,7 +321,7 @@ def main(argv=None) -> dict:
 
     if a.matmul_precision is not None:
         jax.config.update("jax_default_matmul_precision", a.matmul_precision)
-    from ..accelerator import forward_seconds
+    from ouroboros_jax.bench.accelerator import forward_seconds
 
     t0 = time.perf_counter()
     tcfg, dcfg = tiny_configs() if a.tiny else full_configs()
@@ -384,7 +386,7 @@ def main(argv=None) -> dict:
     in_budget = lambda: time.perf_counter() - t0 < a.budget_s  # noqa: E731
 
     def demo():
-        from .demo_pair import demo_rows
+        from experiments.device.demo_pair import demo_rows
 
         for row in demo_rows(methods, demo_dtypes, demo_prompts, demo_tokens, in_budget):
             result["demo_pair"].append(row)

@@ -1,8 +1,11 @@
-"""Engine speed, side by side in one process: this checkout against another (e.g. the
+"""Is this checkout's decoding engine faster than another's? Result: printed (JSON), quoted by
+the change it measured (the attention block size, models/attention.py `BLOCK`).
+
+Engine speed, side by side in one process: this checkout against another (e.g. the
 pre-change commit).
 
     git worktree add /tmp/base <commit>
-    python -m ouroboros_jax.bench.engine_speed --base /tmp/base --reps 7
+    python -m experiments.engine_speed --base /tmp/base --reps 7
 
 The other checkout's package is imported under another name (`oj_base`), both run on the same
 loaded weights, and every repetition times every measure of both in turn (the order alternating),

@@ -1,6 +1,6 @@
-"""Issue 15, a hostile but realistic user: bf16 numerics as documented, loading that cannot pick
-the wrong weights, EOS lists, pools and meshes that cannot poison or leak, no recompilation on
-max_new_tokens with a fixed cache, clear errors for bad arguments."""
+"""A hostile but realistic user of `generate` and `load_model`: bf16 numerics as documented,
+loading that cannot pick the wrong weights, EOS lists, pools and meshes that cannot poison or
+leak, no recompilation on max_new_tokens with a fixed cache, clear errors for bad arguments."""
 
 import gc
 import json

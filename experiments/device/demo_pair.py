@@ -1,6 +1,7 @@
-"""The device script's exactness and real-acceptance stage: the shipped demo pair (a 20M target
-and a 5M draft trained on the same code, agreement about 0.65) run by every method on the device,
-at batch 1, in each dtype asked for.
+"""Does every method's output equal vanilla's on the device, and at what acceptance? Result:
+docs/bench/device-h200.md, section 2. The device script's exactness and real-acceptance stage:
+the shipped demo pair (a 20M target and a 5M draft trained on the same code, agreement about
+0.65) run by every method on the device, at batch 1, in each dtype asked for.
 
 Random weights (the t(T) and per-round stages) agree on nothing, so they price a round but never
 show a method's yield; the demo pair does, and it is small enough to load anywhere. Two things
@@ -23,7 +24,7 @@ import time
 
 def load_demo(dtype: str):
     """(target, draft, prompt texts) of the shipped demo pair in `dtype`."""
-    from ...demo_assets import demo_pair, demo_prompts
+    from ouroboros_jax.demo_assets import demo_pair, demo_prompts
 
     target, draft = demo_pair(dtype)
     return target, draft, [p["text"] for p in demo_prompts()]
@@ -50,8 +51,8 @@ def demo_rows(methods, dtypes, num_prompts: int, new_tokens: int, in_budget=None
     how many prompts gave identical tokens and where the first difference fell. EOS is honoured
     (real text); `in_budget()` False: the rest are yielded as skipped. configs: (label,
     config) pairs run per method (vanilla runs its first only)."""
-    from ... import generate
-    from ...decoding import METHODS as SPECS
+    from ouroboros_jax import generate
+    from ouroboros_jax.decoding import METHODS as SPECS
 
     for dtype in dtypes:
         target, draft, texts = load_demo(dtype)

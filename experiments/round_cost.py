@@ -1,7 +1,9 @@
-"""What an Ouroboros round costs, mechanism by mechanism, against the price of its forwards.
+"""What does an Ouroboros round cost, mechanism by mechanism, against the price of its forwards?
+Result: docs/real-pair.md ("Ouroboros on this CPU, mechanism by mechanism"); the fit on measured
+device latencies: docs/bench/device-h200.md, section 4.
 
-    python -m ouroboros_jax.bench.round_cost --prompts 2 --max-new-tokens 48 --reps 2
-    python -m ouroboros_jax.bench.round_cost --target T.gguf --draft D.gguf --prompts 2 \\
+    python -m experiments.round_cost --prompts 2 --max-new-tokens 48 --reps 2
+    python -m experiments.round_cost --target T.gguf --draft D.gguf --prompts 2 \\
         --max-new-tokens 48 --reps 2 --gamma 4 --window 4 --ngram 4 --guesses 4 --suffixes 2
 
 Rows, all run in one process, interleaved per repetition (batch 1, greedy, EOS ignored, code
@@ -64,7 +66,7 @@ def forward_shapes(cfg) -> dict:
     """{"t": (n_T,), "s": (n_S, q) or None, "s1": (n_S1, q) or None}: the sizes of the round's
     target forward, its draft forwards and its first draft forward, with q the nodes whose
     logits the draft forward computes (None: all)."""
-    from ..decoding import METHODS
+    from ouroboros_jax.decoding import METHODS
 
     name = "speculative" if not hasattr(cfg, "window") else "ouroboros"
     n_t, n_s, n_s1 = METHODS[name].forward_sizes(cfg)
@@ -121,9 +123,9 @@ def fit(tt: dict, td: dict, agreement: float, draft_ratio: float) -> list:
     target 1, draft draft_ratio) -> [(label, config, rate here / speculative's best here,
     rate flat / speculative's best flat)]. A projection from decoding/cost.py, not a
     measurement."""
-    from ..decoding import METHODS
-    from ..decoding.cost import rate
-    from ..decoding.knobs import GAMMA
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.cost import rate
+    from ouroboros_jax.decoding.knobs import GAMMA
 
     flat_t, flat_d = {1: 1.0}, {1: draft_ratio}
     spec = METHODS["speculative"]
@@ -155,10 +157,10 @@ def fit(tt: dict, td: dict, agreement: float, draft_ratio: float) -> list:
 
 def speculative_vs_vanilla(tt: dict, td: dict, agreement: float) -> float:
     """Speculative's best rate on the latency tables over vanilla's (a projection)."""
-    from ..decoding import METHODS
-    from ..decoding.cost import rate, vanilla_rate
-    from ..decoding.knobs import GAMMA
-    from ..decoding.speculative import SpeculativeConfig
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.cost import rate, vanilla_rate
+    from ouroboros_jax.decoding.knobs import GAMMA
+    from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
     spec = METHODS["speculative"]
     best = max(rate(spec.forward_sizes(c), spec.round_model(c, agreement), tt, td)
@@ -167,7 +169,7 @@ def speculative_vs_vanilla(tt: dict, td: dict, agreement: float) -> float:
 
 
 def print_fit(rows: list, agreement: float) -> None:
-    from ..decoding.knobs import recipe_of
+    from ouroboros_jax.decoding.knobs import recipe_of
 
     print(f"\nFitted by the cost model (decoding/cost.py) at agreement {agreement:.3f}: the best "
           "config of each variant, rate vs speculative's best; a projection, not a measurement")
@@ -180,7 +182,7 @@ def print_fit(rows: list, agreement: float) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ouroboros_jax.bench.round_cost",
+    ap = argparse.ArgumentParser(prog="python -m experiments.round_cost",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="", help="target model directory or GGUF (default: "
                     "the demo pair)")
@@ -228,11 +230,11 @@ def main(argv=None) -> int:
     import jax
 
     import ouroboros_jax as oj
-    from ..decoding import METHODS
-    from ..decoding.cost import agreement_from_eta, round_seconds
-    from ..models.timing import sequence_timer
-    from ..request import bucket, cache_slots
-    from .workloads import demo_code_prompts
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.cost import agreement_from_eta, round_seconds
+    from ouroboros_jax.models.timing import sequence_timer
+    from ouroboros_jax.request import bucket, cache_slots
+    from ouroboros_jax.bench.workloads import demo_code_prompts
 
     t0 = time.perf_counter()
     if a.target:
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"fit": [[r[0], repr(r[1]), r[2], r[3]] for r in fitted],
-                       "command": "python -m ouroboros_jax.bench.round_cost " + " ".join(
+                       "command": "python -m experiments.round_cost " + " ".join(
                 sys.argv[1:] if argv is None else argv), "agreement": agree, "rows": res_rows,
                 "samples": samples, "flat_projection_vs_speculative": proj,
                 "jax": jax.__version__}, f, indent=1, default=str)
