@@ -329,10 +329,13 @@ _GGUF_LAYER = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight":
 
 
 def write_moe_gguf(path, tm, arch):
-    """A GGUF file (F32) of a Qwen3-MoE or OLMoE torch model as llama.cpp's converter writes
-    it: each layer's experts stacked into one `*_exps` tensor, the router as `ffn_gate_inp`,
-    the expert counts (and Qwen3-MoE's expert width) in the metadata."""
+    """A GGUF file (F32) of a Qwen3-MoE, Mixtral ("llama") or OLMoE torch model as llama.cpp's
+    converter writes it: each layer's experts stacked into one `*_exps` tensor, the router as
+    `ffn_gate_inp`, the expert counts (and Qwen3-MoE's expert width) in the metadata; the
+    q/k rows of a "llama" file permuted."""
     import gguf
+
+    from ouroboros_jax.models.gguf import permute_qk
 
     cfg = tm.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -361,7 +364,13 @@ def write_moe_gguf(path, tm, arch):
     for i in range(cfg.num_hidden_layers):
         pre = f"model.layers.{i}."
         for hf, name in _GGUF_LAYER.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", sd[pre + hf])
+            if pre + hf not in sd:
+                continue  # Mixtral has no q/k norms
+            a = sd[pre + hf]
+            if arch == "llama" and name in ("attn_q", "attn_k"):
+                a = permute_qk(a, cfg.num_attention_heads if name == "attn_q"
+                               else cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{name}.weight", a)
         # transformers holds a layer's experts stacked: gate_up_proj [Y, 2F, E], down [Y, E, F]
         gate_up, down = sd[pre + "mlp.experts.gate_up_proj"], sd[pre + "mlp.experts.down_proj"]
         F = gate_up.shape[1] // 2
@@ -375,11 +384,12 @@ def write_moe_gguf(path, tm, arch):
     return str(path)
 
 
-@pytest.mark.parametrize("mt, arch", [("qwen3_moe", "qwen3moe"), ("olmoe", "olmoe")])
+@pytest.mark.parametrize("mt, arch", [("qwen3_moe", "qwen3moe"), ("olmoe", "olmoe"),
+                                      ("mixtral", "llama")])
 def test_gguf_loads_to_the_directorys_model(moe, tmp_path, mt, arch):
     """The model written to GGUF as llama.cpp does loads to the directory's config (llama.cpp
-    renormalizes Qwen3-MoE's top k and not OLMoE's, as these tiny models do) and params,
-    exactly."""
+    renormalizes Qwen3-MoE's and Mixtral's top k and not OLMoE's, as these tiny models do) and
+    params, exactly; a "llama" file with expert keys is a Mixtral."""
     pytest.importorskip("gguf")
     model, tm = moe[mt]
     g = oj.load_model(write_moe_gguf(tmp_path / f"{mt}.gguf", tm, arch), dtype="float32")

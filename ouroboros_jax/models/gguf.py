@@ -41,7 +41,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .config import ModelConfig, normalize_eos
-from .families import BY_GGUF_ARCH, GGUF_ARCHITECTURES, Family, family_of
+from .families import BY_GGUF_ARCH, BY_GGUF_EXPERTS_OF, GGUF_ARCHITECTURES, Family, family_of
 from .families.base import GGUFShape
 from .params import LEAF_BY_NAME, LEAVES, Leaf, leaves_of, nest
 
@@ -202,8 +202,13 @@ def architecture(reader, path: str) -> str:
 
 
 def family_of_file(reader, path: str) -> Family:
-    """The family whose files have this general.architecture (`architecture`)."""
-    return BY_GGUF_ARCH[architecture(reader, path)]
+    """The family whose files have this general.architecture (`architecture`); for a file with
+    `<arch>.expert_count`, the family that reads that architecture's mixtures of experts
+    (`Family.gguf_experts_of`: Mixtral's "llama" files) where there is one."""
+    arch = architecture(reader, path)
+    if arch in BY_GGUF_EXPERTS_OF and _value(reader, arch + ".expert_count") is not None:
+        return BY_GGUF_EXPERTS_OF[arch]
+    return BY_GGUF_ARCH[arch]
 
 
 class GGUFKeys:
@@ -238,7 +243,7 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     """The `ModelConfig` the file's metadata describes; ValueError naming the file and key.
     The keys every family shares are read here, the family's own by its `Family.from_gguf`."""
     family = family_of_file(reader, path)
-    arch = family.gguf_arch
+    arch = architecture(reader, path)
     pre = arch + "."
     known = _ARCH_KEYS | family.gguf_keys
     unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in known)
@@ -438,7 +443,8 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, family: Family) -> 
             continue
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a "
-                             f"{family.gguf_arch} model with {config.num_layers} layers as its "
+                             f"{architecture(reader, path)} model with {config.num_layers} "
+                             "layers as its "
                              "metadata says)")
         leaf, _ = names[t.name]
         check_tensor_type(t, path)

@@ -3,20 +3,26 @@ set) and a mixture of `num_local_experts` experts of `intermediate_size` in ever
 softmax router, the top `num_experts_per_tok`, always renormalized to sum to 1. Its
 checkpoints name the experts `block_sparse_moe.experts.{j}.w1 / w3 / w2` (gate / up / down),
 renamed into ours on load and back on save (`hf_renames`); `router_jitter_noise` only acts
-in training. Not loaded from GGUF yet: llama.cpp writes Mixtral as the "llama" architecture
-with expert keys, which the Llama family refuses by name (`llama.expert_count`).
+in training. GGUF: llama.cpp writes Mixtral as the Llama architecture with expert keys
+(`expert_count`, `expert_used_count`) and each layer's experts stacked (`ffn_gate_exps`, ...);
+such a file is this family's (`gguf_experts_of`), its q/k rows permuted as Llama's are.
 """
 
 from __future__ import annotations
 
 from .base import Family
-from .qwen3_moe import MOE_IGNORED, experts_count, moe_from_hf
+from .llama import LLAMA
+from .qwen3_moe import GGUF_MOE_KEYS, MOE_IGNORED, experts_count, moe_from_gguf, moe_from_hf
 
 
 def _from_hf(f, rope) -> dict:
     n = experts_count(f, ("num_local_experts",))
     return {"sliding_window": f.window(),
             **moe_from_hf(f, n, f.need("intermediate_size"), True)}
+
+
+def _from_gguf(g, shape) -> dict:
+    return moe_from_gguf(g, True)  # llama.cpp renormalizes Mixtral's top k, as transformers
 
 
 def _to_hf(c) -> dict:
@@ -41,4 +47,5 @@ FAMILIES = (Family(
     features={"norm_topk_prob": True},
     hf_fields=frozenset({"num_local_experts", "num_experts_per_tok", "router_jitter_noise"}),
     hf_ignored=MOE_IGNORED, from_hf=_from_hf, to_hf=_to_hf, hf_renames=HF_RENAMES,
-    presets=PRESETS),)
+    gguf_experts_of=LLAMA.gguf_arch, gguf_keys=GGUF_MOE_KEYS, from_gguf=_from_gguf,
+    gguf_permuted_qk=True, presets=PRESETS),)
