@@ -389,7 +389,8 @@ def write_moe_gguf(path, tm, arch):
 def test_gguf_loads_to_the_directorys_model(moe, tmp_path, mt, arch):
     """The model written to GGUF as llama.cpp does loads to the directory's config (llama.cpp
     renormalizes Qwen3-MoE's and Mixtral's top k and not OLMoE's, as these tiny models do) and
-    params, exactly; a "llama" file with expert keys is a Mixtral."""
+    params, exactly; a "llama" file with expert keys is a Mixtral. gguf_to_hf turns it back
+    into a directory transformers loads to the same logits."""
     pytest.importorskip("gguf")
     model, tm = moe[mt]
     g = oj.load_model(write_moe_gguf(tmp_path / f"{mt}.gguf", tm, arch), dtype="float32")
@@ -398,6 +399,16 @@ def test_gguf_loads_to_the_directorys_model(moe, tmp_path, mt, arch):
                                            rms_norm_eps=g.config.rms_norm_eps)
     for a, b in zip(jax.tree.leaves(g.params), jax.tree.leaves(model.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # checkpoints_tools/gguf_to_hf.py writes a directory transformers reads into the same model
+    import transformers
+
+    from checkpoints_tools.gguf_to_hf import main as gguf_to_hf
+
+    gguf_to_hf([str(tmp_path / f"{mt}.gguf"), str(tmp_path / "hf")])
+    toks = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        np.testing.assert_array_equal(back(toks).logits.numpy(), tm(toks).logits.numpy())
 
 
 def test_gguf_expert_keys_checked_by_name(moe, tmp_path):
