@@ -49,12 +49,20 @@ def _docstrings(tree) -> set:
     return out
 
 
+# the GGUF tokenizer's tables (models/gguf_tokenizer.py), allowed to name families: GGUF
+# architecture -> the transformers model type whose tokenizer class AutoTokenizer picks, and ->
+# its files' SentencePiece spelling (transformers keys both by architecture: a file does not
+# say); llama.cpp's own tokenizer names, which share families' names ("llama" is its
+# SentencePiece kind for every model, "qwen2" a tokenizer.ggml.pre split regex)
+TOKENIZER_TABLES = ("TOKENIZER_MODEL_TYPES", "SENTENCEPIECE_VARIANTS", "TOKENIZER_KINDS",
+                    "PRE_TOKENIZER_SPLITS")
+
+
 def _tokenizer_table(tree) -> list:
-    """The value of `TOKENIZER_MODEL_TYPES = {...}` wherever it is assigned: GGUF architecture
-    -> the transformers model type whose tokenizer class AutoTokenizer picks (the tokenizer's
-    business, not the loaders'), allowed to name families."""
+    """The values of the `TOKENIZER_TABLES` wherever they are assigned (the tokenizer's
+    business, not the loaders')."""
     return [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign) and any(
-        isinstance(t, ast.Name) and t.id == "TOKENIZER_MODEL_TYPES" for t in node.targets)]
+        isinstance(t, ast.Name) and t.id in TOKENIZER_TABLES for t in node.targets)]
 
 
 def _family_names() -> set:
@@ -64,8 +72,8 @@ def _family_names() -> set:
 def _branches(tree) -> list:
     """Line numbers of the family branches in a module: a comparison with a family's name (or
     a tuple of them), an ==/!= on something called model_type or arch, a dict literal keyed by
-    family names. The tokenizer's arch -> model_type table (`TOKENIZER_MODEL_TYPES`, picked
-    for AutoTokenizer, outside the loaders' job) is the one exception."""
+    family names. The tokenizer's tables (`TOKENIZER_TABLES`, outside the loaders' job) are the
+    one exception."""
     names = _family_names()
 
     def is_family(node):

@@ -572,44 +572,5 @@ def _progress_bar(total: int, path: str, enabled: bool):
         return None
 
 
-# GGUF architecture -> the transformers model type whose tokenizer class AutoTokenizer picks for
-# the file (checked against AutoTokenizer in tests/test_gguf.py)
-TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
-
-
-def _tokenizer_class(arch: str):
-    """The class `AutoTokenizer.from_pretrained(dir, gguf_file=...)` returns for a file of this
-    architecture (when no tokenizer_config.json sits beside it), or None where not known here.
-
-    Why not AutoTokenizer itself: to choose the class it builds the model's config with
-    transformers' legacy GGUF reader, which walks the 150k-token vocabulary and merges element
-    by element (~15 CPU-seconds for Qwen2.5, 90% of the tokenizer's load); the class then reads
-    the vocabulary again with a fast reader. The choice, for a config with no tokenizer class
-    and no tokenizer_config.json, is `TOKENIZER_MAPPING.get(config class, TokenizersBackend)`
-    (transformers 5)."""
-    model_type = TOKENIZER_MODEL_TYPES.get(arch)
-    if model_type is None:
-        return None
-    try:
-        from transformers import AutoConfig, TokenizersBackend
-        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-    except ImportError:  # transformers 4: keep AutoTokenizer's own choice
-        return None
-    return TOKENIZER_MAPPING.get(type(AutoConfig.for_model(model_type)), TokenizersBackend)
-
-
-def load_gguf_tokenizer(reader, path: str):
-    """transformers' tokenizer built from the file's tokenizer.* metadata (chat template
-    included), or None when the file carries no tokenizer. The class is AutoTokenizer's, chosen
-    without its slow config read where `_tokenizer_class` knows it."""
-    if reader.get_field("tokenizer.ggml.model") is None:
-        return None
-    from transformers import AutoTokenizer
-
-    where, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    try:
-        cls = _tokenizer_class(architecture(reader, path)) or AutoTokenizer
-        return cls.from_pretrained(where, gguf_file=name, local_files_only=True)
-    except Exception as e:  # transformers raises many types, none naming the file
-        raise ValueError(f"{path}: the GGUF tokenizer could not be built "
-                         f"({type(e).__name__}: {e})") from None
+# the tokenizer.* metadata is read into a tokenizer by gguf_tokenizer.py (no torch needed)
+from .gguf_tokenizer import load_gguf_tokenizer  # noqa: E402,F401
