@@ -11,7 +11,8 @@ new tokens seen as keys `o`):
     model     B batch rows, T new tokens of one forward (the nodes of its tree), S cache slots
               (= sequence buffer slots), L layers, H query heads, K kv heads, J query heads per
               kv head (H = K * J), D head dim, E embed (hidden), F ffn (intermediate), V vocab,
-              Z slots of one attention cache block, Q positions whose logits a forward keeps
+              Z slots of one attention cache block, Q positions whose logits a forward keeps,
+              Y experts (a mixture of experts' MLP), O routed rows (token, expert assignments)
     decoding  P prompt width (padded), A tokens one `emit` / `commit` / accept walk handles,
               γ gamma (draft tokens per round; `gamma` in code), W window, N n-gram size,
               M = N - 1 phrase length, G guesses (pool phrases per key), X suffixes (branches

@@ -31,6 +31,10 @@ RULES = {
     "q_heads": "model",
     "kv_heads": "model",
     "ffn": "model",
+    # mixtures of experts: expert parallel, each device holding whole experts; where the
+    # "model" axis does not divide the experts, their intermediate dim splits instead
+    "experts": "model",
+    "moe_ffn": "model",
     "vocab": "model",
     "embed": None,
     "layers": None,

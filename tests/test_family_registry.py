@@ -21,7 +21,8 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(families.__file__)))
 PACKAGE = os.path.dirname(PACKAGE)  # ouroboros_jax/
 FAMILY_DIR = os.path.dirname(os.path.abspath(families.__file__))
 # every model_type the loaders accepted before the families moved here (issue 54)
-KNOWN = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+KNOWN = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_moe",
+         "mixtral", "olmoe")
 
 
 def _sources(skip_families=True):
@@ -112,7 +113,7 @@ def test_every_family_module_is_registered():
     assert registered == set(BY_MODEL_TYPE) == set(families.SUPPORTED_MODEL_TYPES)
     assert set(KNOWN) <= registered  # none of the families the loaders took was lost
     assert set(families.GGUF_ARCHITECTURES) == {"llama", "qwen2", "qwen3", "phi3", "gemma2",
-                                                "gemma3"}
+                                                "gemma3", "qwen3moe", "olmoe"}
     for arch, family in BY_GGUF_ARCH.items():
         assert family.gguf_arch == arch and BY_MODEL_TYPE[family.model_type] is family
 

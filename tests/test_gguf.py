@@ -271,10 +271,17 @@ def test_misshapen_tensor_named(small_llama, tmp_path):
 
 
 def test_unknown_architecture_key_named(small_llama, tmp_path):
+    # shared experts (DeepSeek's key): no family reads them ("llama.expert_count" alone makes
+    # the file a Mixtral's, tests/test_moe.py)
     path = write_gguf(tmp_path / "moe.gguf", small_llama,
-                      extra_keys={"llama.expert_count": ("uint32", 8)})
+                      extra_keys={"llama.expert_shared_count": ("uint32", 2)})
     with pytest.raises(ValueError, match=r"moe\.gguf: unsupported GGUF key\(s\) "
-                                         r"\['llama\.expert_count'\]"):
+                                         r"\['llama\.expert_shared_count'\]"):
+        oj.load_model(path)
+    # an expert count alone: read as a Mixtral, which needs its experts per token
+    path = write_gguf(tmp_path / "moe2.gguf", small_llama,
+                      extra_keys={"llama.expert_count": ("uint32", 8)})
+    with pytest.raises(ValueError, match="lacks 'llama.expert_used_count'"):
         oj.load_model(path)
 
 

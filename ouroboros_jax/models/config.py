@@ -115,10 +115,28 @@ class ModelConfig:
     # None: every layer does when `sliding_window` is set (Mistral)
     sliding_layers: Optional[tuple] = None
     rope_local_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled (Gemma 3)
+    # q and k normalized over all heads at once, before the split into heads (OLMoE; its leaves
+    # q_norm_all [H,D] / k_norm_all [K,D]), instead of per head (`qk_norm`)
+    qk_norm_across_heads: bool = False
+    # Mixture of experts (families/qwen3_moe.py, mixtral.py, olmoe.py), 0 experts: a dense MLP.
+    # Every layer's MLP is then `num_experts` SwiGLU experts of `moe_intermediate_size` (None:
+    # intermediate_size) and a router: softmax over the experts' logits (fp32), the top
+    # `experts_per_token`, renormalized to sum to 1 when `norm_topk_prob`.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = False
+    # how the experts run (llama.py, `_moe`): "grouped" sorts the (token, expert) assignments by
+    # expert and multiplies each routed expert's rows with its weights, read once, by
+    # `jax.lax.ragged_dot`; "onehot" runs every expert on every token and weights the results
+    # (the reference the tests and the bench compare with). The same numbers either way.
+    moe_dispatch: str = "grouped"
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_experts and self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
@@ -158,13 +176,23 @@ class ModelConfig:
     def kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP is a mixture of experts (`num_experts` > 0)."""
+        return self.num_experts > 0
+
     def num_params(self) -> int:
         E, F, L, H, K, D, V = (self.hidden_size, self.intermediate_size, self.num_layers,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
+        if self.is_moe:  # the router [E, Y] and Y experts' gate, up and down
+            mlp = E * self.num_experts + 3 * self.num_experts * E * self.moe_intermediate_size
+        else:
+            mlp = 3 * E * F
+        per_layer = E * H * D + 2 * E * K * D + H * D * E + mlp + 2 * E
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
         per_layer += 2 * E * self.sandwich_norms + 2 * D * self.qk_norm
+        per_layer += (H + K) * D * self.qk_norm_across_heads
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
     # ---------------------------------------------------------------- Hugging Face interop
@@ -370,6 +398,7 @@ def _parse_rope_scaling(s: dict, source: str) -> Optional[tuple]:
 
 # ------------------------------------------------------------------------- feature fields
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+MOE_DISPATCHES = ("grouped", "onehot")
 
 
 def _check_features(c: ModelConfig) -> None:
@@ -391,3 +420,35 @@ def _check_features(c: ModelConfig) -> None:
         if c.sliding_window is None:
             raise ValueError("ModelConfig.sliding_layers needs a sliding_window")
         object.__setattr__(c, "sliding_layers", layers)
+    _check_moe(c)
+
+
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral)
+
+
+def _check_moe(c: ModelConfig) -> None:
+    """Validates the mixture-of-experts fields (ValueError naming the field): all at their
+    defaults for a dense model; for an MoE one, 1 <= experts_per_token <= num_experts."""
+    if not _is_int(c.num_experts) or c.num_experts < 0:
+        raise ValueError(f"ModelConfig.num_experts must be an integer >= 0, got "
+                         f"{c.num_experts!r}")
+    if c.moe_dispatch not in MOE_DISPATCHES:
+        raise ValueError(f"ModelConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got "
+                         f"{c.moe_dispatch!r}")
+    if not isinstance(c.norm_topk_prob, bool):
+        raise ValueError(f"ModelConfig.norm_topk_prob must be true or false, got "
+                         f"{c.norm_topk_prob!r}")
+    if not c.is_moe:
+        for name in ("experts_per_token", "moe_intermediate_size", "norm_topk_prob"):
+            if getattr(c, name) not in (0, None, False):
+                raise ValueError(f"ModelConfig.{name} is set ({getattr(c, name)!r}) but "
+                                 "num_experts is 0 (a dense MLP)")
+        return
+    k = c.experts_per_token
+    if not _is_int(k) or not 1 <= k <= c.num_experts:
+        raise ValueError(f"ModelConfig.experts_per_token must be an integer in [1, "
+                         f"num_experts={c.num_experts}], got {k!r}")
+    if not _is_int(c.moe_intermediate_size) or c.moe_intermediate_size <= 0:
+        raise ValueError(f"ModelConfig.moe_intermediate_size must be a positive integer, got "
+                         f"{c.moe_intermediate_size!r}")

@@ -6,8 +6,9 @@ llama.cpp's block quantizations. Loading is as strict as the safetensors loader 
 
 - the architecture must be one a family implements (`Family.gguf_arch`, models/families/),
   and every `<arch>.*` key must be one this module (`_ARCH_KEYS`) or the family
-  (`Family.gguf_keys`) understands: an unknown one (experts, per-layer head counts, a rope type)
-  could change the numerics, so it is refused by name;
+  (`Family.gguf_keys`) understands: an unknown one (per-layer head counts, a rope type,
+  experts in an architecture whose family has none) could change the numerics, so it is
+  refused by name;
 - every tensor the config implies is present exactly once, with the shape it implies, and no
   other tensor is;
 - a tensor type is accepted when the `gguf` package can dequantize it (`dequantizable_types()`),
@@ -20,7 +21,9 @@ did to a family's tensors is undone as its `Family` record says: q/k rows permut
 rotary kernel can rotate adjacent pairs (`gguf_permuted_qk`, the "llama" architecture: `permute`
 in llama.cpp's convert_hf_to_gguf.py, undone by transformers' `LlamaTensorProcessor` and by
 `unpermute_qk` here, back to the rotate-half layout our attention uses), 1 added to every
-RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, Phi-3).
+RMSNorm weight (`gguf_norm_shift`, Gemma), tensors stored fused (`gguf_fused`, Phi-3). A
+mixture of experts stores each expert leaf as one tensor per layer holding every expert
+(`ffn_gate_exps` [Y, F, E] in numpy order, `gguf_shape`).
 
 Llama 3.1/3.2/3.3 files carry their llama3 rope scaling as a `rope_freqs.weight` tensor (one
 divisor per rotary frequency, no rope-scaling metadata): it is read into the config
@@ -38,7 +41,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .config import ModelConfig, normalize_eos
-from .families import BY_GGUF_ARCH, GGUF_ARCHITECTURES, Family, family_of
+from .families import BY_GGUF_ARCH, BY_GGUF_EXPERTS_OF, GGUF_ARCHITECTURES, Family, family_of
 from .families.base import GGUFShape
 from .params import LEAF_BY_NAME, LEAVES, Leaf, leaves_of, nest
 
@@ -72,6 +75,14 @@ GGUF_NAMES: dict[str, str] = {
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
     "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight",
+    # OLMoE's q/k norms over all heads; a mixture of experts' router and experts, each expert
+    # leaf one tensor per layer holding every expert ([Y, F, E] in numpy order for gate / up)
+    "q_norm_all": "blk.{i}.attn_q_norm.weight",
+    "k_norm_all": "blk.{i}.attn_k_norm.weight",
+    "router": "blk.{i}.ffn_gate_inp.weight",
+    "we_gate": "blk.{i}.ffn_gate_exps.weight",
+    "we_up": "blk.{i}.ffn_up_exps.weight",
+    "we_down": "blk.{i}.ffn_down_exps.weight",
 }
 assert set(GGUF_NAMES) == {leaf.name for leaf in LEAVES}
 
@@ -191,8 +202,13 @@ def architecture(reader, path: str) -> str:
 
 
 def family_of_file(reader, path: str) -> Family:
-    """The family whose files have this general.architecture (`architecture`)."""
-    return BY_GGUF_ARCH[architecture(reader, path)]
+    """The family whose files have this general.architecture (`architecture`); for a file with
+    `<arch>.expert_count`, the family that reads that architecture's mixtures of experts
+    (`Family.gguf_experts_of`: Mixtral's "llama" files) where there is one."""
+    arch = architecture(reader, path)
+    if arch in BY_GGUF_EXPERTS_OF and _value(reader, arch + ".expert_count") is not None:
+        return BY_GGUF_EXPERTS_OF[arch]
+    return BY_GGUF_ARCH[arch]
 
 
 class GGUFKeys:
@@ -227,7 +243,7 @@ def config_from_gguf(reader, path: str) -> ModelConfig:
     """The `ModelConfig` the file's metadata describes; ValueError naming the file and key.
     The keys every family shares are read here, the family's own by its `Family.from_gguf`."""
     family = family_of_file(reader, path)
-    arch = family.gguf_arch
+    arch = architecture(reader, path)
     pre = arch + "."
     known = _ARCH_KEYS | family.gguf_keys
     unknown = sorted(k for k in reader.fields if k.startswith(pre) and k[len(pre):] not in known)
@@ -351,6 +367,14 @@ def _gguf_names(config: ModelConfig) -> dict[str, tuple[Leaf, Optional[int]]]:
             for i in (range(config.num_layers) if leaf.per_layer else (None,))}
 
 
+def gguf_shape(leaf: Leaf, config: ModelConfig) -> tuple[int, ...]:
+    """The shape (numpy order) of one of the leaf's GGUF tensors: its HF tensor's, with every
+    expert of the layer stacked in front for an expert leaf (llama.cpp's `*_exps`)."""
+    if leaf.per_expert:
+        return (config.num_experts, *leaf.hf_shape(config))
+    return leaf.hf_shape(config)
+
+
 def _split_fused_gguf(t, config: ModelConfig, path: str):
     """A fused tensor of the file (`Family.gguf_fused`) -> [(its parts' names in
     `_gguf_names`, HF layout array)], its shape checked as a whole; [] when `t` is not one."""
@@ -419,11 +443,12 @@ def _tensors_by_leaf(reader, config: ModelConfig, path: str, family: Family) -> 
             continue
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} (not part of a "
-                             f"{family.gguf_arch} model with {config.num_layers} layers as its "
+                             f"{architecture(reader, path)} model with {config.num_layers} "
+                             "layers as its "
                              "metadata says)")
         leaf, _ = names[t.name]
         check_tensor_type(t, path)
-        want = leaf.hf_shape(config)
+        want = gguf_shape(leaf, config)
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         if shape != want:
             raise ValueError(f"{path}: tensor {t.name} has shape {shape} (numpy order), the "
@@ -497,6 +522,13 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
                     bar.update(done)
 
         jobs = []
+        if leaf.per_expert:  # each layer's tensor holds all its experts: read whole
+            for i, t in by_leaf[leaf.name].items():
+                w = dequantize_tensor(t, path)
+                out[i] = np.stack([leaf.from_hf(e, config) for e in w]).astype(np_dtype)
+                if bar is not None:
+                    bar.update(t.n_bytes)
+            return to_device(out)
         for i, t in by_leaf[leaf.name].items():
             view, transposed = leaf.hf_rows_view(out if i is None else out[i])
             if isinstance(t, np.ndarray):

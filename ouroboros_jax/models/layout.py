@@ -42,7 +42,10 @@ Params = dict
 
 
 # per-layer norms some families add (params.LEAVES), copied into the packed layer unchanged
-UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_norm_all",
+                 "k_norm_all")
+# a mixture of experts' leaves, copied unchanged too (its router and experts are not fused)
+MOE_LEAVES = ("router", "we_gate", "we_up", "we_down")
 # the key of a Model's packed copy among its derived copies (`Model.derived_copy`)
 PACKED = "packed"
 
@@ -67,9 +70,12 @@ def pack(params: Params, config: ModelConfig) -> Params:
     for i in range(config.num_layers):  # one fused copy per output buffer, no stacked temporary
         layer = {"attn_norm": lay["attn_norm"][i],
                  "wqkv": jnp.concatenate([flat("wq", i), flat("wk", i), flat("wv", i)], -1),
-                 "wo": lay["wo"][i].reshape(-1, E), "mlp_norm": lay["mlp_norm"][i],
-                 "w_gate_up": jnp.concatenate([lay["w_gate"][i], lay["w_up"][i]], -1),
-                 "w_down": lay["w_down"][i]}
+                 "wo": lay["wo"][i].reshape(-1, E), "mlp_norm": lay["mlp_norm"][i]}
+        if config.is_moe:
+            layer.update({name: lay[name][i] for name in MOE_LEAVES})
+        else:
+            layer.update({"w_gate_up": jnp.concatenate([lay["w_gate"][i], lay["w_up"][i]], -1),
+                          "w_down": lay["w_down"][i]})
         if config.qkv_bias:
             layer["bqkv"] = jnp.concatenate([lay[b][i].reshape(-1) for b in ("bq", "bk", "bv")])
         for name in UNFUSED_NORMS:  # Gemma's extra norms and the q/k norms, as they are

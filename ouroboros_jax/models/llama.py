@@ -7,8 +7,10 @@ Letters (the model's part of the package glossary, `ouroboros_jax/__init__.py`):
     B batch rows          T new tokens of this forward     S cache slots
     L layers              H query heads                    K kv heads
     J query heads per kv head (H = K * J)                  D head dim
-    E embed (hidden)      F ffn (intermediate)             V vocab
-    Q positions whose logits `select` keeps
+    E embed (hidden)      F ffn (intermediate; an expert's in an MoE layer)
+    V vocab               Q positions whose logits `select` keeps
+    Y experts             O routed rows: the B*T tokens' (token, expert) assignments, B*T*k
+                          for k = experts_per_token
 
 `forward(params, config, tokens[B,T], positions[B,T], mask[B,T,T], cache) -> (logits, NewKV)`.
 Positions and the mask among the new tokens are inputs, so one function serves prefill, single
@@ -20,11 +22,12 @@ cache blocks below the longest row (models/attention.py), so its cost follows th
 Params (layers stacked on a leading L axis and scanned, so compile time does not grow with depth):
 a dict {embed, final_norm, lm_head (unless embeddings are tied), layers: {attn_norm, wq, wk, wv,
 wo, (qwen2: bq, bk, bv), (qwen3, gemma3: q_norm, k_norm), mlp_norm, (gemma: post_attn_norm,
-post_mlp_norm), w_gate, w_up, w_down}}; each leaf's shape, sharding axes, HF name and layout and
-initializer are described once, in `params.LEAVES` (Phi-3's fused qkv_proj / gate_up_proj are
-split into those leaves, `Family.hf_fused`). `forward` also takes the packed layout decoding runs
-on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls, unrolled; `layout.py`): the same
-numbers.
+post_mlp_norm), (olmoe: q_norm_all, k_norm_all), w_gate, w_up, w_down (a mixture of experts:
+router [E,Y], we_gate, we_up [Y,E,F], we_down [Y,F,E] instead)}}; each leaf's shape, sharding
+axes, HF name and layout and initializer are described once, in `params.LEAVES` (Phi-3's fused
+qkv_proj / gate_up_proj are split into those leaves, `Family.hf_fused`). `forward` also takes
+the packed layout decoding runs on a CPU (per-layer buffers, fused q/k/v and gate/up matmuls,
+unrolled; `layout.py`): the same numbers.
 """
 
 from __future__ import annotations
@@ -209,6 +212,103 @@ def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
     return (_act(config, gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
 
 
+# ------------------------------------------------------------------------ mixture of experts
+def route(config: ModelConfig, h: jax.Array, router: jax.Array):
+    """The router of an MoE layer: h [N,E], router [E,Y] -> (experts int32[N,k], weights
+    [N,k] in h's dtype), k = experts_per_token. As transformers: the logits in the params'
+    dtype, their softmax in fp32, the top k (ties to the lower expert), renormalized to sum to
+    1 when `norm_topk_prob`, cast back."""
+    logits = h @ router
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, config.experts_per_token)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights.astype(h.dtype)
+
+
+def expert_groups(experts: jax.Array, num_experts: int):
+    """How the grouped path lays out the routed rows. experts int32[N,k] ->
+    (order int32[O]: the (token, k) assignments, flattened, sorted by expert (stable);
+    slots int32[U]: the expert whose weights each group reads; sizes int32[U]: each group's
+    rows), O = N*k. Group u's rows are order[sum(sizes[:u]) : sum(sizes[:u+1])].
+
+    With fewer rows than experts (O < Y: decoding and short verifications), U = O and the slots
+    are the distinct routed experts ascending, then `num_experts` (no expert, zero rows) in the
+    slots left over, so that only routed experts are gathered (`_moe_grouped`). Otherwise U = Y
+    and slot u is expert u (zero rows where none routes to it)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[flat].add(1)
+    if flat.shape[0] >= num_experts:
+        return order, jnp.arange(num_experts, dtype=jnp.int32), counts[:num_experts]
+    slots = jnp.unique(flat, size=flat.shape[0], fill_value=num_experts).astype(jnp.int32)
+    return order, slots, counts[slots]
+
+
+def _swiglu_grouped(config: ModelConfig, xs: jax.Array, sizes: jax.Array, w_gate: jax.Array,
+                    w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """xs [O,E] in groups of `sizes` int32[U] consecutive rows, group u through expert u's
+    SwiGLU (w_gate, w_up [U,E,F], w_down [U,F,E]) -> [O,E]; each expert's weights read once."""
+    gate = jax.lax.ragged_dot(xs, w_gate, sizes)
+    up = jax.lax.ragged_dot(xs, w_up, sizes)
+    return jax.lax.ragged_dot(_act(config, gate) * up, w_down, sizes)
+
+
+def _moe_grouped(config: ModelConfig, h: jax.Array, experts: jax.Array, weights: jax.Array,
+                 lp: dict) -> jax.Array:
+    """h [N,E] through its routed experts, grouped: the N*k (token, expert) rows sorted by
+    expert and multiplied with their expert's weights by `ragged_dot`, one group per expert
+    (`expert_groups`); the rows put back in token order and summed with their router weights.
+    experts int32[N,k], weights [N,k] -> [N,E].
+
+    Which weights are read: with fewer rows than experts, each distinct routed expert's are
+    gathered once (the slots left over gather zeros, `mode="fill"`, reading nothing) and an
+    unrouted expert's never, on every backend. With more, all Y go to `ragged_dot` with zero
+    rows for the unrouted: on GPU and TPU that is XLA's ragged dot instruction, whose cost for
+    an empty group is the backend's; on CPU jax lowers it to a masked dense product that
+    multiplies every group (so there the grouped path saves reads only below Y rows)."""
+    N, k = experts.shape
+    Y = config.num_experts
+    order, slots, sizes = expert_groups(experts, Y)
+    xs = h[order // k]  # [O,E]: row r is token order[r] // k
+    w = [lp[n] for n in ("we_gate", "we_up", "we_down")]
+    if slots.shape[0] < Y:  # fewer rows than experts: gather the routed ones, each once
+        w = [jnp.take(a, slots, axis=0, mode="fill", fill_value=0) for a in w]
+    ys = _swiglu_grouped(config, xs, sizes, *w)  # [O,E], sorted by expert
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    ys = ys[back].reshape(N, k, -1)  # token order: [N,k,E]
+    return jnp.einsum("nk,nke->ne", weights, ys)
+
+
+def _moe_onehot(config: ModelConfig, h: jax.Array, experts: jax.Array, weights: jax.Array,
+                lp: dict) -> jax.Array:
+    """The reference: every expert on every token, h [N,E] -> [N,Y,E], summed with the router
+    weights of the routed ones (zero elsewhere) -> [N,E]. Reads every expert's weights
+    whatever the routing."""
+    gate = jnp.einsum("ne,yef->nyf", h, lp["we_gate"])
+    up = jnp.einsum("ne,yef->nyf", h, lp["we_up"])
+    ys = jnp.einsum("nyf,yfe->nye", _act(config, gate) * up, lp["we_down"])
+    combine = jnp.einsum("nk,nky->ny", weights,
+                         jax.nn.one_hot(experts, config.num_experts, dtype=weights.dtype))
+    return jnp.einsum("ny,nye->ne", combine, ys)
+
+
+def _moe(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
+    """A mixture-of-experts MLP, h [B,T,E] -> [B,T,E]: each token through its top-k experts
+    (`route`), by `config.moe_dispatch`'s path; either layout (expert leaves are not fused)."""
+    B, T, E = h.shape
+    flat = h.reshape(B * T, E)
+    experts, weights = route(config, flat, lp["router"])
+    run = _moe_grouped if config.moe_dispatch == "grouped" else _moe_onehot
+    return run(config, flat, experts, weights, lp).reshape(B, T, E)
+
+
+def _norm_across_heads(config: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """OLMoE's q / k norm: x [B,T,N,D] normalized over all N*D values at once, weight [N,D]."""
+    B, T, N, D = x.shape
+    return _norm(config, x.reshape(B, T, N * D), weight.reshape(N * D)).reshape(B, T, N, D)
+
+
 def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask, cache,
            live_blocks):
     """One decoder layer, its params in either layout. x [B,T,E] -> (x [B,T,E],
@@ -217,6 +317,9 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
     q, k, v = _qkv(config, h, lp)
     if config.qk_norm:  # per head, before RoPE (Qwen3; Gemma 3's with 1 + w)
         q, k = _norm(config, q, lp["q_norm"]), _norm(config, k, lp["k_norm"])
+    if config.qk_norm_across_heads:  # OLMoE: over all heads, before RoPE
+        q = _norm_across_heads(config, q, lp["q_norm_all"])
+        k = _norm_across_heads(config, k, lp["k_norm_all"])
     inv_freq = _of_layer(inv_freq, layer, 1)
     q = apply_rope(q, positions, inv_freq, config.rope_attention_scale)
     k = apply_rope(k, positions, inv_freq, config.rope_attention_scale)
@@ -231,7 +334,7 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
         a = _norm(config, a, lp["post_attn_norm"])
     x = x + a
     h = _norm(config, x, lp["mlp_norm"])
-    m = _mlp(config, h, lp)
+    m = _moe(config, h, lp) if config.is_moe else _mlp(config, h, lp)
     if config.sandwich_norms:
         m = _norm(config, m, lp["post_mlp_norm"])
     return x + m, k, v

@@ -22,6 +22,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .llama import Params
+from .families import family_of
 from .params import LEAVES, Leaf, fused_parts, leaves_of, nest
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -158,11 +159,20 @@ def _read_tensors(files: list[str]):
 
 
 def _split_fused(items, config: ModelConfig):
-    """(file, key, array) items with each fused tensor (`params.fused_parts`, Phi-3's qkv_proj
-    and gate_up_proj) replaced by its parts under their own names; a fused tensor of the wrong
-    row count raises naming it (its columns are checked as each part's)."""
+    """(file, key, array) items with each key renamed as the family's `hf_renames` say
+    (Mixtral's w1/w2/w3 into our expert names), each fused tensor (`params.fused_parts`,
+    Phi-3's qkv_proj and gate_up_proj) replaced by its parts under their own names and each
+    stacked expert tensor (`stacked_expert_parts`) by its experts' own; a fused tensor of the
+    wrong shape raises naming it (its columns are checked as each part's)."""
     fused = fused_parts(config)
+    renames = family_of(config.model_type).hf_renames
+    stacked = stacked_expert_parts(config)
     for fn, key, w in items:
+        key = rename_hf(key, renames)
+        if key in stacked:
+            yield from ((fn, name, part) for name, part in _split_stacked(fn, key, w,
+                                                                          stacked[key], config))
+            continue
         if key not in fused:
             yield fn, key, w
             continue
@@ -174,16 +184,64 @@ def _split_fused(items, config: ModelConfig):
             yield fn, name, w[a:b]
 
 
+def rename_hf(key: str, renames) -> str:
+    """A checkpoint's tensor name in our spelling: each (theirs, ours) substring of the
+    family's `hf_renames` replaced."""
+    for theirs, ours in renames:
+        key = key.replace(theirs, ours)
+    return key
+
+
+def name_hf(key: str, renames) -> str:
+    """Our tensor name in the family's spelling (the inverse of `rename_hf`)."""
+    for theirs, ours in reversed(renames):
+        key = key.replace(ours, theirs)
+    return key
+
+
+# transformers' in-memory layout of a layer's experts (what its loader builds from the
+# per-expert tensors, and what a checkpoint saved without its conversion holds): gate and up of
+# every expert in one [Y, 2F, E] tensor, down in one [Y, E, F]
+_STACKED_EXPERTS = {"model.layers.{i}.mlp.experts.gate_up_proj": ("we_gate", "we_up"),
+                    "model.layers.{i}.mlp.experts.down_proj": ("we_down",)}
+
+
+def stacked_expert_parts(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each stacked expert tensor name of an MoE config (`_STACKED_EXPERTS`, layer filled in)
+    -> the expert leaves it holds, in row order; {} for a dense config."""
+    if not config.is_moe:
+        return {}
+    return {name.format(i=i): leaves for name, leaves in _STACKED_EXPERTS.items()
+            for i in range(config.num_layers)}
+
+
+def _split_stacked(fn: str, key: str, w: np.ndarray, leaves: tuple, config: ModelConfig):
+    """A stacked expert tensor [Y, rows, cols] -> [(expert j's tensor name of each leaf, its
+    HF array)]; ValueError naming the tensor for a wrong shape."""
+    from .params import LEAF_BY_NAME
+
+    i = int(key.split(".")[2])
+    parts = [LEAF_BY_NAME[n] for n in leaves]
+    rows = [leaf.hf_shape(config)[0] for leaf in parts]
+    want = (config.num_experts, sum(rows), parts[0].hf_shape(config)[1])
+    if tuple(w.shape) != want:
+        raise ValueError(f"{fn}: tensor {key} has shape {tuple(w.shape)}, config implies {want} "
+                         f"({' and '.join(leaves)} of {config.num_experts} experts)")
+    bounds = np.cumsum([0] + rows)
+    for j in range(config.num_experts):
+        for leaf, a, b in zip(parts, bounds, bounds[1:]):
+            yield leaf.hf_name(i, j), w[j, a:b]
+
+
 def _hf_names(config: ModelConfig) -> dict[str, Leaf]:
     """HF tensor name -> its leaf, for every tensor the config implies (table order)."""
-    return {leaf.hf_name(i): leaf for leaf in leaves_of(config)
-            for i in (range(config.num_layers) if leaf.per_layer else (None,))}
+    return {leaf.hf_name(i, j): leaf for leaf in leaves_of(config)
+            for i, j in leaf.hf_keys(config)}
 
 
 def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
     """Reads every tensor of the checkpoint into our stacked layout, strictly: the tensors are
     exactly those the config implies (`params.LEAVES`), each once, each of its HF shape."""
-    L = config.num_layers
     names = _hf_names(config)
     skipped = {leaf.hf for leaf in LEAVES
                if leaf.ignored_when_absent and not leaf.present(config)}
@@ -201,7 +259,8 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
             continue  # e.g. some tied checkpoints store the shared matrix twice
         if key not in names:
             raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a "
-                             f"{config.model_type} model with {L} layers as configured)")
+                             f"{config.model_type} model with {config.num_layers} layers "
+                             "as configured)")
         leaf = names[key]
         want = leaf.hf_shape(config)
         if tuple(w.shape) != want:
@@ -215,17 +274,17 @@ def load_params(path: str, config: ModelConfig, dtype=jnp.float32) -> Params:
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{path}: checkpoint lacks tensor(s) {missing[:5]}{more}")
-    return nest(config, lambda leaf: jnp.asarray(
-        np.stack([got[leaf.hf_name(i)] for i in range(L)]) if leaf.per_layer
-        else got[leaf.hf_name()]))
+    return nest(config, lambda leaf: jnp.asarray(leaf.stack(
+        config, [got[leaf.hf_name(i, j)] for i, j in leaf.hf_keys(config)])))
 
 
 # ------------------------------------------------------------------ slice-wise reading
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
-    """HF tensor name -> the file holding it, for every tensor the config implies, checked as
+def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, tuple[str, str, int]]:
+    """HF tensor name (ours) -> (the file holding it, its name there, its first row there: a
+    part of a fused tensor starts below row 0), for every tensor the config implies, checked as
     strictly as `load_params` checks (dtype, shape, once each, nothing missing or unexpected)
     from the files' headers alone: no tensor data is read."""
     from safetensors import SafetensorError, safe_open
@@ -234,14 +293,23 @@ def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
     skipped = {leaf.hf for leaf in LEAVES
                if leaf.ignored_when_absent and not leaf.present(config)}
     fused = fused_parts(config)
+    renames = family_of(config.model_type).hf_renames
+    stacked = stacked_expert_parts(config)
     where: dict[str, str] = {}
     for fn in files:
         try:
             with safe_open(fn, framework="np") as f:
-                for key in f.keys():
-                    if key.endswith(_IGNORED_SUFFIXES):
+                for stored in f.keys():
+                    if stored.endswith(_IGNORED_SUFFIXES):
                         continue
-                    sl = f.get_slice(key)
+                    key = rename_hf(stored, renames)
+                    if key in stacked:
+                        raise ValueError(f"{fn}: tensor {stored} holds every expert of a layer "
+                                         "in one tensor; slice-wise reading needs one tensor "
+                                         "per expert (as save_pretrained writes): load it "
+                                         "whole with load_model and place it with "
+                                         "sharding.shard_model")
+                    sl = f.get_slice(stored)
                     dtype, shape = sl.get_dtype(), tuple(sl.get_shape())
                     if dtype not in _FLOAT_DTYPES:
                         raise ValueError(f"{fn}: tensor {key} has dtype {dtype}; only "
@@ -255,10 +323,10 @@ def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
                         if shape != want:
                             raise ValueError(f"{fn}: tensor {key} has shape {shape}, config "
                                              f"implies {want}")
-                        for part, _, _ in parts:
+                        for part, row0, _ in parts:
                             if part in where:
                                 raise ValueError(f"{fn}: tensor {part} appears more than once")
-                            where[part] = fn
+                            where[part] = (fn, stored, row0)
                         continue
                     if key not in names:
                         raise ValueError(f"{fn}: unexpected tensor {key!r} (not part of a "
@@ -270,7 +338,7 @@ def _tensor_table(files: list[str], config: ModelConfig) -> dict[str, str]:
                                          f"implies {want}")
                     if key in where:
                         raise ValueError(f"{fn}: tensor {key} appears more than once")
-                    where[key] = fn
+                    where[key] = (fn, stored, 0)
         except SafetensorError as e:
             raise ValueError(f"{fn}: corrupt or truncated safetensors file ({e})") from None
     missing = [k for k in names if k not in where]
@@ -317,12 +385,27 @@ def _read_block(f, key: str, leaf: Leaf, config: ModelConfig, block: list,
     return whole[tuple(slice(a, b) for a, b in block)]
 
 
-def _read_layer(handles, where, source, leaf: Leaf, config: ModelConfig, i: int,
-                block: list) -> np.ndarray:
-    """`_read_block` of layer i's slice, from its own tensor or its rows of a fused one."""
-    name = leaf.hf_name(i)
-    key, row0 = source.get(name, (name, 0))
-    return _read_block(handles[where[name]], key, leaf, config, block, row0)
+def _read_tensor(handles, where, leaf: Leaf, config: ModelConfig, block: list,
+                 i: Optional[int] = None, j: Optional[int] = None) -> np.ndarray:
+    """`_read_block` of the leaf's HF tensor of layer i (and expert j), from its own tensor or
+    its rows of a fused one."""
+    fn, key, row0 = where[leaf.hf_name(i, j)]
+    return _read_block(handles[fn], key, leaf, config, block, row0)
+
+
+def _read_leaf_block(handles, where, leaf: Leaf, config: ModelConfig,
+                     block: list) -> np.ndarray:
+    """The block [(start, stop) per dim of our layout] of a whole leaf, one HF tensor at a
+    time: over its layers (and experts) when it is stored per layer (per expert)."""
+    if not leaf.per_layer:
+        return _read_tensor(handles, where, leaf, config, block)
+    (l0, l1), rest = block[0], block[1:]
+    if not leaf.per_expert:
+        return np.stack([_read_tensor(handles, where, leaf, config, rest, i)
+                         for i in range(l0, l1)])
+    (e0, e1), rest = rest[0], rest[1:]
+    return np.stack([np.stack([_read_tensor(handles, where, leaf, config, rest, i, j)
+                               for j in range(e0, e1)]) for i in range(l0, l1)])
 
 
 def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Params:
@@ -336,15 +419,12 @@ def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Para
     from safetensors import safe_open
 
     where = _tensor_table(_weight_files(path), config)
-    # a fused tensor's part -> (the fused tensor, its first row)
-    source = {part: (key, a) for key, parts in fused_parts(config).items()
-              for part, a, _ in parts}
     np_dtype = jnp.dtype(dtype)
     shard_tree = nest(config, lambda leaf: leaf)  # leaf descriptions, params-shaped
 
     with contextlib.ExitStack() as stack:
         handles = {fn: stack.enter_context(safe_open(fn, framework="np"))
-                   for fn in sorted(set(where.values()))}
+                   for fn in sorted({fn for fn, _, _ in where.values()})}
 
         def place(leaf: Leaf, sharding):
             shape = leaf.shape(config)
@@ -354,14 +434,8 @@ def load_params_sliced(path: str, config: ModelConfig, dtype, shardings) -> Para
                 block = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
                 key = tuple(block)
                 if key not in seen:
-                    if leaf.per_layer:
-                        (l0, l1), rest = block[0], block[1:]
-                        parts = [_read_layer(handles, where, source, leaf, config, i, rest)
-                                 for i in range(l0, l1)]
-                        seen[key] = np.stack(parts).astype(np_dtype)
-                    else:
-                        seen[key] = _read_block(handles[where[leaf.hf_name()]], leaf.hf_name(),
-                                                leaf, config, block).astype(np_dtype)
+                    seen[key] = _read_leaf_block(handles, where, leaf, config,
+                                                 block).astype(np_dtype)
                 return seen[key]
 
             return jax.make_array_from_callback(shape, sharding, block_of)
@@ -429,9 +503,10 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Model:
-    """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory or a
-    GGUF file (`.gguf`: llama, qwen2, qwen3, phi3, gemma2 or gemma3 architecture, any tensor type
-    the `gguf` package dequantizes; config,
+    """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory, or
+    a mixture of experts' (Qwen3-MoE, Mixtral, OLMoE), or a GGUF file (`.gguf`: llama, qwen2,
+    qwen3, phi3, gemma2, gemma3, qwen3moe or olmoe architecture, any tensor type the `gguf`
+    package dequantizes; config,
     tokenizer and chat template all come from the file, see `gguf.py`).
 
     dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "float32" or "bfloat16" (params are
@@ -520,14 +595,14 @@ def save_hf_checkpoint(out_dir: str, config: ModelConfig, params: Params,
     cast = (lambda x: np.asarray(x).astype(jnp.dtype(dtype))) if dtype else np.asarray
     tensors = {}
     for leaf in leaves_of(config):
-        if leaf.per_layer:
-            arr = cast(params["layers"][leaf.name])
-            for i in range(config.num_layers):
-                tensors[leaf.hf_name(i)] = np.ascontiguousarray(leaf.to_hf(arr[i]))
-        else:
-            tensors[leaf.hf_name()] = np.ascontiguousarray(leaf.to_hf(cast(params[leaf.name])))
+        arr = cast(params["layers"][leaf.name] if leaf.per_layer else params[leaf.name])
+        for i, j in leaf.hf_keys(config):
+            one = arr if i is None else (arr[i] if j is None else arr[i, j])
+            tensors[leaf.hf_name(i, j)] = np.ascontiguousarray(leaf.to_hf(one))
     for fused, parts in fused_parts(config).items():  # Phi-3: as transformers stores them
         tensors[fused] = np.concatenate([tensors.pop(p) for p, _, _ in parts])
+    renames = family_of(config.model_type).hf_renames  # Mixtral's names
+    tensors = {name_hf(k, renames): v for k, v in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     d = config.to_hf_dict()
     d["torch_dtype"] = str(jnp.dtype(dtype)) if dtype else str(params["embed"].dtype)

@@ -7,7 +7,10 @@ initializer and whether a config has it at all. Everything else derives from it:
 the strict loader and `save_hf_checkpoint` (`loading.py`).
 
 Per-layer leaves carry the stacked "layers" axis first (the forward scans over it); their HF
-name has an `{i}` for the layer index and their HF layout describes one layer's slice.
+name has an `{i}` for the layer index and their HF layout describes one layer's slice. Expert
+leaves (mixtures of experts) carry the "experts" axis second: checkpoints store one tensor per
+layer and expert, so their HF name has a `{j}` for the expert too and their layout describes
+one expert's slice.
 
 HF layouts (what transformers stores, from ours):
     "same"     the same array (embeddings, norms);
@@ -38,6 +41,8 @@ AXIS_SIZES: dict[str, Callable[[ModelConfig], int]] = {
     "q_heads": lambda c: c.num_heads,  # H
     "kv_heads": lambda c: c.num_kv_heads,  # K
     "head_dim": lambda c: c.head_dim,  # D
+    "experts": lambda c: c.num_experts,  # Y
+    "moe_ffn": lambda c: c.moe_intermediate_size,  # F of an expert
 }
 
 HF_LAYOUTS = ("same", "flat", "linear")
@@ -56,7 +61,8 @@ class Leaf:
         name: its key in the params pytree (in `params["layers"]` when per-layer).
         axes: logical axis names of its dimensions ("layers" first when per-layer); the shape
             is their sizes in the config (`AXIS_SIZES`), the sharding their `RULES`.
-        hf: the Hugging Face tensor name, with `{i}` for the layer index when per-layer.
+        hf: the Hugging Face tensor name, with `{i}` for the layer index when per-layer and
+            `{j}` for the expert when per-expert.
         hf_layout: "same", "flat" or "linear" (see the module docstring).
         hf_in_dims: for "linear", how many of the (per-layer) dimensions are the input side.
         init: "normal" (normal(0, std)), "ones" or "zeros".
@@ -79,21 +85,46 @@ class Leaf:
         assert self.hf_layout in HF_LAYOUTS and self.init in INITS, self
         assert all(a in AXIS_SIZES for a in self.axes), self
         assert self.per_layer == ("{i}" in self.hf), self
+        assert self.per_expert == ("{j}" in self.hf), self
 
     @property
     def per_layer(self) -> bool:
         return self.axes[0] == "layers"
+
+    @property
+    def per_expert(self) -> bool:
+        """Stored one tensor per (layer, expert): axes ("layers", "experts", ...)."""
+        return self.axes[:2] == ("layers", "experts")
 
     def shape(self, config: ModelConfig) -> tuple[int, ...]:
         """The full shape (with the stacked layers axis when per-layer)."""
         return tuple(AXIS_SIZES[a](config) for a in self.axes)
 
     def slice_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        """The shape of one HF tensor's worth of it: one layer's slice when per-layer."""
-        return self.shape(config)[1:] if self.per_layer else self.shape(config)
+        """The shape of one HF tensor's worth of it: one layer's slice when per-layer, one
+        (layer, expert)'s when per-expert."""
+        return self.shape(config)[self.per_layer + self.per_expert:]
 
-    def hf_name(self, layer: int | None = None) -> str:
-        return self.hf.format(i=layer) if self.per_layer else self.hf
+    def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        if self.per_layer:
+            return self.hf.format(i=layer, j=expert)
+        return self.hf
+
+    def hf_keys(self, config: ModelConfig) -> list[tuple]:
+        """The (layer, expert) index of each of its HF tensors, in stacking order: (None,
+        None) for a whole leaf, (i, None) per layer, (i, j) per layer and expert."""
+        if not self.per_layer:
+            return [(None, None)]
+        if not self.per_expert:
+            return [(i, None) for i in range(config.num_layers)]
+        return [(i, j) for i in range(config.num_layers) for j in range(config.num_experts)]
+
+    def stack(self, config: ModelConfig, tensors: list) -> np.ndarray:
+        """Our array from its HF tensors' slices, one per `hf_keys` entry in that order."""
+        if not self.per_layer:
+            return tensors[0]
+        out = np.stack(tensors)
+        return out.reshape(self.shape(config)) if self.per_expert else out
 
     def hf_shape(self, config: ModelConfig) -> tuple[int, ...]:
         """The shape transformers stores (one layer's tensor when per-layer)."""
@@ -150,6 +181,18 @@ def _no_sandwich(config: ModelConfig) -> bool:
     return not config.sandwich_norms
 
 
+def _has_qk_norm_all(config: ModelConfig) -> bool:
+    return config.qk_norm_across_heads
+
+
+def _dense(config: ModelConfig) -> bool:
+    return not config.is_moe
+
+
+def _moe(config: ModelConfig) -> bool:
+    return config.is_moe
+
+
 _LAYER = "model.layers.{i}."
 
 # The one table. Order: as transformers lists a model's tensors (and as `missing` names them).
@@ -177,6 +220,11 @@ LEAVES: tuple[Leaf, ...] = (
          present=_has_qk_norm),
     Leaf("k_norm", ("layers", "head_dim"), _LAYER + "self_attn.k_norm.weight", init="ones",
          present=_has_qk_norm),
+    # OLMoE: q and k normalized over all heads at once, one weight of H*D (K*D)
+    Leaf("q_norm_all", ("layers", "q_heads", "head_dim"), _LAYER + "self_attn.q_norm.weight",
+         "flat", init="ones", present=_has_qk_norm_all),
+    Leaf("k_norm_all", ("layers", "kv_heads", "head_dim"), _LAYER + "self_attn.k_norm.weight",
+         "flat", init="ones", present=_has_qk_norm_all),
     Leaf("mlp_norm", ("layers", "embed"), _LAYER + "post_attention_layernorm.weight",
          init="ones", present=_no_sandwich),
     # Gemma: the norm before the MLP is "pre_feedforward_layernorm", while
@@ -188,9 +236,22 @@ LEAVES: tuple[Leaf, ...] = (
          init="zeros", present=_sandwich),
     Leaf("post_mlp_norm", ("layers", "embed"), _LAYER + "post_feedforward_layernorm.weight",
          init="zeros", present=_sandwich),
-    Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear"),
-    Leaf("w_up", ("layers", "embed", "ffn"), _LAYER + "mlp.up_proj.weight", "linear"),
-    Leaf("w_down", ("layers", "ffn", "embed"), _LAYER + "mlp.down_proj.weight", "linear"),
+    Leaf("w_gate", ("layers", "embed", "ffn"), _LAYER + "mlp.gate_proj.weight", "linear",
+         present=_dense),
+    Leaf("w_up", ("layers", "embed", "ffn"), _LAYER + "mlp.up_proj.weight", "linear",
+         present=_dense),
+    Leaf("w_down", ("layers", "ffn", "embed"), _LAYER + "mlp.down_proj.weight", "linear",
+         present=_dense),
+    # mixtures of experts: the router [E, Y] and each expert's SwiGLU, stacked on the experts
+    # axis (Mixtral's names are renamed into these on load, `Family.hf_renames`)
+    Leaf("router", ("layers", "embed", "experts"), _LAYER + "mlp.gate.weight", "linear",
+         present=_moe),
+    Leaf("we_gate", ("layers", "experts", "embed", "moe_ffn"),
+         _LAYER + "mlp.experts.{j}.gate_proj.weight", "linear", present=_moe),
+    Leaf("we_up", ("layers", "experts", "embed", "moe_ffn"),
+         _LAYER + "mlp.experts.{j}.up_proj.weight", "linear", present=_moe),
+    Leaf("we_down", ("layers", "experts", "moe_ffn", "embed"),
+         _LAYER + "mlp.experts.{j}.down_proj.weight", "linear", present=_moe),
 )
 
 # A name appears twice only where families store the same leaf under different HF names

@@ -54,6 +54,8 @@ MODULES = discover_modules()
 # model_type -> Family, and GGUF general.architecture -> Family
 BY_MODEL_TYPE = MappingProxyType(index_by(MODULES, "model_type"))
 BY_GGUF_ARCH = MappingProxyType(index_by(MODULES, "gguf_arch"))
+# GGUF architecture -> the family of its files that carry `<arch>.expert_count` (Mixtral's)
+BY_GGUF_EXPERTS_OF = MappingProxyType(index_by(MODULES, "gguf_experts_of"))
 SUPPORTED_MODEL_TYPES = tuple(BY_MODEL_TYPE)
 GGUF_ARCHITECTURES = tuple(BY_GGUF_ARCH)
 # config.json fields some family's checkpoints carry without effect (accepted in every config,
@@ -70,5 +72,6 @@ def family_of(model_type: str) -> Family:
 
 
 __all__ = ["Family", "discover_modules", "index_by", "MODULES", "BY_MODEL_TYPE", "BY_GGUF_ARCH",
+           "BY_GGUF_EXPERTS_OF",
            "SUPPORTED_MODEL_TYPES", "GGUF_ARCHITECTURES", "HF_NEUTRAL_VALUES", "HF_IGNORED_FIELDS",
            "family_of"]

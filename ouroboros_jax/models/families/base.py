@@ -74,7 +74,14 @@ class Family:
         to_hf: (ModelConfig) -> the family's own config.json fields, the inverse of `from_hf`.
         hf_fused: fused HF tensor name ({i}: the layer) -> the leaves it holds, in row order;
             the loaders split it and `save_hf_checkpoint` joins it (Phi-3's qkv_proj).
+        hf_renames: (theirs, ours) substrings of its checkpoints' tensor names, replaced in
+            order on load and back on save, where they spell a leaf (`params.LEAVES`)
+            differently (Mixtral's `block_sparse_moe.experts.{j}.w1` for our
+            `mlp.experts.{j}.gate_proj`).
         gguf_arch: the GGUF general.architecture of its files (None: not loaded from GGUF).
+        gguf_experts_of: a GGUF architecture (another family's `gguf_arch`) whose files that
+            carry `<arch>.expert_count` are this family's (Mixtral: llama.cpp writes it as the
+            Llama architecture with experts); None: none.
         gguf_keys: `<arch>.` metadata keys only this family's files have (its `from_gguf` reads
             them); refused in other files.
         gguf_tensors: tensors of its files read into the config, not the params.
@@ -100,7 +107,9 @@ class Family:
     from_hf: Callable[["HFFields", HFRope], dict] = _nothing
     to_hf: Callable[[Any], dict] = _nothing
     hf_fused: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    hf_renames: tuple = ()
     gguf_arch: Optional[str] = None
+    gguf_experts_of: Optional[str] = None
     gguf_keys: frozenset = frozenset()
     gguf_tensors: tuple = ()
     from_gguf: Callable[[Any, GGUFShape], dict] = _nothing
