@@ -409,6 +409,11 @@ def _cmd_memory(a):
               f"{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"
               f"{p['total_per_device_bytes'] / gib:>9.2f}GiB"
               f"{p['total_per_host_bytes'] / gib:>10.2f}GiB")
+        if config.is_moe:  # every expert is held; a token reads experts_per_token of them
+            print(f"{'':<{width}}experts {p['expert_bytes'] / gib:.2f}GiB of the params "
+                  f"({config.num_experts} per layer, top {config.experts_per_token}); "
+                  f"active per token {p['active_params'] / 1e9:.2f}B params "
+                  f"({p['active_bytes'] / gib:.2f}GiB)")
 
 
 def _cmd_demo(a):

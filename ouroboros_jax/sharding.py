@@ -193,4 +193,9 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
             "total_per_device_bytes": params_dev + cache_dev,
             "devices_per_host": per_host, "params_per_host_bytes": params_dev * per_host,
             "total_per_host_bytes": (params_dev + cache_dev) * per_host,
-            "num_params": config.num_params(), "cache_spec": str(cspec)}
+            "num_params": config.num_params(), "cache_spec": str(cspec),
+            # a mixture of experts: its routed experts' bytes (all of them held) and the
+            # parameters one token multiplies (0 and num_params for a dense model)
+            "expert_bytes": config.expert_params() * jnp.dtype(dtype).itemsize,
+            "active_params": config.active_params(),
+            "active_bytes": config.active_params() * jnp.dtype(dtype).itemsize}

@@ -117,7 +117,13 @@ def model_shape(model) -> ModelShape:
     # the LM head is a matmul over V x E; the embedding lookup of an untied model reads a row
     matmul = total - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
-    return ModelShape(matmul * item, matmul, cfg.num_layers, kv)
+    if not cfg.is_moe or cfg.moe_dispatch != "grouped":  # one-hot: every expert, every token
+        return ModelShape(matmul * item, matmul, cfg.num_layers, kv)
+    # grouped experts: a forward reads the experts its tokens route to (`cost.expected_experts`)
+    experts = cfg.expert_params()
+    return ModelShape(matmul * item, matmul, cfg.num_layers, kv, expert_bytes=experts * item,
+                      expert_params=experts, experts=cfg.num_experts,
+                      experts_per_token=cfg.experts_per_token)
 
 
 def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
@@ -403,6 +409,11 @@ class Prices:
                    f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its measured "
                    f"t({'), t('.join(map(str, ANCHOR_SIZES))}) and between 2 and {WIDE_ANCHOR} "
                    "tokens by a factor read between those (linear in log T)"]
+        if model_shape(target).expert_bytes:
+            assumed.append("the target's experts read per forward: the expected distinct "
+                           "experts its tokens route to under uniform routing "
+                           f"(top {target.config.experts_per_token} of "
+                           f"{target.config.num_experts}: E * (1 - (1 - k/E)^T))")
         s_t, s_s, calls = 1.0, 1.0, 0
         if use_cache:
             s_t, s_s, calls, separated = self.learned_scales(target, draft, batch)

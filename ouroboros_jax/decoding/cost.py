@@ -120,29 +120,74 @@ class ModelShape:
         matmul_params: parameters multiplied per token (2 flops each).
         layers: decoder layers.
         kv_bytes: bytes of K and V cache per row per cached token.
+        expert_bytes: of weight_bytes, the bytes of a mixture of experts' routed experts (all
+            layers; 0 for a dense model, or where every expert is multiplied on every token,
+            as the one-hot path does): a forward reads only the experts its tokens route to
+            (`expected_experts`).
+        expert_params: of matmul_params, the routed experts' parameters; a token multiplies
+            experts_per_token / experts of them.
+        experts: experts per layer (Y).
+        experts_per_token: experts each token routes to (k).
     """
 
     weight_bytes: float
     matmul_params: float
     layers: int
     kv_bytes: float
+    expert_bytes: float = 0.0
+    expert_params: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
+
+
+def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+    """Expected distinct experts (of `experts` per layer) that `tokens` tokens route to, each
+    to `per_token` of them, under uniform routing: an expert is missed by one token with
+    probability 1 - k/Y, by all of them with (1 - k/Y)^tokens, so
+    E[distinct] = Y * (1 - (1 - k/Y)^tokens). A grouped MoE forward of T tokens at B rows reads
+    this many experts' weights per layer (tokens = B * T), which is why a verification of T
+    nodes costs more than a decoding step even where a dense model's would not (issue 57)."""
+    if tokens <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - per_token / experts) ** tokens)
+
+
+def _read_bytes(shape: ModelShape, tokens: int) -> float:
+    """Weight bytes a forward of `tokens` tokens (all rows) reads: every dense weight, and of
+    the routed experts the expected share its tokens route to."""
+    if not shape.expert_bytes:
+        return shape.weight_bytes
+    share = expected_experts(shape.experts, shape.experts_per_token, tokens) / shape.experts
+    return shape.weight_bytes - shape.expert_bytes * (1.0 - share)
+
+
+def _active_params(shape: ModelShape) -> float:
+    """Parameters multiplied per token: all of a dense model's, k/Y of the routed experts'."""
+    if not shape.expert_params:
+        return shape.matmul_params
+    idle = shape.expert_params * (1.0 - shape.experts_per_token / shape.experts)
+    return shape.matmul_params - idle
 
 
 def shape_latency(shape: ModelShape, rates: DeviceRates, batch: int, context: int,
                   sizes) -> dict:
     """{n: seconds} of a forward of n tokens per row at `batch` rows after `context` cached
     tokens: fixed work per layer, plus the weights and the live cache read at the device's
-    bandwidth, plus the matmuls' 2 * matmul_params flops per token at its flop rate, the two
-    overlapping on an accelerator (the larger counts) and adding up on a CPU (where a 1-row
-    forward's flops ride along with its reads: only the rows past the first add time)."""
+    bandwidth, plus the matmuls' 2 flops per active parameter per token at its flop rate, the
+    two overlapping on an accelerator (the larger counts) and adding up on a CPU (where a 1-row
+    forward's flops ride along with its reads: only the rows past the first add time). A
+    mixture of experts reads the dense weights and the experts its batch * n tokens route to
+    (`expected_experts`), so its t(n) climbs with n even where a dense model's is flat."""
     fixed = shape.layers * rates.per_layer
-    read = (shape.weight_bytes + shape.kv_bytes * context * batch) / rates.bandwidth
+    cache = shape.kv_bytes * context * batch
+    active = _active_params(shape)
     out = {}
     for n in sizes:
+        read = (_read_bytes(shape, batch * n) + cache) / rates.bandwidth
         if rates.overlap:
-            out[n] = fixed + max(read, 2.0 * shape.matmul_params * batch * n / rates.flops)
+            out[n] = fixed + max(read, 2.0 * active * batch * n / rates.flops)
         else:
-            out[n] = fixed + read + 2.0 * shape.matmul_params * (batch * n - 1) / rates.flops
+            out[n] = fixed + read + 2.0 * active * (batch * n - 1) / rates.flops
     return out
 
 

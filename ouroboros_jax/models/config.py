@@ -195,6 +195,23 @@ class ModelConfig:
         per_layer += (H + K) * D * self.qk_norm_across_heads
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
+    def expert_params(self) -> int:
+        """Parameters of the routed experts, all layers (gate, up and down of each; the router
+        is not one): 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        return 3 * self.num_layers * self.num_experts * self.hidden_size * \
+            self.moe_intermediate_size
+
+    def active_params(self) -> int:
+        """Parameters a token uses: `num_params` less the experts it does not route to (all
+        but experts_per_token of num_experts per layer); `num_params` for a dense model."""
+        if not self.is_moe:
+            return self.num_params()
+        idle = self.expert_params() // self.num_experts * \
+            (self.num_experts - self.experts_per_token)
+        return self.num_params() - idle
+
     # ---------------------------------------------------------------- Hugging Face interop
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":

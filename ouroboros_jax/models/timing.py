@@ -21,12 +21,22 @@ from .layout import decode_params
 from .llama import causal_mask, forward
 
 
+def timing_tokens(batch: int, n: int, vocab: int) -> jax.Array:
+    """int32[batch, n] token ids a timed forward takes: all different (a stride through the
+    vocabulary), as a verification's nodes are. A mixture of experts routes each token to its
+    own experts, so its forward's cost depends on how many distinct experts the tokens reach:
+    n copies of one token route to the same k experts in every layer, and time a verification
+    of n nodes at about the price of one token's experts."""
+    ids = jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
+    return (ids * 7919 + 1) % vocab  # distinct while batch * n <= vocab (7919 is prime)
+
+
 def _inputs(model, n: int, context: int, slots: int, batch: int):
     """(tokens, positions, causal mask, cache) of an n-token forward per row after `context`
     cached tokens in a cache of `slots` slots."""
     cache = init_cache(model.config, batch, slots, model.dtype)
     cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
-    tokens = jnp.ones((batch, n), jnp.int32)
+    tokens = timing_tokens(batch, n, model.config.vocab_size)
     pos = jnp.broadcast_to(context + jnp.arange(n, dtype=jnp.int32)[None], (batch, n))
     mask = causal_mask(batch, n)
     return tokens, pos, mask, cache
