@@ -13,6 +13,13 @@ only the routed experts' weights are gathered and read, `llama._moe_grouped`) an
 (every expert on every token). Interleaved over `--reps` rounds (the machine may be shared):
 medians in ms, with the distinct experts the T tokens route to in the first layer. Prints one
 JSON object.
+
+Beside the measured times, the cost model's (decoding/cost.py, auto/prices.py) for the
+grouped path: the expected distinct experts under uniform routing (`cost.expected_experts`),
+"union_ms" the model's shape (dense weights plus those experts read at this device's
+calibrated bandwidth, active flops per token) scaled to the measured grouped t(1), and
+"auto_ms" what `config="auto"` prices: the shape times the measured t(1), t(2), t(8) over it,
+read between them as `prices.anchored` does (when 1, 2 and 8 are among the sizes; exact there).
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ouroboros_jax.auto import prices
+from ouroboros_jax.decoding import cost
 from ouroboros_jax.models.config import ModelConfig
+from ouroboros_jax.models import Model
 from ouroboros_jax.models.kv_cache import init_cache
 from ouroboros_jax.models.llama import (causal_mask, embed_tokens, forward, init_params, rms_norm,
                                         route)
@@ -81,9 +91,23 @@ def first_layer_experts(params, config: ModelConfig, tokens: np.ndarray) -> int:
     return int(np.unique(np.asarray(experts)).size)
 
 
+def predicted(params, config: ModelConfig, context: int, sizes, measured: dict) -> dict:
+    """{"union_ms": {T: ms}, "auto_ms": {T: ms} or None}: the cost model's grouped t(T) (see the
+    module's docstring) from this device's calibration and the measured grouped {T: ms}."""
+    rates = prices.calibrate(jnp.float32)
+    everything = sorted(set(sizes) | set(prices.ANCHOR_SIZES))
+    shape = cost.shape_latency(prices.model_shape(Model(config, params)), rates, 1, context,
+                               everything)
+    union = {T: measured[1] * shape[T] / shape[1] for T in sizes}
+    if not all(n in measured for n in prices.ANCHOR_SIZES):
+        return {"union_ms": union, "auto_ms": None}
+    anchor = tuple(measured[n] / shape[n] for n in prices.ANCHOR_SIZES)
+    return {"union_ms": union, "auto_ms": prices.anchored({T: shape[T] for T in sizes}, anchor)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
@@ -117,6 +141,15 @@ def main(argv=None) -> dict:
     t1 = rows[0]["grouped_ms"]
     for r in rows:
         r["grouped_over_t1"] = round(r["grouped_ms"] / t1, 2)
+    if 1 in args.sizes:
+        model = predicted(params, configs["grouped"], args.context, args.sizes,
+                          {r["T"]: r["grouped_ms"] for r in rows})
+        for r in rows:
+            r["uniform_experts"] = round(cost.expected_experts(args.experts, args.top_k,
+                                                               r["T"]), 2)
+            r["union_ms"] = round(model["union_ms"][r["T"]], 3)
+            r["auto_ms"] = None if model["auto_ms"] is None else round(
+                model["auto_ms"][r["T"]], 3)
     out = {"weights_mb": round(weights / 2**20), "experts": args.experts,
            "top_k": args.top_k, "backend": jax.default_backend(), "rows": rows}
     print(json.dumps(out, indent=1))

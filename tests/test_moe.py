@@ -535,16 +535,25 @@ def test_methods_on_a_mesh_with_experts_sharded(moe, draft):
 
 def test_the_verify_cost_bench_runs(capsys):
     """`python -m experiments.moe_verify` on a toy model: a row per T with both
-    paths' times and the distinct experts of its tokens (k to min(Y, T*k))."""
+    paths' times and the distinct experts of its tokens (k to min(Y, T*k)), and the cost
+    model's: the uniform expectation of distinct experts, its union-of-experts curve from the
+    measured t(1) (rising with T), and auto's prices, which hit the measured t(1), t(2), t(8)
+    (its anchors)."""
     from experiments import moe_verify
 
-    out = moe_verify.main(["--sizes", "1", "3", "--reps", "1", "--hidden", "32",
+    out = moe_verify.main(["--sizes", "1", "2", "3", "8", "--reps", "1", "--hidden", "32",
                            "--expert-ffn", "16", "--layers", "1", "--heads", "4",
                            "--vocab", "97", "--context", "8"])
-    assert [r["T"] for r in out["rows"]] == [1, 3]
-    assert out["rows"][0]["layer0_distinct_experts"] == K
-    assert K <= out["rows"][1]["layer0_distinct_experts"] <= 3 * K
+    rows = {r["T"]: r for r in out["rows"]}
+    assert sorted(rows) == [1, 2, 3, 8]
+    assert rows[1]["layer0_distinct_experts"] == K
+    assert K <= rows[3]["layer0_distinct_experts"] <= 3 * K
     assert all(r["grouped_ms"] > 0 and r["onehot_ms"] > 0 for r in out["rows"])
+    assert [rows[T]["uniform_experts"] for T in (1, 2)] == [K, 3.5]
+    assert rows[1]["union_ms"] == rows[1]["grouped_ms"]
+    assert rows[1]["union_ms"] < rows[2]["union_ms"] < rows[3]["union_ms"] < rows[8]["union_ms"]
+    for T in (1, 2, 8):
+        assert rows[T]["auto_ms"] == pytest.approx(rows[T]["grouped_ms"], abs=1e-3)
     assert '"grouped_ms"' in capsys.readouterr().out
 
 
