@@ -533,6 +533,18 @@ def test_methods_on_a_mesh_with_experts_sharded(moe, draft):
                            **kw).tokens == want, shape
 
 
+def test_auto_on_an_moe_target(moe, draft, tmp_path, monkeypatch):
+    """config="auto" (the default) with an MoE target and a dense draft: prices its forwards
+    by the experts their tokens reach (its notes say so) and gives vanilla's greedy tokens."""
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path))
+    model, _ = moe["qwen3_moe"]
+    kw = dict(max_new_tokens=16, eos_token_id=-1)
+    want = oj.generate(model, PROMPTS, **kw).tokens
+    out = oj.generate(model, PROMPTS, draft=draft, method="speculative", **kw)
+    assert out.tokens == want
+    assert any("distinct experts" in s for s in out.stats["auto"]["assumed"])
+
+
 def test_the_verify_cost_bench_runs(capsys):
     """`python -m experiments.moe_verify` on a toy model: a row per T with both
     paths' times and the distinct experts of its tokens (k to min(Y, T*k)), and the cost

@@ -413,7 +413,8 @@ class Prices:
             assumed.append("the target's experts read per forward: the expected distinct "
                            "experts its tokens route to under uniform routing "
                            f"(top {target.config.experts_per_token} of "
-                           f"{target.config.num_experts}: E * (1 - (1 - k/E)^T))")
+                           f"{target.config.num_experts}: Y (1 - (1 - k/Y)^(B T)) of Y "
+                           "per layer for T tokens at B rows)")
         s_t, s_s, calls = 1.0, 1.0, 0
         if use_cache:
             s_t, s_s, calls, separated = self.learned_scales(target, draft, batch)
