@@ -2,7 +2,7 @@
 verification of T nodes against a decoding step (issue 57)? Result: docs/performance.md,
 "Mixture-of-experts verification".
 
-    python -m experiments.moe_verify --sizes 1 4 8 16 --reps 5
+    python -m experiments.moe_verify --reps 5
 
 A random MoE model (`--experts` experts, top `--top-k`, layers of `--hidden` / `--expert-ffn`:
 by default 8 experts, top 2, about 480 MB of fp32 weights) runs forwards of T tokens (random

@@ -114,6 +114,8 @@ def test_model_shape_counts_the_experts_of_the_grouped_path_only():
     onehot = prices.model_shape(_abstract(dataclasses.replace(TINY, moe_dispatch="onehot")))
     assert onehot.expert_bytes == 0 and onehot.weight_bytes == shape.weight_bytes
     assert prices.model_shape(_abstract(_dense_of_equal_active(TINY))).expert_bytes == 0
+    # its timings are keyed apart from those taken on copies of one token (k experts only)
+    assert prices.timed_tag(model) != prices.timed_tag(_abstract(_dense_of_equal_active(TINY)))
 
 
 def test_auto_prices_an_moe_target_by_its_union_of_experts(monkeypatch):

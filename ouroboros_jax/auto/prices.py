@@ -47,6 +47,13 @@ DRAFT_SIZES = (1, 4, 16, 64)
 TIMED = "kv"
 
 
+def timed_tag(model) -> str:
+    """TIMED, and for a mixture of experts "-routed": its entries timed before the timers took
+    distinct tokens (`models.timing.timing_tokens`) timed T copies of one token, which reach
+    k experts only, and are not reused."""
+    return TIMED + ("-routed" if model.config.is_moe else "")
+
+
 # ------------------------------------------------------------------------------------ timing
 def forward_seconds(model, batch: int, n: int, slots: int, inner: int = 4):
     """A timer (`models.timing.forward_timer`) of n tokens per row at `batch` rows after
@@ -264,11 +271,13 @@ class Prices:
 
     # -------------------------------------------------------------------------------- keys
     def latency_key(self, model, batch: int, slots: int) -> str:
-        return f"{device_kind()}|{self.sig(model)}|B{batch_bucket(batch)}|S{slots}|{TIMED}"
+        return (f"{device_kind()}|{self.sig(model)}|B{batch_bucket(batch)}|S{slots}"
+                f"|{timed_tag(model)}")
 
     def anchor_key(self, model, batch: int, n: int = 1) -> str:
         wide = "" if n == 1 else f"|T{n}"
-        return f"{device_kind()}|{self.sig(model)}|B{batch_bucket(batch)}|{TIMED}{wide}"
+        return (f"{device_kind()}|{self.sig(model)}|B{batch_bucket(batch)}"
+                f"|{timed_tag(model)}{wide}")
 
     @staticmethod
     def device_key(dtype) -> str:
@@ -281,7 +290,7 @@ class Prices:
         # current way; "anchors": forwards priced at anchors timed at these sizes (before: 1
         # and 8 tokens)
         return (f"{device_kind()}|{self.sig(target)}|{d}|B{batch_bucket(batch)}"
-                f"|anchored|{TIMED}|anchors{'-'.join(map(str, ANCHOR_SIZES))}")
+                f"|anchored|{timed_tag(target)}|anchors{'-'.join(map(str, ANCHOR_SIZES))}")
 
     # -------------------------------------------------------------------------------- measured
     def stored_latency(self, model, batch: int, slots: int, sizes) -> Optional[dict]:
