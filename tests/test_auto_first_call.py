@@ -97,13 +97,14 @@ def test_the_store_fills_from_the_first_calls_own_rounds(tiny_target, empty_stor
     nothing; the calls after the first, which compile nothing, teach the loop's prices."""
     t = tiny_target  # its own draft: every token agrees, so the agreement learned is 1
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    kw = dict(draft=t, method="speculative", max_new_tokens=24, eos_token_id=-1)
+    kw = dict(draft=t, method="speculative", max_new_tokens=48, eos_token_id=-1)
     first = oj.generate(t, prompts, tuner=AutoTuner(), **kw)
     store = json.loads((empty_store / "auto.json").read_text())
     assert "device" not in store and "anchor" not in store and "agreement" not in store
     depth = list(store["depth"].values())[0]
     assert depth[0][0] == sum(first.stats["acceptance_histogram"]) > 0
-    assert all(r == a for r, a in depth)  # every drafted token accepted
+    assert depth[0][1] == depth[0][0]  # every first token accepted (rows cut by the limit
+    # can leave a deeper drafted token unused)
     second_process = AutoTuner()
     second = oj.generate(t, prompts, tuner=second_process, **kw).stats["auto"]
     assert second["agreement_by_depth"][0] == 1.0
@@ -117,12 +118,15 @@ def test_the_store_fills_from_the_first_calls_own_rounds(tiny_target, empty_stor
     assert any(m.startswith("loop time of ") for m in third["measured"])
 
 
-def test_measuring_is_asked_for_said_and_logged(tiny_pair, empty_store, capsys):
+def test_measuring_is_asked_for_said_and_logged(tiny_pair, empty_store, capsys, monkeypatch):
     """A tuner measures only when asked (`measure_prices`: a server or notebook that lives on):
     it says so on stderr first, with an estimate of the seconds, and logs what it measured;
     asked again it measures nothing; calls then price with what was measured, and their
-    scales are pooled apart from those learned against priors."""
+    scales are pooled apart from those learned against priors. (The timers are stand-ins: what
+    is tested is who runs them and what is said.)"""
     target, draft, _ = tiny_pair
+    monkeypatch.setattr(prices, "matmul_timer", lambda rows, *a: lambda: 1e-3 * (1 + rows / 16))
+    monkeypatch.setattr(prices, "forward_seconds", lambda m, b, n, *a, **k: lambda: 1e-3 * n)
     tuner = AutoTuner()
     assert not tuner.prices.prices_known(target, draft, 1)
     prior_key = tuner.prices.timing_key(target, draft, 1)
@@ -132,7 +136,7 @@ def test_measuring_is_asked_for_said_and_logged(tiny_pair, empty_store, capsys):
     assert err.count("measures a model's forwards") == 2
     assert [x["what"].split(" (")[0] for x in log] == [
         "device calibration", "anchors of a 2-layer model", "anchors of a 1-layer model"]
-    assert all(x["seconds"] > 0 for x in log)
+    assert all(x["seconds"] >= 0 for x in log)
     assert tuner.prices.prices_known(target, draft, 1)
     assert tuner.prices.timing_key(target, draft, 1) == prior_key[:-len("|prior")]
     assert tuner.measure_prices(target, draft) == [] and capsys.readouterr().err == ""

@@ -22,7 +22,7 @@ no calibration or no anchors, the call is priced from priors (`PRIOR_DEVICE`, `P
 the models' bytes and FLOPs at a-priori rates), and its own wall time teaches the scales as
 the calls after it run (`record_call`). The priced basis is part of the key the scales are
 pooled under (`Prices.timing_key`), so scales learned against priors never price measured
-tables. Only a caller that asks (`measure=True`: `probe`, a tuner's `measure_prices`, calls
+tables. Only a caller that asks (`probe=True`: a tuner's `measure_prices`, `probe_latency`, calls
 without the store) measures, and says so on stderr with an estimate of the seconds
 (`announce`). Everything is kept in the tuner's `store.Store`.
 """
@@ -346,12 +346,12 @@ class Prices:
                            {str(n): t for n, t in table.items()})
         return table
 
-    def device_rates(self, dtype, use_cache: bool = True, measure: bool = False,
+    def device_rates(self, dtype, use_cache: bool = True, probe: bool = False,
                      log: Optional[list] = None) -> tuple[DeviceRates, str]:
         """(this device's rates for dtype, where they come from: "stored", "calibrated" or
         "prior"): from the store when this device kind has been calibrated for dtype before;
         else measured now (`calibrate`, said on stderr, logged in `log`, kept) where the
-        caller asks (measure) or uses no store; else the platform's priors (`prior_rates`):
+        caller asks (probe) or uses no store; else the platform's priors (`prior_rates`):
         a call never waits for a calibration it did not ask for."""
         platform = jax.default_backend()
         if use_cache:
@@ -360,7 +360,7 @@ class Prices:
                 return DeviceRates(hit["bandwidth"], hit["flops"],
                                    PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
                                    overlap=platform != "cpu"), "stored"
-        if use_cache and not measure:
+        if use_cache and not probe:
             return prior_rates(), "prior"
         k = CALIBRATION.get(platform, ACCELERATOR_CALIBRATION)[0]
         announce("the device's rates (two matmuls)",
@@ -383,13 +383,13 @@ class Prices:
         return shape_latency(model_shape(model), rates, batch_bucket(batch), slots // 2, sizes)
 
     def model_anchor(self, model, batch: int, slots: int, rates: DeviceRates,
-                     use_cache: bool = True, measure: bool = False,
+                     use_cache: bool = True, probe: bool = False,
                      log: Optional[list] = None) -> tuple[tuple, str]:
         """((a_1, a_2, a_w), where they come from: "stored", "timed" or "prior"): this
         model's measured forwards of `ANCHOR_SIZES` tokens over its shape's prices at `rates`,
         from the store when this model's shape was timed on this device kind at this batch
         bucket before; else timed now (three compiles; said on stderr, logged in `log`, kept)
-        where the caller asks (measure) or uses no store; else `PRIOR_ANCHOR`. Keyed without
+        where the caller asks (probe) or uses no store; else `PRIOR_ANCHOR`. Keyed without
         the cache size, so a model is timed once per device, whatever shapes follow.
 
         Why: the shape prices weights and FLOPs, but a small model's fixed work per layer
@@ -403,7 +403,7 @@ class Prices:
             hits = [self.store.read().get("anchor", {}).get(k) for k in keys]
             if all(h is not None for h in hits):
                 return tuple(float(h) for h in hits), "stored"
-            if not measure:
+            if not probe:
                 return PRIOR_ANCHOR, "prior"
         B = batch_bucket(batch)
         priced = shape_latency(model_shape(model), rates, B, slots // 2, ANCHOR_SIZES)
@@ -428,13 +428,13 @@ class Prices:
         return ratios, "timed"
 
     def base_tables(self, target, draft, batch: int, slots: int, use_cache: bool,
-                    measure: bool = False, log: Optional[list] = None
+                    probe: bool = False, log: Optional[list] = None
                     ) -> tuple[dict, Optional[dict], list]:
         """The unscaled (target, draft) tables and the anchors applied ([target's, draft's],
         each (a_1, a_2, a_w)): `shape_table` at the device's rates (`device_rates`), each
         forward scaled by the model's anchors (`model_anchor`, `anchor_at`; a table probed
         whole, `probe_latency`, is used as measured: anchors 1). The shape is also priced at
-        the anchors' sizes and at 3 tokens, where the anchor factor bends. measure: calibrate
+        the anchors' sizes and at 3 tokens, where the anchor factor bends. probe: calibrate
         and time what the store lacks now (else priors stand in); log: where what was measured
         is listed with its seconds."""
         tables, anchors = [], []
@@ -442,26 +442,26 @@ class Prices:
             if model is None:
                 tables.append(None)
                 continue
-            rates, _ = self.device_rates(model.params["embed"].dtype, use_cache, measure, log)
+            rates, _ = self.device_rates(model.params["embed"].dtype, use_cache, probe, log)
             anchor = (1.0, 1.0, 1.0)
             if self.stored_latency(model, batch, slots, sizes) is None:
                 sizes = tuple(sorted(set(sizes) | set(ANCHOR_SIZES) | {3}))
-                anchor = self.model_anchor(model, batch, slots, rates, use_cache, measure,
+                anchor = self.model_anchor(model, batch, slots, rates, use_cache, probe,
                                            log)[0]
             tables.append(anchored(self.shape_table(model, batch, slots, sizes, rates), anchor))
             anchors.append(anchor)
         return tables[0], tables[1], anchors
 
     def latency_tables(self, target, draft, batch: int, slots: int, use_cache: bool = True,
-                       measure: bool = False) -> tuple[dict, Optional[dict], dict]:
+                       probe: bool = False) -> tuple[dict, Optional[dict], dict]:
         """(target table, draft table or None, notes): the prices a choice is made with,
         `base_tables` times the learned scales (`learned_scales`; none without use_cache), and
         notes = {"measured": [...], "assumed": [...], "measured_now": [{"what", "seconds"}]}:
-        what stands behind them, and what this call measured (nothing, unless measure or
+        what stands behind them, and what this call measured (nothing, unless probe or
         no store: `device_rates`), for `stats["auto"]`."""
         log: list = []
-        rates, source = self.device_rates(target.params["embed"].dtype, use_cache, measure, log)
-        tt, td, anchors = self.base_tables(target, draft, batch, slots, use_cache, measure, log)
+        rates, source = self.device_rates(target.params["embed"].dtype, use_cache, probe, log)
+        tt, td, anchors = self.base_tables(target, draft, batch, slots, use_cache, probe, log)
         known = [m for m, a in zip((target, draft), anchors) if a != PRIOR_ANCHOR]
         measured, assumed = [], []
         if source == "prior":

@@ -75,12 +75,12 @@ class AutoTuner:
 
     def measure_prices(self, target, draft=None, batch: int = 1, slots: int = 256) -> list:
         """Calibrates this device and times the models' anchors now, where the store lacks
-        them (`Prices.base_tables` with measure): for a process that lives on (a server, a
+        them (`Prices.base_tables` with probe): for a process that lives on (a server, a
         notebook, a bench) that wants measured prices before its calls; a `generate` call
         never does this itself. Says so on stderr first, with an estimate of the seconds
         -> [{"what", "seconds"}] of what was measured ([] when the store had it all)."""
         log: list = []
-        self.prices.base_tables(target, draft, batch, slots, True, measure=True, log=log)
+        self.prices.base_tables(target, draft, batch, slots, True, probe=True, log=log)
         return log
 
     def after_auto(self, choice: Choice, switch, target, draft, stats: dict, seconds: float,
