@@ -144,12 +144,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
-        stats["auto"] = choice.as_stats(method)
-        # the programs this call's loop built (its own, on a first call) and the backend's
-        # seconds on them: seconds the caller paid, said beside what auto measured
-        stats["auto"]["compiled"] = {
-            "programs": tuner.compiles.programs - compiled,
-            "seconds": round(tuner.compiles.seconds - compiled_s, 3)}
+        stats["auto"] = _auto_stats(choice, method, tuner.compiles, compiled, compiled_s)
         tuner.after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots, quiet,
                          compiled_s)
     elif quiet:
@@ -162,6 +157,17 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
     return dataclasses.replace(out, stats=stats, pool=pool_out)
+
+
+def _auto_stats(choice, asked: str, compiles, programs: int, seconds: float) -> dict:
+    """stats["auto"]: the choice (`Choice.as_stats`), and the programs this call's loop built
+    since `compiles` (the tuner's counter) read `programs` and `seconds` (its own, on a first
+    call) with the backend's seconds on them: seconds the caller paid, said beside what auto
+    measured (`measured_now`)."""
+    out = choice.as_stats(asked)
+    out["compiled"] = {"programs": compiles.programs - programs,
+                       "seconds": round(compiles.seconds - seconds, 3)}
+    return out
 
 
 def _read_rows(seq, plens: np.ndarray, tokenizer) -> GenerationOutput:
