@@ -30,7 +30,6 @@ without the store) measures, and says so on stderr with an estimate of the secon
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Optional
 
@@ -43,6 +42,7 @@ from ..decoding.cost import (DeviceRates, ModelShape, interpolate, loop_seconds,
 from ..decoding.spec import chain_agreement
 from ..models.timing import forward_timer, matmul_timer
 from .keys import Signatures, batch_bucket, device_kind
+from .measuring import announce, spent
 from .store import Store
 
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
@@ -97,27 +97,6 @@ ACCELERATOR_PER_LAYER = 10e-6
 # A-priori device figures (bytes/s, flop/s), for `prior_latency`: what a platform's forward
 # looks like before its calibration (tests of the choice's shape; the bench's projections).
 PRIOR_DEVICE = {"cpu": (20e9, 150e9), "gpu": (2e12, 400e12), "tpu": (1e12, 200e12)}
-# What a measurement spends besides its timed runs, for the estimate `announce` gives: one
-# compile of a small program (a matmul loop, a forward timer), seconds, on this project's CPU
-# (the demo target's timers: 1-2 s each; the real 1.5B's: 3-6 s).
-COMPILE_GUESS = 3.0
-
-
-def announce(what: str, seconds: float, compiles: int) -> None:
-    """One line on stderr before a measurement the caller waits for: what, and about how
-    long (a caller is never charged seconds it was not told of)."""
-    about = seconds + compiles * COMPILE_GUESS
-    print(f"ouroboros-jax: config='auto' measures {what} now (about {about:.0f} s: {compiles} "
-          f"compile{'s' if compiles != 1 else ''}); once per device and model, kept on disk",
-          file=sys.stderr)
-
-
-def spent(log: Optional[list], what: str, t0: float) -> None:
-    """Appends (what, seconds since t0) to a call's log of measurements (None: not kept)."""
-    if log is not None:
-        log.append({"what": what, "seconds": round(time.perf_counter() - t0, 3)})
-
-
 def calibrate(dtype, reps: int = 5) -> DeviceRates:
     """This device's `cost.DeviceRates` for weights of `dtype`, measured now: two compiled
     matmul loops (`models.timing.matmul_timer`), timed interleaved, the fastest of reps."""
