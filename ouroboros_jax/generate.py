@@ -144,7 +144,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
-        stats["auto"] = choice.as_stats(method)
+        stats["auto"] = _auto_stats(choice, method, tuner.compiles, compiled, compiled_s)
         tuner.after_auto(choice, switch, target, draft, stats, seconds, B, P, auto_slots, quiet,
                          compiled_s)
     elif quiet:
@@ -157,6 +157,17 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
     return dataclasses.replace(out, stats=stats, pool=pool_out)
+
+
+def _auto_stats(choice, asked: str, compiles, programs: int, seconds: float) -> dict:
+    """stats["auto"]: the choice (`Choice.as_stats`), and the programs this call's loop built
+    since `compiles` (the tuner's counter) read `programs` and `seconds` (its own, on a first
+    call) with the backend's seconds on them: seconds the caller paid, said beside what auto
+    measured (`measured_now`)."""
+    out = choice.as_stats(asked)
+    out["compiled"] = {"programs": compiles.programs - programs,
+                       "seconds": round(compiles.seconds - seconds, 3)}
+    return out
 
 
 def _read_rows(seq, plens: np.ndarray, tokenizer) -> GenerationOutput:
@@ -227,8 +238,7 @@ def _switcher(tuner: AutoTuner, ask, target, draft, prompt_j, plens_j, max_new_t
 
     sig = tuner.switch.signature(ask.args[0], target, draft, B, P, max_new_tokens,
                                  max_cache_len, greedy, knobs[-1])
-    # asked again at the end of the kind's first call, which compiles what it settles on
-    return Switcher(tuner.switch, sig, warm, lambda: ask(compiles_anyway=True)[0])
+    return Switcher(tuner.switch, sig, warm)
 
 
 def summarize_stats(stats: Stats, seconds: float) -> dict:

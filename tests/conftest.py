@@ -75,6 +75,8 @@ SLOW_TESTS = frozenset({
     "test_auto.py::test_the_engine_sizes_its_load_levels_with_a_tuner_of_its_own",
     # test_auto_depth.py
     "test_auto_depth.py::test_a_greedy_call_explores_then_runs_the_choice",
+    # test_auto_first_call.py (the fast tier keeps the speculative case)
+    "test_auto_first_call.py::test_a_first_ouroboros_call_measures_nothing_and_compiles_only_its_loop",
     "test_auto_depth.py::test_calls_with_explicit_configs_teach_loop_prices",
     "test_auto_depth.py::test_ouroboros_sd_step_teaches_what_speculative_teaches",
     # test_distill.py

@@ -138,8 +138,9 @@ def test_explore_drafts_deeper_once(tiny_pair, tuner):
 def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, tuner,
                                                       monkeypatch):
     """A first greedy call whose choice drafts 1 token drafts EXPLORE_DEPTH instead and records
-    its acceptance at every depth; the next call runs the choice. Tokens equal vanilla's in
-    both (the target is its own draft here: every token accepted, so depths fill at once;
+    its acceptance at every depth; the next call keeps that loop while the choice's compiles
+    in the background (a first call builds its own loop only), and the call after runs the
+    choice. Tokens equal vanilla's in all (the target is its own draft here: every token accepted, so depths fill at once;
     auto's own choice is fixed, so what is tested is what a call does with it)."""
     t = tiny_target
     # at agreement 0.3 a chain of 1 is clearly faster than one of 4 (past the sticky rule)
@@ -160,10 +161,15 @@ def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, tu
     counts = list(json.loads((fresh_auto / "auto.json").read_text())["depth"].values())[0]
     assert len(counts) == EXPLORE_DEPTH and all(r == a > 0 for r, a in counts)
     assert counts[0][0] == sum(first.stats["acceptance_histogram"])  # every round reached 1
-    second = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
-                         eos_token_id=-1, tuner=tuner)
+    again = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1, tuner=tuner)
+    second = oj.generate(t, prompts, **again)
     assert second.tokens == ref.tokens
-    assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
+    assert second.stats["auto"]["config"] == f"SpeculativeConfig(gamma={EXPLORE_DEPTH})"
+    assert "compiles in the background" in second.stats["auto"]["reason"]
+    tuner.switch.wait_for_background()
+    third = oj.generate(t, prompts, **again)
+    assert third.tokens == ref.tokens
+    assert third.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
 
 
 def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_target, tuner,
@@ -209,31 +215,28 @@ def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_ta
 
 def test_calls_with_explicit_configs_teach_loop_prices(tiny_pair, random_prompts, fresh_auto,
                                                        tuner, monkeypatch):
-    """A call with an explicit config that compiled nothing teaches auto its loop's prices,
-    once the device and the models are priced on disk (never measuring anything itself);
-    calls of two chain lengths tell the draft's share from the target's, which calls of one
-    config cannot."""
+    """A call with an explicit config that compiled nothing teaches auto its loop's prices
+    from the first, never measuring anything (priced from priors on an empty store: pooled
+    under the priors' own key, `Prices.timing_key`); calls of two chain lengths tell the
+    draft's share from the target's, which calls of one config cannot."""
     target, draft, _ = tiny_pair
     prompts = random_prompts[:1]
-    timing = lambda: sum(v[5] for v in json.loads(  # noqa: E731
-        (fresh_auto / "auto.json").read_text()).get("timing", {}).values())
-    kw = dict(draft=draft, method="speculative", max_new_tokens=12, tuner=tuner)
-    for g in (2, 2):  # nothing priced yet: learns nothing, measures nothing
-        oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
-    store = json.loads((fresh_auto / "auto.json").read_text())  # their realised agreement
-    assert not {"timing", "device", "anchor"} & set(store)
-    oj.generate(target, prompts, **kw)  # auto: calibrates, anchors both models
-    assert tuner.prices.prices_known(target, draft, 1)
     monkeypatch.setattr(prices, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
     monkeypatch.setattr(prices, "forward_seconds", lambda *a, **k: pytest.fail("probed"))
-    before = timing()
-    for g in (2, 5, 2, 5):
+    timing = lambda: json.loads(  # noqa: E731
+        (fresh_auto / "auto.json").read_text()).get("timing", {})
+    kw = dict(draft=draft, method="speculative", max_new_tokens=12, tuner=tuner)
+    for g in (2, 5, 2, 5, 2, 5):
         oj.generate(target, prompts, config=SpeculativeConfig(gamma=g), **kw)
-    # the first gamma-5 call compiled its loop: its time is the compiler's, not learned
-    assert timing() == before + 3
+    store = json.loads((fresh_auto / "auto.json").read_text())
+    assert not {"device", "anchor"} & set(store)
+    # each gamma's first call compiled its loop: its time is the compiler's, not learned
+    sums = list(timing().values())
+    assert len(sums) == 1 and list(timing())[0].endswith("|prior") and sums[0][5] == 4
     # what they taught is priced per model: the calls' draft shares differ (gamma 2 and 5)
-    sums = list(json.loads((fresh_auto / "auto.json").read_text())["timing"].values())[0]
-    assert sums[2] > 0 and sums[5] == before + 3
+    assert sums[0][2] > 0
+    s_t, s_s, calls, separated = tuner.prices.learned_scales(target, draft, 1)
+    assert calls == 4
 
 
 def test_ouroboros_sd_step_teaches_what_speculative_teaches(tiny_pair, random_prompts,

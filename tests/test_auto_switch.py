@@ -1,6 +1,8 @@
 """When config="auto" changes its mind (ouroboros_jax/auto/switch.py): no call after a
-signature's first compiles its loop. The first call compiles auto's new choice at its end; a
-later change runs the last compiled choice while the new loop compiles on a background thread.
+signature's first compiles its loop, and a first call compiles its own loop only (issue 53: it
+used to compile auto's new choice at its end, a second compile a one-call user paid for
+nothing); a later change runs the last compiled choice while the new loop compiles on a
+background thread.
 Auto's choices are scripted here (the tuner's `call_choice` replaced), so each step is known;
 compiles are counted from jax's monitoring events (the tuner's `compiles`), and every output
 equals vanilla's."""
@@ -20,31 +22,25 @@ def choice(gamma):
 
 
 @pytest.fixture
-def scripted(monkeypatch, request):
-    """Auto's answers, in order (the last repeats); the log of the choices asked for; whether
-    each ask was at the end of a first call; the fresh tuner that answers them."""
+def scripted(monkeypatch):
+    """Auto's answers, in order (the last repeats); the log of the choices asked for; the
+    fresh tuner that answers them."""
     answers, asked = [], []
 
     def fake(method, target, draft, prompt_j, plens_j, max_new_tokens, max_cache_len, pool,
-             greedy, compiles_anyway=False):
+             greedy):
         asked.append(answers[0] if len(answers) == 1 else answers.pop(0))
-        anyway.append(compiles_anyway)
         return asked[-1], 64
 
-    anyway = []
     tuner = AutoTuner()
     monkeypatch.setattr(tuner, "call_choice", fake)
-    # a real first call prices its choice, measuring the device and the models' anchors on a
-    # fresh store; the scripted one does not, so the first learning call would measure them
-    target, draft, _ = request.getfixturevalue("tiny_pair")
-    tuner.prices.latency_tables(target, draft, 1, 64)
-    yield answers, asked, anyway, tuner
+    yield answers, asked, tuner
     tuner.switch.wait_for_background()
 
 
 def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     target, draft, _ = tiny_pair
-    answers, asked, anyway, tuner = scripted
+    answers, asked, tuner = scripted
     # every switch pays at once here (when one pays: the test after this one)
     tuner.switch.pays_off = lambda *a: True
     prompt = [[5, 6, 7, 8, 9, 10]]
@@ -52,38 +48,46 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
               tuner=tuner)
     ref = oj.generate(target, prompt, max_new_tokens=12, eos_token_id=-1).tokens
 
-    # call 1 runs gamma 2; asked again at its end, auto says gamma 3: compiled there
-    answers[:] = [choice(2), choice(3)]
+    # call 1 runs gamma 2 and builds its own loop only: auto is asked once, not again at its
+    # end, and nothing compiles behind it
+    answers[:] = [choice(2)]
+    before = tuner.compiles.programs
     first = oj.generate(target, prompt, **kw)
     assert first.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
-    assert [c.config.gamma for c in asked] == [2, 3] and first.tokens == ref
-    # asked again at its end, auto switches on a smaller predicted gain (`SETTLE_GAIN`):
-    # the first call compiles what it settles on, so no later call does
-    assert anyway == [False, True]
+    assert [c.config.gamma for c in asked] == [2] and first.tokens == ref
+    assert first.stats["auto"]["compiled"]["programs"] == tuner.compiles.programs - before
+    assert len(tuner.switch.ran()) == 1  # one loop compiled: gamma 2's
 
-    # call 2 runs gamma 3 and compiles nothing
+    # what call 1 taught makes auto prefer gamma 3: call 2 runs gamma 2 without compiling
+    # while gamma 3 compiles in the background; call 3 runs gamma 3, compiling nothing
+    answers[:] = [choice(3)]
     before = tuner.compiles.programs
     second = oj.generate(target, prompt, **kw)
+    assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
+    assert "compiles in the background" in second.stats["auto"]["reason"]
+    assert second.stats["auto"]["compiled"]["programs"] == 0 and second.tokens == ref
+    tuner.switch.wait_for_background()
+    before = tuner.compiles.programs
+    third = oj.generate(target, prompt, **kw)
     assert tuner.compiles.programs == before
-    assert second.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
-    assert anyway[2:] == [False]  # a later call's switch would compile: the sticky gain
-    assert second.tokens == ref
+    assert third.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
+    assert third.tokens == ref
 
-    # auto now prefers gamma 5, never compiled: call 3 runs gamma 3 while gamma 5 compiles in
+    # auto now prefers gamma 5, never compiled: call 4 runs gamma 3 while gamma 5 compiles in
     # the background, and says so
     answers[:] = [choice(5)]
-    third = oj.generate(target, prompt, **kw)
-    assert third.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
-    assert "compiles in the background" in third.stats["auto"]["reason"]
-    assert third.tokens == ref
+    fourth = oj.generate(target, prompt, **kw)
+    assert fourth.stats["auto"]["config"] == "SpeculativeConfig(gamma=3)"
+    assert "compiles in the background" in fourth.stats["auto"]["reason"]
+    assert fourth.tokens == ref
     tuner.switch.wait_for_background()
 
-    # the background compile done, call 4 runs gamma 5 without compiling
+    # the background compile done, call 5 runs gamma 5 without compiling
     before = tuner.compiles.programs
-    fourth = oj.generate(target, prompt, **kw)
+    fifth = oj.generate(target, prompt, **kw)
     assert tuner.compiles.programs == before
-    assert fourth.stats["auto"]["config"] == "SpeculativeConfig(gamma=5)"
-    assert fourth.tokens == ref
+    assert fifth.stats["auto"]["config"] == "SpeculativeConfig(gamma=5)"
+    assert fifth.tokens == ref
 
 
 def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
@@ -167,13 +171,13 @@ from ouroboros_jax.auto import Choice, default_tuner
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
 target, draft = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
-answers = [2, 2, 5]
+answers = [2, 5]
 tuner = default_tuner()  # what generate uses without a tuner of its own
 tuner.call_choice = lambda *a, **k: (Choice("speculative", SpeculativeConfig(
     gamma=answers.pop(0)), 1.5, 0.7, "scripted"), 64)
 tuner.switch.pays_off = lambda *a: True  # the switch pays at once (when one does: tested apart)
 kw = dict(draft=draft, method="speculative", max_new_tokens=12, eos_token_id=-1)
-oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2 (asked again at its end: 2)
+oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 2
 out = oj.generate(target, [[5, 6, 7, 8]], **kw)  # gamma 5 starts compiling in the background
 print(out.stats["auto"]["reason"])
 

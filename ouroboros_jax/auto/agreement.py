@@ -4,8 +4,9 @@ Once greedy chain calls have run on the pair (speculative's, or Ouroboros' with 
 drafting and lengthening off), the agreement they realised (`cost.agreement_from_eta`: the a
 whose expected tokens per round equal the measured eta, pooled over calls by rounds), by depth
 where they measured it (`depth_agreement`); before that, the share of positions where the
-draft's and the target's argmax agree over the prompts (`pair_agreement`: two forwards, run in
-the pair's first call only), moved toward what the first rounds realised (`partly_realised`).
+draft's and the target's argmax agree over the prompts (`pair_agreement`: two forwards, run
+only where asked: a call without the store, a bench), else a prior (`DEFAULT_AGREEMENT`: a
+`generate` call never waits for these forwards), moved toward what the first rounds realised (`partly_realised`).
 A method without a draft keeps its own rate the same way (prompt lookup: its copy hit rate).
 All of it pooled in the tuner's `store.Store`.
 """
@@ -62,15 +63,6 @@ class Agreement:
 
     def __init__(self, store: Store, signatures: Signatures):
         self.store, self.sig = store, signatures
-        self._agreed: set = set()  # (store, pair) whose prompt agreement this tuner measured
-
-    def first_measure(self, pair: tuple) -> bool:
-        """Whether this tuner has not measured `pair`'s prompt agreement yet (then it counts as
-        measured from now on)."""
-        if pair in self._agreed:
-            return False
-        self._agreed.add(pair)
-        return True
 
     def known_agreement(self, target, draft):
         """The pair's agreement from the store without running anything: realised by greedy

@@ -52,18 +52,13 @@ MIN_GAIN = 1.05
 # calls never teach a method's price. Tried, its calls teach its factor (`method_factor`).
 UNTIMED_GAIN = 0.85
 TRY_CALLS = 3
-# A choice is kept until another is predicted faster by the switch's gain:
-# - STICKY_GAIN where switching costs a compile that staying would not: a later call (the new
-#   loop compiles in the background, `switch`, on the host cores the user's calls run on),
-#   or a process's first call against the store's choice (whose loop the persistent
-#   compilation cache likely holds);
-# - SETTLE_GAIN where auto is asked again at the end of a kind's first call in a process
-#   (`switch.Switch.settle`), which compiles what it settles on before any later call runs:
-#   there the margin only keeps noise in the prices from flipping the choice. (With
-#   STICKY_GAIN there, the real Qwen pair kept gamma 4, explored by its first call, where
-#   gamma 6 ran 1.18x faster and was predicted 1.08x.)
+# A choice is kept until another is predicted STICKY_GAIN faster: switching costs a compile
+# that staying would not, in a later call (the new loop compiles in the background, `switch`,
+# on the host cores the user's calls run on) or in a process's first call against the store's
+# choice (whose loop the persistent compilation cache likely holds). (A first call no longer
+# settles: it compiled a second loop at its end, which a CLI user, whose process ends with the
+# answer, paid for nothing; issue 53.)
 STICKY_GAIN = 1.10
-SETTLE_GAIN = 1.02
 # A greedy call whose chosen chain is shorter than this, for a pair whose depths past the first
 # have not been measured, drafts this deep instead (`Chooser.explore`): a 1-token chain
 # measures the first token's agreement only, which on pairs whose agreement comes in runs
@@ -101,7 +96,10 @@ class Choice:
                 "reason": self.reason,
                 "measured": list(self.notes.get("measured", [])),
                 "assumed": list(self.notes.get("assumed", [])),
-                "seconds": round(self.seconds, 4)}
+                "seconds": round(self.seconds, 4),
+                # what this call measured for auto, and the seconds each took ([] but for a
+                # call without the store, or over processes: a call never waits for a probe)
+                "measured_now": list(self.notes.get("measured_now", []))}
 
 
 # ------------------------------------------------------------------------------------ pure
@@ -276,8 +274,7 @@ class Chooser:
                     timed: bool = False) -> Choice:
         """Price (`Prices.latency_tables`) and recall the pair's agreement, then `choose`,
         keeping the earlier choice for the same shapes (this tuner's, else the store's) unless
-        the new one is predicted switch_gain faster (STICKY_GAIN, or SETTLE_GAIN at the end of
-        a kind's first call, `switch.Switch.settle`). pool_shape: (phrases per key, tokens per
+        the new one is predicted switch_gain faster (STICKY_GAIN). pool_shape: (phrases per key, tokens per
         phrase) of a pool the call passes, which the chosen config must fit (`fits_pool`).
         explore_depth: the call is greedy and teaches auto, so it may draft deeper once
         (`explore`). timed: the call's loop will be timed and teach its method's factor
@@ -323,12 +320,11 @@ class Chooser:
     def current(self, method, target, draft, prompt, plens, slots, use_cache,
                 pool_shape=None, timed: bool = False) -> Choice:
         """The predicted-fastest config now. With use_cache (generate's calls): the device's
-        calibration and the learned scales from the store (`Prices.latency_tables`), the
-        agreement realised by earlier calls or counted on earlier prompts; only where this
-        pair's agreement has never been measured (its first call) do its two prompt forwards
-        run, and only where this device was never calibrated (its first call) do the two
-        calibration matmuls. Without use_cache everything is measured now and nothing learned
-        is used."""
+        calibration, the models' anchors and the learned scales from the store, priors where
+        it has none (`Prices.latency_tables`), and the agreement realised by earlier calls or
+        counted on earlier prompts, else a prior (`_pair_agreement`): nothing is measured, so
+        a first call costs what a later one does. Without use_cache everything is measured now
+        and nothing learned is used."""
         B = int(prompt.shape[0])
         spec = method_spec(method)
         with_draft = draft is not None and spec.needs_draft
@@ -371,11 +367,15 @@ class Chooser:
 
     def _pair_agreement(self, target, draft, prompt, plens, use_cache: bool, notes: dict
                         ) -> tuple:
-        """(the pair's agreement, whether calls realised it), said in notes: from the store,
-        else its prompts' measured now (once per pair and tuner), else DEFAULT_AGREEMENT."""
+        """(the pair's agreement, whether calls realised it), said in notes: from the store
+        (realised by earlier calls, by depth where they measured it, or counted on earlier
+        prompts), else DEFAULT_AGREEMENT: a call never waits for the prompts' two forwards (on
+        the real Qwen pair a compile of both models, for an estimate its chat template
+        misleads: 0.41 where its outputs realise 0.91); its own rounds teach the pair
+        (`AutoTuner.learn_realised`). Without use_cache (no store: nothing learned can be
+        read) the prompts are measured now, and the seconds logged in notes' measured_now."""
         ag = self.agreement
         a = ag.known_agreement(target, draft) if use_cache else None
-        pair = (str(cache_path()), self.sig(target), self.sig(draft))
         key = self.sig.pair(target, draft)
         # (one read of the store for both: the notes' branch below and the margin)
         realised = isinstance(a, DepthAgreement) or (
@@ -396,13 +396,18 @@ class Chooser:
                 f"agreement {a:.3f}: the pair's argmax over {n} prompt positions of earlier "
                 "calls" + (f", moved {r}/{MIN_REALISED_ROUNDS} of the way to the {r} rounds "
                            "they realised" if r else ""))
-        elif ag.first_measure(pair) or not use_cache:
-            a, n = ag.pair_agreement(target, draft, prompt, plens, use_cache=use_cache)
+        elif not use_cache:
+            t0 = time.perf_counter()
+            a, n = ag.pair_agreement(target, draft, prompt, plens, use_cache=False)
+            notes.setdefault("measured_now", []).append(
+                {"what": "the pair's agreement (one forward of each model over the prompts)",
+                 "seconds": round(time.perf_counter() - t0, 3)})
             notes["measured"].append(f"agreement {a:.3f}: the pair's argmax over this call's "
-                                     f"{n} prompt positions (measured now, once per pair)")
+                                     f"{n} prompt positions (measured now)")
         else:
             a = DEFAULT_AGREEMENT
-            notes["assumed"].append(f"agreement {a} (not measured)")
+            notes["assumed"].append(f"agreement {a} (a prior: the pair was never run here; "
+                                    "this call's rounds measure it)")
         return a, realised
 
     def price_factor(self, method, target, draft, B: int, use_cache: bool, notes: dict,

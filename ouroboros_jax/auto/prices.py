@@ -16,14 +16,21 @@ A forward's price is t(n) = scale * anchor(n) * shape(n):
   writes, the loop's own work) enter the prices without a probe, from the second call on.
 
 The calibration is two small matmuls and the anchors three forward timers per model; the
-scale costs no run at all. So a first call pays the calibration and the anchors of its models
-(three compiles each), and no later call, in any process, pays a probe. Everything is kept in
-the tuner's `store.Store`.
+scale costs no run at all. A `generate` call never runs them (issue 53: on the real Qwen pair
+they and the agreement's forwards cost a CLI user's first answer 84 s): where the store has
+no calibration or no anchors, the call is priced from priors (`PRIOR_DEVICE`, `PRIOR_ANCHOR`:
+the models' bytes and FLOPs at a-priori rates), and its own wall time teaches the scales as
+the calls after it run (`record_call`). The priced basis is part of the key the scales are
+pooled under (`Prices.timing_key`), so scales learned against priors never price measured
+tables. Only a caller that asks (`probe=True`: a tuner's `measure_prices`, `probe_latency`, calls
+without the store) measures, and says so on stderr with an estimate of the seconds
+(`announce`). Everything is kept in the tuner's `store.Store`.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import jax
@@ -35,6 +42,7 @@ from ..decoding.cost import (DeviceRates, ModelShape, interpolate, loop_seconds,
 from ..decoding.spec import chain_agreement
 from ..models.timing import forward_timer, matmul_timer
 from .keys import Signatures, batch_bucket, device_kind
+from .measuring import announce, spent
 from .store import Store
 
 # Sizes (tokens per forward) the probe times; anything between is interpolated, anything past
@@ -96,8 +104,6 @@ ACCELERATOR_PER_LAYER = 10e-6
 # A-priori device figures (bytes/s, flop/s), for `prior_latency`: what a platform's forward
 # looks like before its calibration (tests of the choice's shape; the bench's projections).
 PRIOR_DEVICE = {"cpu": (20e9, 150e9), "gpu": (2e12, 400e12), "tpu": (1e12, 200e12)}
-
-
 def calibrate(dtype, reps: int = 5) -> DeviceRates:
     """This device's `cost.DeviceRates` for weights of `dtype`, measured now: two compiled
     matmul loops (`models.timing.matmul_timer`), timed interleaved, the fastest of reps."""
@@ -133,14 +139,21 @@ def model_shape(model) -> ModelShape:
                       experts_per_token=cfg.experts_per_token)
 
 
+def prior_rates() -> DeviceRates:
+    """This platform's a-priori `cost.DeviceRates` (`PRIOR_DEVICE`), nothing measured: what a
+    call is priced with before the device is calibrated (only ratios of prices decide a
+    choice, and the scales learned from calls carry the device's own speed)."""
+    platform = jax.default_backend()
+    bw, flops = PRIOR_DEVICE.get(platform, PRIOR_DEVICE["gpu"])
+    return DeviceRates(bw, flops, PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
+                       overlap=platform != "cpu")
+
+
 def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
     """{n: seconds} predicted from the model's shape and the platform's a-priori figures
     (`PRIOR_DEVICE`), nothing measured."""
-    platform = jax.default_backend()
-    bw, flops = PRIOR_DEVICE.get(platform, PRIOR_DEVICE["gpu"])
-    rates = DeviceRates(bw, flops, PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
-                        overlap=platform != "cpu")
-    return shape_latency(model_shape(model), rates, batch_bucket(batch), slots // 2, sizes)
+    return shape_latency(model_shape(model), prior_rates(), batch_bucket(batch), slots // 2,
+                         sizes)
 
 
 # ------------------------------------------------------------------------------------ anchors
@@ -156,6 +169,11 @@ def prior_latency(model, batch: int, slots: int, sizes=TARGET_SIZES) -> dict:
 # speculative choice to gamma 1 (1.19x vanilla measured, gamma 4 1.32x).
 WIDE_ANCHOR = 8
 ANCHOR_SIZES = (1, 2, WIDE_ANCHOR)
+# A model's anchors before its forwards are timed (`Prices.model_anchor` without measure):
+# the real Qwen 1.5B's measured factors over its shape anchored at t(1), read at 2 and 8 tokens
+# (3 / 5 / 7 / 9 tokens: 1.23 / 1.15 / 1.13 / 1.11x); the 1-token anchor is 1 (the prior rates
+# set the absolute price, and the learned scales correct it).
+PRIOR_ANCHOR = (1.0, 1.25, 1.11)
 
 
 def anchor_at(anchor: tuple, n: int) -> float:
@@ -288,9 +306,12 @@ class Prices:
         # "anchored": sums of prices from anchored tables (`model_anchor`); older sums priced
         # the bare shapes and would mis-scale these; TIMED: priced from anchors timed the
         # current way; "anchors": forwards priced at anchors timed at these sizes (before: 1
-        # and 8 tokens)
+        # and 8 tokens); "prior": priced from `prior_rates` or `PRIOR_ANCHOR` (something was
+        # not measured), whose scales would mis-price measured tables, and back
+        prior = "" if self.prices_known(target, draft, batch) else "|prior"
         return (f"{device_kind()}|{self.sig(target)}|{d}|B{batch_bucket(batch)}"
-                f"|anchored|{timed_tag(target)}|anchors{'-'.join(map(str, ANCHOR_SIZES))}")
+                f"|anchored|{timed_tag(target)}"
+                f"|anchors{'-'.join(map(str, ANCHOR_SIZES))}{prior}")
 
     # -------------------------------------------------------------------------------- measured
     def stored_latency(self, model, batch: int, slots: int, sizes) -> Optional[dict]:
@@ -312,28 +333,40 @@ class Prices:
             hit = self.stored_latency(model, B, slots, sizes)
             if hit is not None:
                 return hit
+        announce(f"the model's forwards of {', '.join(map(str, sizes))} tokens",
+                 reps * 4 * sum(prior_latency(model, B, slots, sizes).values()), len(sizes))
         table = measure({n: forward_seconds(model, B, n, slots) for n in sizes}, reps)
         if use_cache:
             self.store.put("latency", self.latency_key(model, B, slots),
                            {str(n): t for n, t in table.items()})
         return table
 
-    def device_rates(self, dtype, use_cache: bool = True) -> tuple[DeviceRates, bool]:
-        """(this device's rates for dtype, whether they were calibrated by this call): from
-        the store when this device kind has been calibrated for dtype before, else measured
-        now (`calibrate`) and kept."""
+    def device_rates(self, dtype, use_cache: bool = True, probe: bool = False,
+                     log: Optional[list] = None) -> tuple[DeviceRates, str]:
+        """(this device's rates for dtype, where they come from: "stored", "calibrated" or
+        "prior"): from the store when this device kind has been calibrated for dtype before;
+        else measured now (`calibrate`, said on stderr, logged in `log`, kept) where the
+        caller asks (probe) or uses no store; else the platform's priors (`prior_rates`):
+        a call never waits for a calibration it did not ask for."""
         platform = jax.default_backend()
         if use_cache:
             hit = self.store.read().get("device", {}).get(self.device_key(dtype))
             if hit is not None:
                 return DeviceRates(hit["bandwidth"], hit["flops"],
                                    PER_LAYER.get(platform, ACCELERATOR_PER_LAYER),
-                                   overlap=platform != "cpu"), False
+                                   overlap=platform != "cpu"), "stored"
+        if use_cache and not probe:
+            return prior_rates(), "prior"
+        k = CALIBRATION.get(platform, ACCELERATOR_CALIBRATION)[0]
+        announce("the device's rates (two matmuls)",
+                 5 * 2 * k * k * np.dtype(dtype).itemsize / prior_rates().bandwidth, 2)
+        t0 = time.perf_counter()
         rates = calibrate(dtype)
+        spent(log, "device calibration (two matmuls)", t0)
         if use_cache:
             self.store.put("device", self.device_key(dtype),
                            {"bandwidth": rates.bandwidth, "flops": rates.flops})
-        return rates, True
+        return rates, "calibrated"
 
     def shape_table(self, model, batch: int, slots: int, sizes, rates: DeviceRates) -> dict:
         """{n: seconds} of the model's forward before any scale: its own stored table when one
@@ -345,12 +378,14 @@ class Prices:
         return shape_latency(model_shape(model), rates, batch_bucket(batch), slots // 2, sizes)
 
     def model_anchor(self, model, batch: int, slots: int, rates: DeviceRates,
-                     use_cache: bool = True) -> tuple[tuple, bool]:
-        """((a_1, a_2, a_w), whether they were measured by this call): this model's measured
-        forwards of `ANCHOR_SIZES` tokens over its shape's prices at `rates`, from the store
-        when this model's shape was timed on this device kind at this batch bucket before,
-        else timed now (three compiles) and kept. Keyed without the cache size, so a model is
-        timed once per device, in its first call, whatever shapes follow.
+                     use_cache: bool = True, probe: bool = False,
+                     log: Optional[list] = None) -> tuple[tuple, str]:
+        """((a_1, a_2, a_w), where they come from: "stored", "timed" or "prior"): this
+        model's measured forwards of `ANCHOR_SIZES` tokens over its shape's prices at `rates`,
+        from the store when this model's shape was timed on this device kind at this batch
+        bucket before; else timed now (three compiles; said on stderr, logged in `log`, kept)
+        where the caller asks (probe) or uses no store; else `PRIOR_ANCHOR`. Keyed without
+        the cache size, so a model is timed once per device, whatever shapes follow.
 
         Why: the shape prices weights and FLOPs, but a small model's fixed work per layer
         weighs more than its bytes say, and a call's scale learned from one config cannot tell
@@ -362,9 +397,15 @@ class Prices:
         if use_cache:
             hits = [self.store.read().get("anchor", {}).get(k) for k in keys]
             if all(h is not None for h in hits):
-                return tuple(float(h) for h in hits), False
+                return tuple(float(h) for h in hits), "stored"
+            if not probe:
+                return PRIOR_ANCHOR, "prior"
         B = batch_bucket(batch)
         priced = shape_latency(model_shape(model), rates, B, slots // 2, ANCHOR_SIZES)
+        announce(f"a model's forwards of {' / '.join(map(str, ANCHOR_SIZES))} tokens",
+                 5 * 4 * sum(prior_latency(model, B, slots, ANCHOR_SIZES).values()),
+                 len(ANCHOR_SIZES))
+        t0 = time.perf_counter()
         # the second fastest of 5, interleaved (load from other processes only ever adds time;
         # one of 3 moved the demo target's anchor between 1.6 and 3.3 on a shared 2-core
         # machine). Not the fastest: the real Qwen 1.5B's 1-token timer once read 187 ms in
@@ -374,50 +415,71 @@ class Prices:
         timed = measure({n: forward_seconds(model, B, n, slots) for n in ANCHOR_SIZES}, 5,
                         rank=1)
         ratios = tuple(timed[n] / priced[n] for n in ANCHOR_SIZES)
+        spent(log, f"anchors of a {model.config.num_layers}-layer model (forwards of "
+                   f"{' / '.join(map(str, ANCHOR_SIZES))} tokens)", t0)
         if use_cache:
             for k, r in zip(keys, ratios):
                 self.store.put("anchor", k, r)
-        return ratios, True
+        return ratios, "timed"
 
-    def base_tables(self, target, draft, batch: int, slots: int, use_cache: bool
+    def base_tables(self, target, draft, batch: int, slots: int, use_cache: bool,
+                    probe: bool = False, log: Optional[list] = None
                     ) -> tuple[dict, Optional[dict], list]:
         """The unscaled (target, draft) tables and the anchors applied ([target's, draft's],
-        each (a_1, a_2, a_w)): `shape_table` at the calibrated rates, each forward scaled by
-        the model's measured forwards of `ANCHOR_SIZES` tokens (`model_anchor`, `anchor_at`;
-        a table probed whole, `probe_latency`, is used as measured: anchors 1). The shape is
-        also priced at the anchors' sizes and at 3 tokens, where the anchor factor bends."""
+        each (a_1, a_2, a_w)): `shape_table` at the device's rates (`device_rates`), each
+        forward scaled by the model's anchors (`model_anchor`, `anchor_at`; a table probed
+        whole, `probe_latency`, is used as measured: anchors 1). The shape is also priced at
+        the anchors' sizes and at 3 tokens, where the anchor factor bends. probe: calibrate
+        and time what the store lacks now (else priors stand in); log: where what was measured
+        is listed with its seconds."""
         tables, anchors = [], []
         for model, sizes in ((target, TARGET_SIZES), (draft, DRAFT_SIZES)):
             if model is None:
                 tables.append(None)
                 continue
-            rates, _ = self.device_rates(model.params["embed"].dtype, use_cache)
+            rates, _ = self.device_rates(model.params["embed"].dtype, use_cache, probe, log)
             anchor = (1.0, 1.0, 1.0)
             if self.stored_latency(model, batch, slots, sizes) is None:
                 sizes = tuple(sorted(set(sizes) | set(ANCHOR_SIZES) | {3}))
-                anchor = self.model_anchor(model, batch, slots, rates, use_cache)[0]
+                anchor = self.model_anchor(model, batch, slots, rates, use_cache, probe,
+                                           log)[0]
             tables.append(anchored(self.shape_table(model, batch, slots, sizes, rates), anchor))
             anchors.append(anchor)
         return tables[0], tables[1], anchors
 
-    def latency_tables(self, target, draft, batch: int, slots: int, use_cache: bool = True
-                       ) -> tuple[dict, Optional[dict], dict]:
+    def latency_tables(self, target, draft, batch: int, slots: int, use_cache: bool = True,
+                       probe: bool = False) -> tuple[dict, Optional[dict], dict]:
         """(target table, draft table or None, notes): the prices a choice is made with,
         `base_tables` times the learned scales (`learned_scales`; none without use_cache), and
-        notes = {"measured": [...], "assumed": [...]}: what stands behind them, for
-        `stats["auto"]`."""
-        rates, now = self.device_rates(target.params["embed"].dtype, use_cache)
-        tt, td, anchors = self.base_tables(target, draft, batch, slots, use_cache)
-        measured = [f"device: {rates.bandwidth / 1e9:.1f} GB/s, {rates.flops / 1e9:.0f} GFLOP/s "
-                    f"(two matmuls, {'calibrated in this call' if now else 'stored'})",
-                    f"each model's forwards of {' / '.join(map(str, ANCHOR_SIZES))} tokens, "
-                    "timed once on this device: " + ", ".join(
-                        f"{who} " + " / ".join(f"x{x:.2f}" for x in a)
-                        for who, a in zip(("target", "draft"), anchors)) + " their shape's prices"]
-        assumed = ["each forward's t(T) shaped by its weight bytes and FLOPs at those rates, "
-                   f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its measured "
-                   f"t({'), t('.join(map(str, ANCHOR_SIZES))}) and between 2 and {WIDE_ANCHOR} "
-                   "tokens by a factor read between those (linear in log T)"]
+        notes = {"measured": [...], "assumed": [...], "measured_now": [{"what", "seconds"}]}:
+        what stands behind them, and what this call measured (nothing, unless probe or
+        no store: `device_rates`), for `stats["auto"]`."""
+        log: list = []
+        rates, source = self.device_rates(target.params["embed"].dtype, use_cache, probe, log)
+        tt, td, anchors = self.base_tables(target, draft, batch, slots, use_cache, probe, log)
+        known = [m for m, a in zip((target, draft), anchors) if a != PRIOR_ANCHOR]
+        measured, assumed = [], []
+        if source == "prior":
+            assumed.append(f"device: {rates.bandwidth / 1e9:.0f} GB/s, {rates.flops / 1e9:.0f} "
+                           f"GFLOP/s, the {jax.default_backend()}'s priors (never calibrated "
+                           "here: no call waits for it; the calls' times scale the prices)")
+        else:
+            measured.append(f"device: {rates.bandwidth / 1e9:.1f} GB/s, "
+                            f"{rates.flops / 1e9:.0f} GFLOP/s (two matmuls, "
+                            f"{'calibrated in this call' if source == 'calibrated' else 'stored'})")
+        said = ", ".join(f"{who} " + " / ".join(f"x{x:.2f}" for x in a)
+                         for who, a in zip(("target", "draft"), anchors))
+        if len(known) == len(anchors):
+            measured.append(f"each model's forwards of {' / '.join(map(str, ANCHOR_SIZES))} "
+                            f"tokens, timed once on this device: {said} their shape's prices")
+        else:
+            assumed.append(f"forwards of {' / '.join(map(str, ANCHOR_SIZES))} tokens at "
+                           f"{said} their shape's prices (x{' / x'.join(map(str, PRIOR_ANCHOR))}"
+                           ": priors, for a model never timed here)")
+        assumed.append("each forward's t(T) shaped by its weight bytes and FLOPs at those rates, "
+                       f"plus {rates.per_layer * 1e6:.0f} us per layer, scaled to its anchors "
+                       f"at t({'), t('.join(map(str, ANCHOR_SIZES))}) and between 2 and "
+                       f"{WIDE_ANCHOR} tokens by a factor read between those (linear in log T)")
         if model_shape(target).expert_bytes:
             assumed.append("the target's experts read per forward: the expected distinct "
                            "experts its tokens route to under uniform routing "
@@ -435,14 +497,13 @@ class Prices:
                 assumed.append("the draft's share of a round as its shape gives it (no calls "
                                "of other configs have told the two apart)")
         else:
-            assumed.append("no earlier call: prices at the calibrated rates, unscaled")
+            assumed.append("no earlier call: prices at those rates, unscaled")
         return (scaled(tt, steps(s_t)), scaled(td, steps(s_s)),
-                {"measured": measured, "assumed": assumed})
+                {"measured": measured, "assumed": assumed, "measured_now": log})
 
     def prices_known(self, target, draft, batch: int) -> bool:
-        """Whether this device's rates and these models' anchors are in the store, so a call
-        can be priced without measuring anything (`record_call` from a call with an explicit
-        config)."""
+        """Whether this device's rates and these models' anchors are in the store: the call's
+        prices are measured ones, not priors (`timing_key`'s basis)."""
         data = self.store.read()
         models = [m for m in (target, draft) if m is not None]
         return (all(self.device_key(m.params["embed"].dtype) in data.get("device", {})

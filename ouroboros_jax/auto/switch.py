@@ -10,9 +10,10 @@ a user's second call (issue 28). So, per signature, a `Switch` keeps the choices
 have run, and:
 
 - the first auto call of a signature runs auto's choice (it compiles, as every first call
-  does); at its end `settle` asks auto again, now with what that call taught it, and if the
-  answer differs, compiles the new choice's loop there and then: the first call pays both
-  compiles, the second runs the loop auto settled on;
+  does) and nothing else: it used to ask auto again at its end and compile the new choice's
+  loop there and then (`settle`), a second compile that a CLI user, whose process ends with
+  the answer, paid for nothing (issue 53: the demo pair's first speculative call cost 7.1x
+  vanilla's first call);
 - a later call whose choice has no compiled loop yet runs the last choice that has one
   (`runnable`) and compiles the new one on a background thread; the first call after that
   thread is done runs it. Only where the switch pays (`pays_off`): the compile takes the
@@ -174,19 +175,6 @@ class Switch:
                                 max(most, compile_s))
             return first
 
-    def settle(self, sig: tuple, again: Optional[object], warm: Callable) -> bool:
-        """At the end of a signature's first call: `again` (auto's choice asked anew) compiled
-        now when its loop has not run -> whether it compiled one."""
-        if again is None:
-            return False
-        with self._lock:
-            if _key(again) in self._ran.get(sig, {}):
-                return False
-        warm(again)
-        with self._lock:
-            self._ran.setdefault(sig, {})[_key(again)] = again
-        return True
-
     def wait_for_background(self, timeout: Optional[float] = None) -> None:
         """Joins every background compile started so far (tests; a benchmark's clean state)."""
         with self._lock:
@@ -198,18 +186,16 @@ class Switch:
 @dataclasses.dataclass
 class Switcher:
     """One generate call's side of a `Switch`: `warm(choice)` compiles a choice's loop for this
-    call's signature (one round on the call's inputs), `again()` asks auto anew."""
+    call's signature (one round on the call's inputs)."""
 
     switch: Switch
     sig: tuple
     warm: Callable
-    again: Callable
 
     def runnable(self, choice):
         return self.switch.runnable(self.sig, choice, self.warm)[0]
 
     def after(self, ran, seconds: float = 0.0, compile_s: float = 0.0) -> None:
-        """After the call ran `ran` in `seconds` (compile_s of them compiling): recorded; on
-        the signature's first call, auto asked again and its new choice compiled now."""
-        if self.switch.record(self.sig, ran, seconds, compile_s):
-            self.switch.settle(self.sig, self.again(), self.warm)
+        """After the call ran `ran` in `seconds` (compile_s of them compiling): recorded, and
+        nothing compiled (a change of mind compiles in the background of a later call)."""
+        self.switch.record(self.sig, ran, seconds, compile_s)

@@ -21,7 +21,7 @@ from ..decoding import METHODS
 from ..distributed import is_leader
 from ..request import cache_slots
 from .agreement import DEFAULT_AGREEMENT, Agreement
-from .choice import SETTLE_GAIN, STICKY_GAIN, Choice, Chooser
+from .choice import Choice, Chooser
 from .compiles import CompileCounter
 from .keys import Signatures
 from .prices import Prices
@@ -61,20 +61,27 @@ class AutoTuner:
 
     # ---------------------------------------------------------------------- a generate call
     def call_choice(self, method: str, target, draft, prompt_j, plens_j, max_new_tokens: int,
-                    max_cache_len, pool, greedy: bool, compiles_anyway: bool = False
-                    ) -> tuple[Choice, int]:
-        """A `generate` call's choice -> (Choice, the cache slots it sized for). A pool passed
-        in keeps its shape: auto chooses among the configs it can serve. A greedy call teaches
-        auto the pair's agreement, so it may draft deeper once (`Chooser.explore`).
-        compiles_anyway: asked again at the end of a kind's first call, which compiles what it
-        settles on (`switch.Switch.settle`), so a change of choice costs no later call a
-        compile (`choice.SETTLE_GAIN`)."""
+                    max_cache_len, pool, greedy: bool) -> tuple[Choice, int]:
+        """A `generate` call's choice -> (Choice, the cache slots it sized for), made from what
+        the store holds and priors for what it lacks: nothing is measured and nothing compiled
+        for it (`Chooser.current`). A pool passed in keeps its shape: auto chooses among the
+        configs it can serve. A greedy call teaches auto the pair's agreement, so it may draft
+        deeper once (`Chooser.explore`)."""
         shape = (None if pool is None or not hasattr(pool, "phrase_len")
                  else (int(pool.guesses), int(pool.phrase_len)))
         slots = cache_slots(prompt_j.shape[1], max_new_tokens, 0, max_cache_len)
         return self.auto_config(method, target, draft, prompt_j, plens_j, slots,
-                                pool_shape=shape, explore_depth=greedy, timed=True,
-                                switch_gain=SETTLE_GAIN if compiles_anyway else STICKY_GAIN), slots
+                                pool_shape=shape, explore_depth=greedy, timed=True), slots
+
+    def measure_prices(self, target, draft=None, batch: int = 1, slots: int = 256) -> list:
+        """Calibrates this device and times the models' anchors now, where the store lacks
+        them (`Prices.base_tables` with probe): for a process that lives on (a server, a
+        notebook, a bench) that wants measured prices before its calls; a `generate` call
+        never does this itself. Says so on stderr first, with an estimate of the seconds
+        -> [{"what", "seconds"}] of what was measured ([] when the store had it all)."""
+        log: list = []
+        self.prices.base_tables(target, draft, batch, slots, True, probe=True, log=log)
+        return log
 
     def after_auto(self, choice: Choice, switch, target, draft, stats: dict, seconds: float,
                    B: int, P: int, auto_slots: int, learn: bool, compiled_s: float) -> None:
@@ -95,14 +102,12 @@ class AutoTuner:
         """A call with an explicit config that compiled nothing teaches auto its loop's prices
         as an auto call does (`Prices.record_call`): calls of other configs tell the draft's
         share of a round from the target's, which calls of one config cannot. Only where
-        everything the price needs is in the store (`Prices.prices_known`): such a call never
-        measures anything."""
+        the store's prices, priors where it has none (`Prices.timing_key` keeps the two
+        apart): such a call never measures anything."""
         spec = METHODS.get(method) if isinstance(method, str) else None
         if spec is None or spec.round_model is None:  # (vanilla: its auto calls teach it)
             return
         used = draft if spec.needs_draft else None
-        if not self.prices.prices_known(target, used, B):
-            return
         a = self.agreement.known_agreement(target, used) if used is not None else None
         a = DEFAULT_AGREEMENT if a is None else a
         self.prices.record_call(method, cfg, target, used, stats, seconds, B, P, slots, a)
