@@ -55,7 +55,7 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     assert not layout.wants_packing(target.params)
     assert make_pair(target, draft).tparams is target.params
     assert layout.packed_bytes(target) == 0
-    packing(True)
+    packing("fused")
     # the planner counts the copy before it exists: every layer's weights (and a tied
     # model's transposed head)
     model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
@@ -80,6 +80,29 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     assert layout.packed_bytes(model) == extra and make_pair(model).tparams is not packed_now
     with pytest.raises(ValueError, match="set_packing: enabled"):
         layout.set_packing("yes")
+
+
+def test_a_cpu_packs_views_that_cost_no_bytes(tiny_pair, packing):
+    """On a CPU the packed layout is views of the stacked buffers (`view_pack`): every packed
+    array lies inside a canonical one, the planner counts nothing for it, and a tied model
+    keeps no transposed head."""
+    target, draft, _ = tiny_pair
+    packing(True)
+    model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
+    assert layout.packs_by_views(model.params) and layout.packed_bytes(model) == 0
+    packed = make_pair(model).tparams
+    assert layout.is_packed(packed) and len(packed["layers"]) == model.config.num_layers
+    assert layout.shares_buffers(packed, model.params)
+    assert packed["embed"] is model.params["embed"]
+    assert ("head_t" in packed) == (not model.config.tie_word_embeddings)
+    lay = model.params["layers"]
+    for i in (0, model.config.num_layers - 1):  # layer i's views hold layer i's values
+        for name in lay:
+            assert (packed["layers"][i][name] == lay[name][i]).all()
+    # the fused copy is a buffer of its own
+    packing("fused")
+    fused = make_pair(dataclasses.replace(target)).tparams
+    assert not layout.shares_buffers(fused, target.params)
 
 
 def test_sharded_params_are_never_packed(tiny_target, packing):
@@ -153,7 +176,7 @@ def test_the_gpu_default_program_is_exact(tiny_pair, random_prompts, packing, mo
     dense = attention.KERNELS["dense"]
     monkeypatch.setitem(attention.KERNELS, "dense",
                         lambda *a, **k: traced.append(1) or dense(*a, **k))
-    packing(True)
+    packing("fused")  # the GPU's packed copy (a CPU packs views)
     attention.set_kernel("dense")
     jax.clear_caches()
     try:
