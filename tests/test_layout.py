@@ -187,3 +187,34 @@ def test_the_gpu_default_program_is_exact(tiny_pair, random_prompts, packing, mo
         jax.clear_caches()
     assert traced
     assert got.tokens == ref
+
+
+def _distinct_live_bytes() -> int:
+    """Bytes of the distinct buffers under jax's live arrays: a zero-copy view counts once."""
+    spans = sorted((a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes)
+                   for a in jax.live_arrays() if not a.is_deleted())
+    total, end = 0, 0
+    for lo, hi in spans:
+        if hi > end:
+            total, end = total + hi - max(lo, end), hi
+    return total
+
+
+@pytest.mark.parametrize("kind", [True, "fused"], ids=["cpu-views", "fused-copy"])
+def test_a_model_holds_one_copy_of_its_weights_after_decoding(tiny_target, packing, kind):
+    """After a packed call, the live buffers grow by less than the layers' weights on a CPU
+    (views), and by at least them with the fused copy (so the count sees a second copy)."""
+    model = dataclasses.replace(tiny_target)  # a Model of its own: nothing packed yet
+    packing(kind)
+    layers = layout.weight_bytes(model.params["layers"])
+    before = _distinct_live_bytes()
+    out = oj.generate(model, [[5, 6, 7]], max_new_tokens=4, eos_token_id=-1)
+    assert layout.is_packed(model.derived_copy(layout.PACKED))  # the call packed, and kept it
+    grown = _distinct_live_bytes() - before
+    if kind is True:
+        assert grown < layers // 2, (grown, layers)
+    else:
+        assert grown >= layers, (grown, layers)
+    packing(False)
+    assert out.tokens == oj.generate(model, [[5, 6, 7]], max_new_tokens=4,
+                                     eos_token_id=-1).tokens
