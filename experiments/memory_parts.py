@@ -120,10 +120,9 @@ def main(argv=None) -> None:
     for name, secs, s, total, distinct in rows:
         print(f"| {name} | {secs:.1f} | " + " | ".join(f"{s.get(k, 0) / GB:.2f}" for k in FIELDS)
               + f" | {total / GB:.2f} | {distinct / GB:.2f} |")
-    for name, st in stats.items():
-        dec = st.get("decode_seconds", st.get("decode_s"))
-        print(f"{name}: tokens/s {st.get('tokens_per_second', st.get('tok_per_s'))}, "
-              f"decode s {dec}, compile s {st.get('compile_seconds', st.get('compile_s'))}")
+    for name, st in stats.items():  # the first call's seconds include its compiles
+        print(f"{name}: {st['new_tokens']} tokens in {st['seconds']:.1f} s "
+              f"({st['tokens_per_second']:.2f} tokens/s)")
 
 
 if __name__ == "__main__":
