@@ -37,7 +37,8 @@ def main(argv=None) -> None:
         layout.set_packing(kind)
         layout.release(model)  # each layout made anew from the canonical params
         for t in a.tokens:
-            timers[name, t] = forward_timer(model, t, a.context, slots=a.context + 64)
+            slots = -(-(a.context + t) // 128) * 128  # a whole number of cache blocks
+            timers[name, t] = forward_timer(model, t, a.context, slots=slots)
     layout.set_packing(None)
     times = {k: [] for k in timers}
     for _ in range(a.rounds):
