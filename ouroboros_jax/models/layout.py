@@ -106,7 +106,9 @@ def view_pack(params: Params, config: ModelConfig) -> Params:
     piece of the stacked buffer without a copy; embed, final_norm and an untied head
     ("head_t" = lm_head [E,V]) are the canonical arrays themselves, and a tied model has no
     "head_t" (the forward reads the embedding). The views keep their stacked buffers alive.
-    Not jittable (host views); packed params pass through."""
+    jax adopts a slice that starts 64-byte aligned; another is copied (a per-layer norm of a
+    width whose bytes are no multiple of 64, in a toy config: a few bytes). Not jittable
+    (host views); packed params pass through."""
     if is_packed(params):
         return params
     device = next(iter(params_devices(params)))
