@@ -414,6 +414,36 @@ def _cmd_memory(a):
                   f"({config.num_experts} per layer, top {config.experts_per_token}); "
                   f"active per token {p['active_params'] / 1e9:.2f}B params "
                   f"({p['active_bytes'] / gib:.2f}GiB)")
+    if a.model or a.draft:
+        _print_footprint(a, rows)
+
+
+def _print_footprint(a, rows) -> None:
+    """`memory --model/--draft`: the pair on one device, per model and layout, and the peak a
+    process holding it should stay under (`footprint`)."""
+    from .footprint import PEAK_FACTOR, footprint, peak_bound
+
+    item = 4 if a.dtype == "float32" else 2
+    fps = [footprint(n, c, item, a.batch, a.cache_len) for n, c in rows]
+    gb = 1e9
+    width = max(14, 2 + max(len(f.name) for f in fps))
+    print(f"\none device, {a.dtype}, batch {a.batch}, cache {a.cache_len} tokens (GB = 1e9 "
+          "bytes): the packed layout decoding runs on is views of the weights on a CPU (no "
+          "bytes), a copy on a GPU with room for it")
+    print(f"{'model':<{width}}{'weights':>10}{'packed CPU':>12}{'packed GPU':>12}"
+          f"{'kv cache':>10}{'CPU total':>11}{'GPU total':>11}")
+    for f in fps + ([] if len(fps) < 2 else [None]):
+        name = "pair" if f is None else f.name
+        get = (lambda k: sum(getattr(x, k) for x in fps)) if f is None else (
+            lambda k: getattr(f, k))
+        cpu = sum(x.total("cpu") for x in fps) if f is None else f.total("cpu")
+        gpu = sum(x.total("gpu") for x in fps) if f is None else f.total("gpu")
+        print(f"{name:<{width}}{get('weights') / gb:>8.2f}GB{get('packed_cpu') / gb:>10.2f}GB"
+              f"{get('packed_gpu') / gb:>10.2f}GB{get('kv_cache') / gb:>8.2f}GB"
+              f"{cpu / gb:>9.2f}GB{gpu / gb:>9.2f}GB")
+    print(f"expected peak (resident set on a CPU, device memory on a GPU): at most "
+          f"{PEAK_FACTOR} x total = {peak_bound(fps, 'cpu') / gb:.2f}GB on a CPU, "
+          f"{peak_bound(fps, 'gpu') / gb:.2f}GB on a GPU")
 
 
 def _cmd_demo(a):

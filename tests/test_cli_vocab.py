@@ -4,6 +4,7 @@ target, errors naming the flag before anything loads, --help with choices and de
 serve's sizing flags checked before any load."""
 
 import json
+import os
 import types
 
 import pytest
@@ -123,11 +124,46 @@ def test_memory_plans_a_model_from_its_config_alone(tiny_pair, capsys, monkeypat
     cli.main(["memory", "--model", target.path, "--draft", draft.path, "--mesh", "1x1",
               "--batch", "64", "--cache-len", "65536", "--dtype", "float32"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4  # the header, the column names, the target and the draft
+    # the mesh plan: the header, the column names, the target and the draft
     kv = 64 * 65536 * kv_bytes_per_token(target.config, 4)  # fp32: 4 bytes an element
     assert kv > 2**30 and f"{kv / 2**30:.2f}GiB" in lines[2]
+    # then the pair on one device (`footprint`): a row per model, the pair's, the peak
+    assert lines[4] == "" and lines[5].startswith("one device, float32")
+    assert [ln.split()[0] for ln in lines[7:10]] == [os.path.basename(target.path),
+                                                      os.path.basename(draft.path), "pair"]
+    assert f"{kv / 1e9:.2f}GB" in lines[7] and lines[10].startswith("expected peak")
     with pytest.raises(SystemExit, match="--preset and --model/--draft each choose"):
         cli.main(["memory", "--model", target.path, "--preset", "llama-3-8b"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_footprint_counts_the_arrays_a_model_holds(tiny_pair, dtype):
+    """`memory`'s breakdown from a config alone equals the bytes of the arrays themselves: the
+    weights, the fused packed copy a GPU makes (`layout.pack`), the KV cache generate
+    allocates."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from ouroboros_jax.footprint import PEAK_FACTOR, footprint, peak_bound
+    from ouroboros_jax.models import layout
+    from ouroboros_jax.models.kv_cache import init_cache
+
+    target, draft, _ = tiny_pair
+    for m in (target, draft):
+        m = dataclasses.replace(m, params=jax.tree.map(lambda x: x.astype(dtype), m.params))
+        item = jnp.dtype(dtype).itemsize
+        f = footprint("m", m.config, item, 3, 40)
+        assert f.weights == layout.weight_bytes(m.params)
+        own = {id(x) for x in jax.tree.leaves(m.params)}  # arrays the copy shares
+        packed = jax.tree.leaves(layout.pack(m.params, m.config))
+        assert f.packed_gpu == sum(x.nbytes for x in packed if id(x) not in own)
+        assert f.packed_cpu == 0
+        cache = init_cache(m.config, 3, 40, dtype)
+        assert f.kv_cache == cache.k.nbytes + cache.v.nbytes
+        assert f.total("gpu") == f.weights + f.packed_gpu + f.kv_cache
+        assert peak_bound([f, f], "cpu") == int(PEAK_FACTOR * 2 * f.total("cpu"))
 
 
 def test_method_defaults_to_ouroboros_with_a_draft():

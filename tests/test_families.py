@@ -29,7 +29,7 @@ from ouroboros_jax.decoding.speculative import SpeculativeConfig
 from ouroboros_jax.models import causal_mask, forward
 from ouroboros_jax.models.config import llama3_factors, llama3_from_factors
 from ouroboros_jax.models.gguf import permute_qk
-from ouroboros_jax.models.layout import pack
+from ouroboros_jax.models.layout import pack, view_pack
 
 from conftest import make_hf_model
 from test_speculative import chi2_pvalue
@@ -122,7 +122,8 @@ def check_logits(model, tm, vocab, T=300):
     toks = np.random.RandomState(0).randint(0, vocab, size=(1, T))
     with torch.no_grad():
         ref = tm(torch.tensor(toks)).logits.numpy()
-    for params in (model.params, pack(model.params, model.config)):
+    for params in (model.params, pack(model.params, model.config),
+                   view_pack(model.params, model.config)):
         logits, _ = forward(params, model.config, jnp.asarray(toks), jnp.arange(T)[None],
                             causal_mask(1, T))
         rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()

@@ -27,7 +27,7 @@ from ouroboros_jax.models import causal_mask, commit_prefix, forward, init_cache
 from ouroboros_jax.models.attention import (blockwise_attention, dense_attention,
                                             first_window_block)
 from ouroboros_jax.models.config import ModelConfig
-from ouroboros_jax.models.layout import pack
+from ouroboros_jax.models.layout import pack, view_pack
 
 from conftest import noisy_copy
 
@@ -115,13 +115,15 @@ def test_logits_equal_transformers_across_the_window(family):
         ref = torch_target(torch.tensor(toks)).logits.numpy()
     T = toks.shape[1]
     outs = []
-    for params in (target.params, pack(target.params, target.config)):
+    for params in (target.params, pack(target.params, target.config),
+                   view_pack(target.params, target.config)):
         logits, _ = forward(params, target.config, jnp.asarray(toks), jnp.arange(T)[None],
                             causal_mask(1, T))
         rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
         assert rel <= 1e-4, rel
         outs.append(np.asarray(logits))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def _hf_greedy(torch_model, prompt, n):

@@ -55,7 +55,7 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     assert not layout.wants_packing(target.params)
     assert make_pair(target, draft).tparams is target.params
     assert layout.packed_bytes(target) == 0
-    packing(True)
+    packing("fused")
     # the planner counts the copy before it exists: every layer's weights (and a tied
     # model's transposed head)
     model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
@@ -80,6 +80,29 @@ def test_packing_follows_device_size_and_override(tiny_pair, packing):
     assert layout.packed_bytes(model) == extra and make_pair(model).tparams is not packed_now
     with pytest.raises(ValueError, match="set_packing: enabled"):
         layout.set_packing("yes")
+
+
+def test_a_cpu_packs_views_that_cost_no_bytes(tiny_pair, packing):
+    """On a CPU the packed layout is views of the stacked buffers (`view_pack`): every packed
+    array lies inside a canonical one, the planner counts nothing for it, and a tied model
+    keeps no transposed head."""
+    target, draft, _ = tiny_pair
+    packing(True)
+    model = dataclasses.replace(target)  # a Model of its own: nothing packed yet
+    assert layout.packs_by_views(model.params) and layout.packed_bytes(model) == 0
+    packed = make_pair(model).tparams
+    assert layout.is_packed(packed) and len(packed["layers"]) == model.config.num_layers
+    assert layout.shares_buffers(packed, model.params)
+    assert packed["embed"] is model.params["embed"]
+    assert ("head_t" in packed) == (not model.config.tie_word_embeddings)
+    lay = model.params["layers"]
+    for i in (0, model.config.num_layers - 1):  # layer i's views hold layer i's values
+        for name in lay:
+            assert (packed["layers"][i][name] == lay[name][i]).all()
+    # the fused copy is a buffer of its own
+    packing("fused")
+    fused = make_pair(dataclasses.replace(target)).tparams
+    assert not layout.shares_buffers(fused, target.params)
 
 
 def test_sharded_params_are_never_packed(tiny_target, packing):
@@ -153,7 +176,7 @@ def test_the_gpu_default_program_is_exact(tiny_pair, random_prompts, packing, mo
     dense = attention.KERNELS["dense"]
     monkeypatch.setitem(attention.KERNELS, "dense",
                         lambda *a, **k: traced.append(1) or dense(*a, **k))
-    packing(True)
+    packing("fused")  # the GPU's packed copy (a CPU packs views)
     attention.set_kernel("dense")
     jax.clear_caches()
     try:
@@ -164,3 +187,42 @@ def test_the_gpu_default_program_is_exact(tiny_pair, random_prompts, packing, mo
         jax.clear_caches()
     assert traced
     assert got.tokens == ref
+
+
+def _live_spans() -> list:
+    """[start, end) of the buffer under every live one-device jax array (an earlier test's
+    sharded arrays have no single buffer)."""
+    import gc
+
+    gc.collect()  # what an earlier test dropped goes now, not during the call measured
+    return [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes)
+            for a in jax.live_arrays() if not a.is_deleted() and len(a.devices()) == 1]
+
+
+def _new_bytes(before: list) -> int:
+    """Bytes of the live buffers that lie outside every span of `before` (each counted once):
+    what a call added and still holds; a view of a buffer live before adds nothing."""
+    new = {lo: hi - lo for lo, hi in _live_spans()
+           if not any(b_lo <= lo and hi <= b_hi for b_lo, b_hi in before)}
+    return sum(new.values())
+
+
+@pytest.mark.parametrize("kind", [True, "fused"], ids=["cpu-views", "fused-copy"])
+def test_a_model_holds_one_copy_of_its_weights_after_decoding(tiny_target, packing, kind):
+    """After a packed call, the buffers it added and still holds are less than the layers'
+    weights on a CPU (views), and at least them with the fused copy (so the count sees a
+    second copy)."""
+    model = dataclasses.replace(tiny_target)  # a Model of its own: nothing packed yet
+    packing(kind)
+    layers = layout.weight_bytes(model.params["layers"])
+    before = _live_spans()
+    out = oj.generate(model, [[5, 6, 7]], max_new_tokens=4, eos_token_id=-1)
+    assert layout.is_packed(model.derived_copy(layout.PACKED))  # the call packed, and kept it
+    grown = _new_bytes(before)
+    if kind is True:
+        assert grown < layers // 2, (grown, layers)
+    else:
+        assert grown >= layers, (grown, layers)
+    packing(False)
+    assert out.tokens == oj.generate(model, [[5, 6, 7]], max_new_tokens=4,
+                                     eos_token_id=-1).tokens

@@ -9,7 +9,7 @@ import torch
 import ouroboros_jax as oj
 from ouroboros_jax.models import (causal_mask, commit, commit_prefix, forward, init_cache,
                                   rollback)
-from ouroboros_jax.models.layout import pack
+from ouroboros_jax.models.layout import pack, view_pack
 
 from conftest import make_hf_model
 
@@ -44,15 +44,17 @@ def test_logits_match_transformers(tmp_path, case):
     with torch.no_grad():
         ref = torch_model(torch.tensor(toks)).logits.numpy()
     T = toks.shape[1]
-    # both layouts: the canonical stacked one and the packed one decoding runs on a CPU
+    # every layout: the canonical stacked one, the GPU's packed copy, the CPU's packed views
     outs = []
-    for params in (model.params, pack(model.params, model.config)):
+    for params in (model.params, pack(model.params, model.config),
+                   view_pack(model.params, model.config)):
         logits, _ = forward(params, model.config, jnp.asarray(toks), jnp.arange(T)[None],
                             causal_mask(1, T))
         rel = np.abs(np.asarray(logits) - ref).max() / np.abs(ref).max()
         assert rel <= 1e-4, rel
         outs.append(np.asarray(logits))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_prefill_then_decode_equals_full_forward(tiny_target):

@@ -25,16 +25,25 @@ On a GPU the scan's per-layer slice costs too, and the scan is a `while` loop wh
 goes to the host every layer: measured on an H200 (bf16, experiments/device/variants.py,
 docs/bench/device-h200), a Llama-3.1-8B-shaped forward took 12.5 ms stacked and 5.5 ms packed
 (dense attention; 3.3 ms is its weights over the HBM bandwidth), and vanilla decoding 13.1 ->
-5.7 ms per token. The packed
-copy is made once per model (about 0.15 s for SmolLM2-135M) and kept on the `Model` beside its
-canonical params, so the weights' memory doubles (the memory planner counts the copy before it
-is made). Letters as in the package glossary.
+5.7 ms per token.
+
+One copy of the weights. On a GPU the packed layout is a copy (`pack`, made once per model by
+one jitted call, about 0.15 s for SmolLM2-135M), kept on the `Model` beside its canonical
+params: the weights' memory doubles there, and the memory planner (`packed_bytes`,
+`ouroboros-jax memory`) counts the copy before it is made. On a CPU the device's memory is the
+host's, and a jax array's buffer can be read as numpy and adopted again without a copy: there
+the packed layout is made of views (`view_pack`), each layer's weights a zero-copy slice of the
+stacked buffers, the canonical leaves unchanged (no q/k/v or gate/up fusion, which would need
+new buffers), a tied head read from the embedding (no transposed copy). It costs no bytes, so
+the weights are held once whichever layout reads them (measured on the real pair,
+docs/real-models.md "Memory"). Letters as in the package glossary.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ModelConfig
 
@@ -90,6 +99,38 @@ def pack(params: Params, config: ModelConfig) -> Params:
 _pack_jit = jax.jit(pack, static_argnums=1)
 
 
+def view_pack(params: Params, config: ModelConfig) -> Params:
+    """Canonical params on one CPU -> the packed layout as views of their buffers: layer i's
+    dict holds every stacked leaf's slice [i] (the canonical leaf shapes: wq [E,H,D], w_gate
+    [E,F], ..., read by the forward's unfused path), each a jax array adopting a contiguous
+    piece of the stacked buffer without a copy; embed, final_norm and an untied head
+    ("head_t" = lm_head [E,V]) are the canonical arrays themselves, and a tied model has no
+    "head_t" (the forward reads the embedding). The views keep their stacked buffers alive.
+    jax adopts a slice that starts 64-byte aligned; another is copied (a per-layer norm of a
+    width whose bytes are no multiple of 64, in a toy config: a few bytes). Not jittable
+    (host views); packed params pass through."""
+    if is_packed(params):
+        return params
+    device = next(iter(params_devices(params)))
+    # np.asarray of a CPU jax array is a read-only view of its buffer (no copy)
+    stacked = {name: np.asarray(x) for name, x in params["layers"].items()}
+    layers = tuple({name: jax.device_put(h[i], device, may_alias=True)
+                    for name, h in stacked.items()} for i in range(config.num_layers))
+    out = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
+    if not config.tie_word_embeddings:
+        out["head_t"] = params["lm_head"]
+    return out
+
+
+def shares_buffers(packed: Params, params: Params) -> bool:
+    """Whether every array of `packed` lies inside one of `params`' buffers (the views of
+    `view_pack`, adopted without a copy); False where any is a buffer of its own."""
+    spans = [(x.unsafe_buffer_pointer(), x.unsafe_buffer_pointer() + x.nbytes)
+             for x in jax.tree.leaves(params)]
+    return all(any(lo <= x.unsafe_buffer_pointer() and x.unsafe_buffer_pointer() + x.nbytes <= hi
+                   for lo, hi in spans) for x in jax.tree.leaves(packed))
+
+
 # Weights below this size stay stacked on a CPU: measured on this project's 2-core x86 machine
 # (32 MB L3), packing made SmolLM2-135M's (538 MB) vanilla steps 1.3-2x faster and its
 # 9-token forward 1.3x, while for the demo pair (76 MB target, 13 MB draft: largely
@@ -102,11 +143,13 @@ _override: list = [None]
 
 
 def set_packing(enabled) -> None:
-    """Forces packing on (True) or off (False) for every later call, or back to the
-    per-device choice (None): for A/B benchmarks, or to keep a CPU call's memory at one copy
-    of the weights. Read when a call builds its model pair, outside any trace."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"set_packing: enabled must be True, False or None, got {enabled!r}")
+    """Forces packing on (True: in the device's kind, views on a CPU) or off (False) for
+    every later call, or to the fused copy on any device ("fused": a GPU's program, run on a
+    CPU in tests and A/B benchmarks), or back to the per-device choice (None). Read when a
+    call builds its model pair, outside any trace."""
+    if enabled is not None and not isinstance(enabled, bool) and enabled != "fused":
+        raise ValueError("set_packing: enabled must be True, False, 'fused' or None, got "
+                         f"{enabled!r}")
     _override[0] = enabled
 
 
@@ -129,12 +172,18 @@ def wants_packing(params: Params, held: bool = False) -> bool:
     devices = params_devices(params)
     if len(devices) != 1 or _override[0] is False:
         return False
-    if _override[0] is True:
+    if _override[0] is not None:  # True or "fused"
         return True
     device = next(iter(devices))
     if device.platform == "gpu":
         return held or gpu_has_room(device, weight_bytes(params))
     return device.platform == "cpu" and weight_bytes(params) >= PACK_MIN_BYTES
+
+
+def packs_by_views(params: Params) -> bool:
+    """Whether a packed layout of these (one-device) params is made of views (`view_pack`):
+    on a CPU, unless `set_packing("fused")` asks for the copy."""
+    return _override[0] != "fused" and next(iter(params_devices(params))).platform == "cpu"
 
 
 def gpu_has_room(device, nbytes: int) -> bool:
@@ -152,9 +201,10 @@ def gpu_has_room(device, nbytes: int) -> bool:
 
 
 def decode_params(model) -> Params:
-    """The params decoding should run on for a `Model`: its packed copy where `wants_packing`
-    (made once, by one jitted call, and kept on the model while its params stay the same
-    object), else its params as they are."""
+    """The params decoding should run on for a `Model`: its packed layout where
+    `wants_packing` (made once, kept on the model while its params stay the same object:
+    views of the params on a CPU, `view_pack`, else a copy made by one jitted call), else its
+    params as they are."""
     params = model.params
     if is_packed(params):
         return params
@@ -162,23 +212,32 @@ def decode_params(model) -> Params:
     if not wants_packing(params, held=packed is not None):
         return params
     if packed is None:
-        packed = model.keep_derived(PACKED, _pack_jit(params, model.config))
+        make = view_pack if packs_by_views(params) else _pack_jit
+        packed = model.keep_derived(PACKED, make(params, model.config))
     return packed
 
 
 def release(model) -> None:
-    """Drops a `Model`'s packed copy (the next call that wants it packs again): frees a
-    second copy of the weights when something else needs the memory, e.g. a benchmark that
-    loads transformers' own copies of the same checkpoints after ours have run."""
+    """Drops a `Model`'s packed layout (the next call that wants it packs again): frees a
+    second copy of the weights where it is one (a GPU's), when something else needs the
+    memory, e.g. a benchmark that loads transformers' own copies of the same checkpoints."""
     model.drop_derived(PACKED)
 
 
 def packed_bytes(model) -> int:
     """Bytes a call would add for the packed copy of a `Model`'s weights (0 where nothing is
-    packed or the copy already exists): every layer's weights, and the transposed head of a
-    tied model."""
+    packed, the copy already exists, or the layout is made of views, `packs_by_views`):
+    every layer's weights, and the transposed head of a tied model."""
     params = model.params
-    if is_packed(params) or not wants_packing(params) or model.derived_copy(PACKED) is not None:
+    if (is_packed(params) or not wants_packing(params) or model.derived_copy(PACKED) is not None
+            or packs_by_views(params)):
         return 0
+    return copy_bytes(model)
+
+
+def copy_bytes(model) -> int:
+    """Bytes of a fused packed copy of a `Model`'s weights (`pack`), made or not: every
+    layer's weights, and the transposed head of a tied model."""
+    params = model.params
     head = params["embed"].size * params["embed"].dtype.itemsize
     return weight_bytes(params["layers"]) + (head if model.config.tie_word_embeddings else 0)

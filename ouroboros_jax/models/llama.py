@@ -400,7 +400,8 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
             ks.append(k)
             vs.append(v)
         ks, vs = jnp.stack(ks), jnp.stack(vs)
-        head = params["head_t"]
+        # a tied model's views (layout.view_pack) keep no transposed copy of the embedding
+        head = params["head_t"] if "head_t" in params else params["embed"].T
     else:
         # the cache is not scanned over: each layer's kernel reads its own live blocks from it
         layers = jnp.arange(config.num_layers, dtype=jnp.int32)

@@ -25,9 +25,10 @@ class Model:
     # generation_config.json's fields (eos_token_id, ...), {} when the directory has none
     generation_config: dict = dataclasses.field(default_factory=dict)
     # copies made from the params, each kept beside the params it was made from: this model
-    # placed on a mesh (sharding.shard_model, key ("mesh", mesh)) and the packed copy decoding
-    # runs on a CPU (layout.decode_params, key "packed"). They live and die with the model; a
-    # `dataclasses.replace` of it starts with none.
+    # placed on a mesh (sharding.shard_model, key ("mesh", mesh)) and the packed layout
+    # decoding runs on one CPU or GPU (layout.decode_params, key "packed": views of the
+    # params' buffers on a CPU, no bytes; a copy on a GPU). They live and die with the model;
+    # a `dataclasses.replace` of it starts with none.
     derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                       compare=False)
 
