@@ -19,6 +19,7 @@ import numpy as np
 
 from .auto import AutoTuner, default_tuner
 from .auto.switch import Switcher
+from .constrain.rows import constraint_stats, row_constraints
 from .decoding import METHODS
 from .decoding.common import Stats
 from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
@@ -63,7 +64,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
              eos_token_id: Optional[int | Sequence[int]] = None, config: Any = "auto",
              mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
              max_cache_len: Optional[int] = None, logprobs: bool = False,
-             top_logprobs: int = 0, tuner: Optional[AutoTuner] = None) -> GenerationOutput:
+             top_logprobs: int = 0, tuner: Optional[AutoTuner] = None,
+             response_format: Any = None) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
     prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
@@ -84,7 +86,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     return each new token's log-probability, taken from the forward that accepted it (no
     extra forward; off, the loop is the one without them); top_logprobs: with it, the most
     likely tokens' at each position (0..20). tuner: the `auto.AutoTuner` that sizes "auto" and
-    learns from the call (default: `auto.default_tuner()`). Returns `GenerationOutput`.
+    learns from the call (default: `auto.default_tuner()`). response_format: constrain the
+    output, for every prompt or per prompt (a list): {"type": "json_object"}, {"type":
+    "json_schema", "json_schema": {"schema": {...}}} or {"type": "regex", "pattern": "..."}
+    (None or {"type": "text"}: none); the automaton runs inside the loop, for every method
+    (docs/structured.md; needs outlines-core). Returns `GenerationOutput`.
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     tuner = default_tuner() if tuner is None else tuner
@@ -98,7 +104,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    eos_token_id=eos_token_id, config=repr(config), mesh=mesh_id(mesh),
                    pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
-                   max_cache_len=max_cache_len, logprobs=(logprobs, top_logprobs))
+                   max_cache_len=max_cache_len, logprobs=(logprobs, top_logprobs),
+                   response_format=repr(response_format))
     spec = resolve_method(method)
     validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
     n_top = check_logprobs(logprobs, top_logprobs)
@@ -113,6 +120,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
         eos = eos_array(explicit_eos(eos_token_id, V))
 
     B = len(token_lists)
+    # built (or read from the cache) before anything runs: a bad format fails fast
+    constraint, tables = row_constraints(response_format, B, target.tokenizer, V,
+                                         [int(e) for e in eos if e >= 0])
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
@@ -130,6 +140,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
     limits, sp = row_knobs(B, max_new_tokens, *knobs)
+    limits = limits.replace(constraint=constraint)
     compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
@@ -141,6 +152,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     seconds = time.perf_counter() - t0
     out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
+    if constraint is not None:
+        stats.update(constraint_stats(seq, tables))
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:

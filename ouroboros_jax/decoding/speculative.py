@@ -53,6 +53,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, 
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows, source_labels)
+from . import constrained
 from .cost import (ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    depth_counts, expected_tokens)
 from .knobs import GAMMA, KnobSpace
@@ -279,9 +280,14 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
         pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence)
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
+    states = constrained.tree_states(limits, seq, parents, chain)
+    if states is not None:  # the chain is cut where it leaves the language
+        drafted = jnp.minimum(drafted, jnp.sum(jnp.cumprod(states[:, 1:] >= 0, axis=1),
+                                               axis=1, dtype=jnp.int32))
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
     tcache = settle(state.tcache)
     logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, tcache)
+    logits = constrained.masked(limits, states, logits)
 
     def walk():
         choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -291,7 +297,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     if greedy:
         acc = walk()
     else:
-        if confidence > 0 or limits.speculate is not None:
+        if confidence > 0 or limits.speculate is not None or states is not None:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
         else:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
