@@ -151,6 +151,11 @@ SLOW_TESTS = frozenset({
     "test_speculative.py::test_adaptive_greedy_equals_vanilla_and_drafts_less",
     "test_speculative.py::test_greedy_batched_equals_vanilla",
     "test_speculative.py::test_sampling_matches_vanilla_distribution",
+    # test_structured.py
+    "test_structured.py::test_a_batch_mixes_formats_and_unconstrained_rows_each_as_its_solo_call",
+    "test_structured.py::test_constrained_sampling_is_lossless_and_a_wrong_rule_is_caught",
+    "test_structured.py::test_constrained_tree_methods_equal_constrained_vanilla",
+    "test_structured.py::test_constrained_vanilla_equals_transformers_with_the_automaton_as_a_mask",
     # test_vanilla.py
     "test_vanilla.py::test_mesh_gives_same_tokens",
 })
