@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +263,8 @@ class RequestParams:
             likely tokens' (`decoding/logprobs.py`).
         speculation: False runs the request as plain decoding (its slot proposes no draft
             tokens; the output is what speculation gives, greedy identical).
+        response_format: None / {"type": "text"} (no constraint) or a structured-output
+            format (`constrain.formats`): checked and compiled by the engine's `validate`.
     """
 
     max_tokens: int = 128
@@ -274,6 +276,7 @@ class RequestParams:
     stop: tuple = ()
     logprobs: Optional[int] = None
     speculation: bool = True
+    response_format: Any = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         self.validate()
@@ -299,11 +302,13 @@ class ValidRequest:
         ids: the prompt's token ids (a chat conversation rendered once).
         params: its knobs.
         eos: int32[EOS_BUCKET] the ids that end it (-1 pads).
+        table: its response_format's `constrain.TokenTable` (None: unconstrained).
     """
 
     ids: list
     params: RequestParams
     eos: np.ndarray
+    table: Any = None
 
     @functools.cached_property
     def stop_ids(self) -> frozenset:

@@ -53,8 +53,10 @@ from ..pool import PhrasePool, ranged_pool
 from ..request import (RequestParams, ValidRequest, cache_slots, check_call, check_draft,
                        check_model, default_eos_ids, default_method, eos_array, is_int,
                        place_models, prompt_ids, resolve_method, validate_request)
-from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
-                       device_step, engine_state, pack_insert, pinned)
+from .executor import (OFF, DeviceState, Executor, blank_constraint, blank_knobs,
+                       device_insert, device_step, engine_state, pack_constraint, pack_insert,
+                       pinned)
+from .structured import with_table
 from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401  (re-exported)
 from .lockstep import Lockstep, Op
 from .metrics import EngineCounters
@@ -109,6 +111,9 @@ class Engine:
     rounds per device step (k). pool: a phrase pool to start from (shared_pool only).
     max_queue: waiting requests beyond which submit raises QueueFull. mesh: a
     `sharding.make_mesh` mesh to place the models and the state on (None: as the models lie).
+    constraint_states, constraint_classes: each slot's region of the structured-output table
+    (`RequestParams.response_format`): a request whose automaton needs more states or token
+    classes is refused naming its response_format (0: structured output off).
 
     Over several processes (a mesh, or models loaded with `load_sharded`, spanning processes
     joined by `jax.distributed`): every process builds the Engine with the same arguments
@@ -120,7 +125,8 @@ class Engine:
     def __init__(self, target, draft=None, *, method: Optional[str] = None, config: Any = "auto",
                  slots: int = 8, max_cache_len: Optional[int] = None, rounds_per_step: int = 4,
                  pool: Optional[PhrasePool] = None, shared_pool: bool = True,
-                 max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None):
+                 max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None,
+                 constraint_states: int = 512, constraint_classes: int = 1024):
         method = default_method(method, draft is not None)  # None: Ouroboros with a draft
         spec, multi, limit = _check_args(target, draft, method, config, slots, max_cache_len,
                                          rounds_per_step, pool, shared_pool, max_queue, mesh)
@@ -131,6 +137,8 @@ class Engine:
         self.model_name = target.path or "model"
         self.slots, self.rounds, self.max_queue = int(slots), int(rounds_per_step), int(max_queue)
         self.limit, self.shared_pool, self.vocab = limit, shared_pool, target.config.vocab_size
+        # structured output: each slot's region of the automaton table (0 states: refused)
+        self.constraint_region = (int(constraint_states), int(constraint_classes))
         self._default_eos = eos_array(default_eos_ids(target), self.vocab)
         self.tuner = AutoTuner()  # config="auto"'s: this engine's own prices and choices
         levels = load_levels(method, spec, config, lambda: auto_levels(
@@ -180,11 +188,16 @@ class Engine:
     def _blank(self, pair, spec, base, pool0) -> DeviceState:
         """The device state before any request, placed on the mesh."""
         B = self.slots
+        states, classes = self.constraint_region
+        structured = states > 0 and classes > 0
         state = engine_state(jax.jit(spec.init, static_argnums=(1, 2, 3))(
-            pair, base, B, self.cache_slots, pool0))
+            pair, base, B, self.cache_slots, pool0), structured)
         if not self.shared_pool and pool0 is not None:  # slot i's keys start at i * vocab
             state = state.replace(key_offset=jnp.arange(B, dtype=jnp.int32) * self.vocab)
-        dev = DeviceState(state, *blank_knobs(B))
+        sp, limits = blank_knobs(B)
+        if structured:
+            limits = limits.replace(constraint=blank_constraint(B, self.vocab, states, classes))
+        dev = DeviceState(state, sp, limits)
         return jax.jit(pinned)(pair, dev) if pair.mesh is not None else dev
 
     @property
@@ -203,8 +216,9 @@ class Engine:
         """Token ids (from `tokens`) and knobs -> the request as submit queues it; FieldError
         naming the field (prompt or max_tokens past the cache, stop ids outside the
         vocabulary)."""
-        return validate_request(ids, params, limit=self.limit, vocab_size=self.vocab,
-                                default_eos=self._default_eos)
+        req = validate_request(ids, params, limit=self.limit, vocab_size=self.vocab,
+                               default_eos=self._default_eos)
+        return with_table(req, self.tokenizer, self.vocab, self.constraint_region)
 
     def submit(self, prompt, params: RequestParams = RequestParams()) -> RequestHandle:
         """prompt: token ids, a string, chat messages (list of {"role","content"} dicts), or a
@@ -234,8 +248,9 @@ class Engine:
         """The device call op stands for, on this process (the lockstep serializes them)."""
         ex = self._executor
         calls = {"insert": lambda: ex.insert(op.packed),
+                 "constraint": lambda: ex.constrain(op.packed),
                  "step": lambda: ex.step(op.level, op.greedy, op.stop_rows, op.logprobs,
-                                         op.rows),
+                                         op.rows, op.constrained),
                  "pool": ex.pool_copy, "save_pool": ex.save_pool,
                  "restore_pool": ex.restore_pool, "idle": lambda: None}
         if op.kind not in calls:
@@ -261,6 +276,9 @@ class Engine:
                 self._end(h, "cancelled")
             admitted = self._sched.admit()
         for slot, h in admitted:
+            if h.request.table is not None:  # its automaton into the slot's region first
+                self._lockstep.lead(Op("constraint", packed=pack_constraint(
+                    slot, h.request.table, *self.constraint_region)))
             self._lockstep.lead(Op("insert", packed=pack_insert(slot, h.request)))
             self._counters.c["prompt_tokens"] += len(h.prompt)
         with self._lock:
@@ -269,7 +287,7 @@ class Engine:
             return None
         return plan, self._lockstep.lead(Op("step", level=plan.level, greedy=plan.greedy,
                                              stop_rows=plan.stop_rows, logprobs=plan.logprobs,
-                                             rows=plan.rows))
+                                             rows=plan.rows, constrained=plan.constrained))
 
     def _process(self, plan: Plan, packed: jax.Array) -> None:
         """A step's outputs on the host (waiting for the device): tokens streamed to their

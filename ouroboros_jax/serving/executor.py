@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..constrain.device import RowConstraints
 from ..decoding import logprobs as lpm
 from ..decoding.common import SOURCES, Limits, read_emitted, run_rounds, set_rows
 from ..distributed import local
@@ -44,9 +45,10 @@ from .row_buckets import pad_rows, put_head, take_head
 
 OFF = "off"  # a load level without speculation
 # the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
-# temperature and top_p (float32 bits), speculation on, then EOS_BUCKET stop ids; the prompt
-# follows
-INSERT_HEAD = 9 + EOS_BUCKET
+# temperature and top_p (float32 bits), speculation on, constrained (the request's table was
+# put in its slot's region just before, `pack_constraint`), then EOS_BUCKET stop ids; the
+# prompt follows
+INSERT_HEAD = 10 + EOS_BUCKET
 
 
 @struct.dataclass
@@ -69,11 +71,14 @@ def blank_knobs(B: int) -> tuple[SamplingParams, Limits]:
                    speculate=jnp.ones((B,), bool)))
 
 
-def engine_state(state):
+def engine_state(state, structured: bool = False):
     """A method's state over the slots (`MethodSpec.init`) as the engine keeps it: its
     sequences with logprob buffers of `MAX_TOP_LOGPROBS` top tokens, which steps fill when a
-    request asks for logprobs."""
-    return state.replace(seq=lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS))
+    request asks for logprobs, and (structured) automaton-state buffers."""
+    seq = lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS)
+    if structured:
+        seq = seq.replace(fsm=jnp.zeros_like(seq.lengths), forced=jnp.zeros_like(seq.lengths))
+    return state.replace(seq=seq)
 
 
 def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
@@ -84,7 +89,8 @@ def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
     out[:6] = (slot, len(ids), p.top_k, np.uint32(p.seed).view(np.int32), greedy, p.max_tokens)
     out[6:8] = np.asarray([1.0 if greedy else p.temperature, p.top_p], np.float32).view(np.int32)
     out[8] = p.speculation
-    out[9:INSERT_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
+    out[9] = req.table is not None
+    out[10:INSERT_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
     out[INSERT_HEAD:INSERT_HEAD + len(ids)] = ids
     return out
 
@@ -98,9 +104,65 @@ def unpack_insert(packed: jax.Array, vocab: int):
                         top_p=floats[1:2],
                         seed=jax.lax.bitcast_convert_type(h[3:4], jnp.uint32),
                         stream=jnp.zeros((1,), jnp.int32), greedy_rows=h[4:5] != 0)
-    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[9:INSERT_HEAD][None],
+    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[10:INSERT_HEAD][None],
                     speculate=h[8:9] != 0)
-    return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits
+    return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits, h[9] != 0
+
+
+# -- structured output: every slot owns a region of `states` automaton states in one table
+# (`constrain.RowConstraints`: automaton k = slot + 1, automaton 0 "accept everything"), which
+# a constrained request's table is written into before its insert; a request without one
+# points its slot at automaton 0.
+
+def blank_constraint(B: int, vocab: int, states: int, classes: int) -> RowConstraints:
+    """B slots' automata before any request: every slot unconstrained, each with a region of
+    `states` states over `classes` token classes (the bound a request's table must fit)."""
+    S = 1 + B * states
+    return RowConstraints(
+        next_state=jnp.full((S, classes), -1, jnp.int32).at[0, 0].set(0),
+        class_of=jnp.zeros((B + 1, vocab), jnp.int32),
+        base=jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                              1 + jnp.arange(B, dtype=jnp.int32) * states]),
+        n_allowed=jnp.zeros((S,), jnp.int32).at[0].set(vocab),
+        automaton=jnp.zeros((B,), jnp.int32))
+
+
+def constraint_region(dev: DeviceState) -> tuple[int, int]:
+    """(states, classes) of one slot's region in dev's table."""
+    rc = dev.limits.constraint
+    B = rc.automaton.shape[0]
+    return (rc.next_state.shape[0] - 1) // B, rc.next_state.shape[1]
+
+
+def pack_constraint(slot: int, table, states: int, classes: int) -> np.ndarray:
+    """A request's TokenTable for slot's region -> int32[1 + states*classes + V + states]:
+    slot, next_state padded to the region, class_of, n_allowed (one upload)."""
+    S, C = table.next_state.shape
+    rows = np.full((states, classes), -1, np.int32)
+    rows[:S, :C] = table.next_state
+    n_allowed = np.zeros((states,), np.int32)
+    n_allowed[:S] = table.n_allowed
+    return np.concatenate([[slot], rows.ravel(), table.class_of, n_allowed]).astype(np.int32)
+
+
+@partial(jax.jit, donate_argnums=(1,))
+def device_constrain(pair, dev: DeviceState, packed) -> DeviceState:
+    """A request's table (`pack_constraint`) into its slot's region; the slot's automaton set
+    to it by the insert that follows. dev may be `packed_state.Packed`."""
+    held, dev = dev, _opened(dev)
+    rc = dev.limits.constraint
+    states, classes = constraint_region(dev)
+    V = rc.class_of.shape[1]
+    slot = packed[0]
+    rows = packed[1:1 + states * classes].reshape(states, classes)
+    cls = packed[1 + states * classes:1 + states * classes + V]
+    n_allowed = packed[1 + states * classes + V:]
+    at = 1 + slot * states
+    rc = rc.replace(next_state=jax.lax.dynamic_update_slice(rc.next_state, rows, (at, 0)),
+                    class_of=rc.class_of.at[slot + 1].set(cls),
+                    n_allowed=jax.lax.dynamic_update_slice(rc.n_allowed, n_allowed, (at,)))
+    dev = dev.replace(limits=dev.limits.replace(constraint=rc))
+    return _closed(held, pinned(pair, dev))
 
 
 def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
@@ -181,26 +243,35 @@ def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
     """A request (`pack_insert`) prefilled into its slot; the other slots untouched. dev may
     be `packed_state.Packed` (then so is the state returned)."""
     held, dev = dev, _opened(dev)
-    rows, prompt, prompt_lengths, sp, limits = unpack_insert(packed, vocab)
+    rows, prompt, prompt_lengths, sp, limits, constrained = unpack_insert(packed, vocab)
     state = dev.state
     if not shared:  # before the insert, which may fill the slot's range (context phrases)
         lo = rows[0] * vocab
         state = state.replace(pool=clear_keys(state.pool, lo, lo + vocab * rows.shape[0]))
     state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
+    rc = dev.limits.constraint
+    new_limits = set_rows(dev.limits.replace(constraint=None), rows, limits)
+    if rc is not None:  # the slot's own automaton (its table just written) or automaton 0
+        rc = rc.replace(automaton=rc.automaton.at[rows].set(
+            jnp.where(constrained, rows + 1, 0).astype(jnp.int32)))
+        new_limits = new_limits.replace(constraint=rc)
     return _closed(held, pinned(pair, DeviceState(state, set_rows(dev.sp, rows, sp),
-                                                  set_rows(dev.limits, rows, limits))))
+                                                  new_limits)))
 
 
 @partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs",
-                                   "rows"), donate_argnums=(1,))
+                                   "rows", "constrained"), donate_argnums=(1,))
 def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
-                width: int, logprobs: bool = False, rows: Optional[int] = None):
+                width: int, logprobs: bool = False, rows: Optional[int] = None,
+                constrained: bool = False):
     """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
     the step's outputs as one int32 array, `StepOutput.pack`: one download). logprobs: the
     rounds compute the emitted tokens' logprobs, and the outputs carry them. rows: the rounds
     run on slots [0, rows) only (`row_buckets`; every slot past them must be free), None:
     on all B; the outputs cover all B either way. dev may be `packed_state.Packed` (then so
-    is the state returned)."""
+    is the state returned). constrained: a busy slot has a response_format, so the rounds
+    apply the slots' automata (`decoding/constrained.py`); without, they run as if none
+    were kept (a second compiled step, built on first use, like logprobs')."""
     held, dev = dev, _opened(dev)
     B = dev.limits.max_new_tokens.shape[0]
     st = dev.state
@@ -210,7 +281,8 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
     full = dev.replace(state=st)
     part = full if rows is None or rows == B else take_head(full, B, rows)
     sp = part.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
-    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, part.limits),
+    limits = part.limits if constrained else part.limits.replace(constraint=None)
+    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, limits),
                                       rounds, part.state)
     if part is not full:
         st = put_head(full, part.replace(state=st), B).state
@@ -358,8 +430,13 @@ class Executor:
                                   insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
                                   shared=self.shared)
 
+    def constrain(self, data: np.ndarray) -> None:
+        """A request's table (`pack_constraint`) into its slot's region."""
+        self.held = device_constrain(self.pair, self.held, jnp.asarray(data))
+
     def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
-             logprobs: bool = False, rows: Optional[int] = None) -> jax.Array:
+             logprobs: bool = False, rows: Optional[int] = None,
+             constrained: bool = False) -> jax.Array:
         """k rounds on every slot (on slots [0, rows) when rows is set: the rest must be free)
         under load level `level` -> the outputs packed on the device (`StepOutput.pack`, with
         logprobs when asked; not waited for: `read` them)."""
@@ -372,7 +449,8 @@ class Executor:
                                      round_fn=round_fn, cfg=cfg, greedy=greedy,
                                      rounds=self.rounds, width=self.width,
                                      logprobs=bool(logprobs),
-                                     rows=None if rows is None else int(rows))
+                                     rows=None if rows is None else int(rows),
+                                     constrained=bool(constrained))
         return out
 
     def read(self, flat: np.ndarray, logprobs: bool = False) -> StepOutput:
