@@ -57,7 +57,7 @@ SLOW_MODULES = frozenset({
     "test_demo_pair.py", "test_notebook.py", "test_smollm2.py", "test_server.py",
     "test_hostile.py", "test_bench.py", "test_bench_serve.py", "test_bench_serve_peer.py",
     "test_cli_vocab.py", "test_device_script.py", "test_xla_cpu.py", "test_compile_cache.py",
-    "test_moe.py",
+    "test_moe.py", "test_structured_server.py",
 })
 
 # Single tests of the fast tier's modules that are slow too: every function whose calls took

@@ -44,8 +44,10 @@ def json_tokenizer():
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     t.decoder = decoders.Fuse()
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
     return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>")
+                                   pad_token="<pad>", unk_token="<unk>", chat_template=template)
 
 
 @pytest.fixture(scope="module")
