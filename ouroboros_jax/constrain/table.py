@@ -68,23 +68,27 @@ def from_transitions(transitions: dict, start: int, finals: Sequence[int],
     start at 0. eos_ids: every id that ends generation; allowed in accepting states only.
     Raises ConstraintError (naming `field`) when the table would exceed max_bytes."""
     order = [start] + sorted(s for s in set(transitions) | set(finals) if s != start)
+    seen = set(order)
     for d in transitions.values():
-        for n in d.values():
-            if n not in order:
-                order.append(n)
-    local = {s: i for i, s in enumerate(order)}
+        for n in set(d.values()) - seen:
+            order.append(n)
+            seen.add(n)
+    lut = np.full((max(order) + 1,), -1, np.int64)
+    lut[np.asarray(order, np.int64)] = np.arange(len(order))
     S, V = len(order), vocab_size
-    eos = [int(e) for e in eos_ids if 0 <= int(e) < V]
+    eos = np.asarray([int(e) for e in eos_ids if 0 <= int(e) < V], np.int64)
     accepting = np.zeros((S,), bool)
-    accepting[[local[f] for f in finals]] = True
+    accepting[lut[np.asarray(list(finals), np.int64)]] = True
     cols = []  # per state: (token ids, next states) with EOS in accepting states
     for s in order:
         d = transitions.get(s, {})
-        toks = np.fromiter((t for t in d if t not in eos), np.int64)
-        nxt = np.fromiter((local[n] for t, n in d.items() if t not in eos), np.int64)
-        if accepting[local[s]] and eos:
-            toks = np.concatenate([toks, np.asarray(eos, np.int64)])
-            nxt = np.concatenate([nxt, np.full((len(eos),), local[s], np.int64)])
+        toks = np.fromiter(d.keys(), np.int64, len(d))
+        nxt = lut[np.fromiter(d.values(), np.int64, len(d))]
+        keep = ~np.isin(toks, eos)
+        toks, nxt = toks[keep], nxt[keep]
+        if accepting[lut[s]] and len(eos):
+            toks = np.concatenate([toks, eos])
+            nxt = np.concatenate([nxt, np.full((len(eos),), lut[s], np.int64)])
         cols.append((toks, nxt))
     # refine classes state by state: two tokens share a class iff every state treats them alike
     cls = np.zeros((V,), np.int64)

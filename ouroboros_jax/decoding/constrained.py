@@ -20,7 +20,7 @@ Letters (package glossary): B rows, T tree nodes, V vocab, A tokens offered to e
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -95,3 +95,25 @@ def tree_mask_fn(limits, seq):
         return masked(limits, tree_states(limits, seq, parents, tokens), logits)
 
     return constrain
+
+
+class DraftGuard(NamedTuple):
+    """What a draft model's own loop needs to draft inside the rows' constraints.
+
+    root: int32[B], each row's state at its pending token; mask(logits [B,1,V], state [B]) ->
+    logits with refused tokens at -inf; advance(state [B], token [B]) -> the state after it.
+    """
+
+    root: jax.Array
+    mask: object
+    advance: object
+
+
+def draft_guard(limits, seq) -> Optional[DraftGuard]:
+    """The rows' constraints for a draft loop (None without a constraint)."""
+    rc = limits.constraint
+    if rc is None:
+        return None
+    return DraftGuard(root=seq.fsm,
+                      mask=lambda logits, state: cdev.mask_logits(rc, state[:, None], logits),
+                      advance=lambda state, tok: cdev.step(rc, state, tok))
