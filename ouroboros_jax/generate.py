@@ -87,10 +87,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     extra forward; off, the loop is the one without them); top_logprobs: with it, the most
     likely tokens' at each position (0..20). tuner: the `auto.AutoTuner` that sizes "auto" and
     learns from the call (default: `auto.default_tuner()`). response_format: constrain the
-    output, for every prompt or per prompt (a list): {"type": "json_object"}, {"type":
-    "json_schema", "json_schema": {"schema": {...}}} or {"type": "regex", "pattern": "..."}
-    (None or {"type": "text"}: none); the automaton runs inside the loop, for every method
-    (docs/structured.md; needs outlines-core). Returns `GenerationOutput`.
+    output, one format or a list per prompt (docs/structured.md). Returns `GenerationOutput`.
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     tuner = default_tuner() if tuner is None else tuner
@@ -113,16 +110,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     auto, cfg = method_config(spec, method, config)
     token_lists = as_token_lists(target, prompts)
     check_cache_len(target, token_lists, max_new_tokens, max_cache_len)
-    V = target.config.vocab_size
-    if eos_token_id is None:
-        eos = eos_array(default_eos_ids(target), V)
-    else:
-        eos = eos_array(explicit_eos(eos_token_id, V))
-
-    B = len(token_lists)
-    # built (or read from the cache) before anything runs: a bad format fails fast
-    constraint, tables = row_constraints(response_format, B, target.tokenizer, V,
-                                         [int(e) for e in eos if e >= 0])
+    V, B = target.config.vocab_size, len(token_lists)
+    eos, constraint, tables = _eos_and_constraints(target, eos_token_id, response_format, B)
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
@@ -139,8 +128,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
-    limits, sp = row_knobs(B, max_new_tokens, *knobs)
-    limits = limits.replace(constraint=constraint)
+    limits, sp = row_knobs(B, max_new_tokens, *knobs, constraint=constraint)
     compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
@@ -152,8 +140,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     seconds = time.perf_counter() - t0
     out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
-    if constraint is not None:
-        stats.update(constraint_stats(seq, tables))
+    stats.update(constraint_stats(seq, tables))
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
@@ -170,6 +157,20 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
     return dataclasses.replace(out, stats=stats, pool=pool_out)
+
+
+def _eos_and_constraints(target: Model, eos_token_id, response_format, rows: int):
+    """(the call's EOS ids int32[n_eos] (-1 pads), the rows' `constrain.RowConstraints` or
+    None, each row's table or None): the formats built (or read from their cache) before
+    anything runs, so a bad one fails fast."""
+    V = target.config.vocab_size
+    if eos_token_id is None:
+        eos = eos_array(default_eos_ids(target), V)
+    else:
+        eos = eos_array(explicit_eos(eos_token_id, V))
+    constraint, tables = row_constraints(response_format, rows, target.tokenizer, V,
+                                         [int(e) for e in eos if e >= 0])
+    return eos, constraint, tables
 
 
 def _read_rows(seq, plens: np.ndarray, tokenizer) -> GenerationOutput:

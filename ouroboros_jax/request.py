@@ -417,15 +417,16 @@ def pad_prompts(token_lists: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: float, top_k: int,
-              top_p: float, seed: int, vocab_size: int, logprobs: int = -1
-              ) -> tuple[Limits, SamplingParams]:
+              top_p: float, seed: int, vocab_size: int, logprobs: int = -1,
+              constraint=None) -> tuple[Limits, SamplingParams]:
     """One call's knobs as per-row arrays (every row the same): Limits (max_new_tokens int32[B],
     EOS ids int32[B, n_eos]) and SamplingParams whose row b draws from stream b of `seed`
     (fold_in(key(seed), b), the keys generate has always used), computing `logprobs`
-    (`SamplingParams.logprobs`)."""
+    (`SamplingParams.logprobs`), with the rows' `constrain.RowConstraints` (None: none)."""
     B = rows
     limits = Limits(max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
-                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32))
+                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32),
+                    constraint=constraint)
     # top_k >= V keeps every token, as transformers' min(top_k, V)
     sp = SamplingParams(
         temperature=jnp.full((B,), float(temperature) if temperature > 0 else 1.0, jnp.float32),

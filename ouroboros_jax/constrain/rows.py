@@ -52,8 +52,10 @@ def constraint_stats(seq, tables: list[Optional[TokenTable]]) -> dict:
     from the cache is not told apart: the build time is the first build's)."""
     import numpy as np
 
-    forced = np.asarray(seq.forced)
     built = [t for t in tables if t is not None]
+    if not built or seq.forced is None:
+        return {}
+    forced = np.asarray(seq.forced)
     return {"forced_tokens": int(forced.sum()),
             "forced_tokens_per_row": [int(x) for x in forced],
             "constraint_table_bytes": max([t.nbytes for t in built], default=0),

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..constrain.device import RowConstraints
 from ..decoding import logprobs as lpm
 from ..decoding.common import SOURCES, Limits, read_emitted, run_rounds, set_rows
 from ..distributed import local
@@ -107,62 +106,6 @@ def unpack_insert(packed: jax.Array, vocab: int):
     limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[10:INSERT_HEAD][None],
                     speculate=h[8:9] != 0)
     return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits, h[9] != 0
-
-
-# -- structured output: every slot owns a region of `states` automaton states in one table
-# (`constrain.RowConstraints`: automaton k = slot + 1, automaton 0 "accept everything"), which
-# a constrained request's table is written into before its insert; a request without one
-# points its slot at automaton 0.
-
-def blank_constraint(B: int, vocab: int, states: int, classes: int) -> RowConstraints:
-    """B slots' automata before any request: every slot unconstrained, each with a region of
-    `states` states over `classes` token classes (the bound a request's table must fit)."""
-    S = 1 + B * states
-    return RowConstraints(
-        next_state=jnp.full((S, classes), -1, jnp.int32).at[0, 0].set(0),
-        class_of=jnp.zeros((B + 1, vocab), jnp.int32),
-        base=jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                              1 + jnp.arange(B, dtype=jnp.int32) * states]),
-        n_allowed=jnp.zeros((S,), jnp.int32).at[0].set(vocab),
-        automaton=jnp.zeros((B,), jnp.int32))
-
-
-def constraint_region(dev: DeviceState) -> tuple[int, int]:
-    """(states, classes) of one slot's region in dev's table."""
-    rc = dev.limits.constraint
-    B = rc.automaton.shape[0]
-    return (rc.next_state.shape[0] - 1) // B, rc.next_state.shape[1]
-
-
-def pack_constraint(slot: int, table, states: int, classes: int) -> np.ndarray:
-    """A request's TokenTable for slot's region -> int32[1 + states*classes + V + states]:
-    slot, next_state padded to the region, class_of, n_allowed (one upload)."""
-    S, C = table.next_state.shape
-    rows = np.full((states, classes), -1, np.int32)
-    rows[:S, :C] = table.next_state
-    n_allowed = np.zeros((states,), np.int32)
-    n_allowed[:S] = table.n_allowed
-    return np.concatenate([[slot], rows.ravel(), table.class_of, n_allowed]).astype(np.int32)
-
-
-@partial(jax.jit, donate_argnums=(1,))
-def device_constrain(pair, dev: DeviceState, packed) -> DeviceState:
-    """A request's table (`pack_constraint`) into its slot's region; the slot's automaton set
-    to it by the insert that follows. dev may be `packed_state.Packed`."""
-    held, dev = dev, _opened(dev)
-    rc = dev.limits.constraint
-    states, classes = constraint_region(dev)
-    V = rc.class_of.shape[1]
-    slot = packed[0]
-    rows = packed[1:1 + states * classes].reshape(states, classes)
-    cls = packed[1 + states * classes:1 + states * classes + V]
-    n_allowed = packed[1 + states * classes + V:]
-    at = 1 + slot * states
-    rc = rc.replace(next_state=jax.lax.dynamic_update_slice(rc.next_state, rows, (at, 0)),
-                    class_of=rc.class_of.at[slot + 1].set(cls),
-                    n_allowed=jax.lax.dynamic_update_slice(rc.n_allowed, n_allowed, (at,)))
-    dev = dev.replace(limits=dev.limits.replace(constraint=rc))
-    return _closed(held, pinned(pair, dev))
 
 
 def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
@@ -429,10 +372,6 @@ class Executor:
         self.held = device_insert(self.pair, self.held, jnp.asarray(data),
                                   insert_fn=self.spec.insert, cfg=self.base, vocab=self.vocab,
                                   shared=self.shared)
-
-    def constrain(self, data: np.ndarray) -> None:
-        """A request's table (`pack_constraint`) into its slot's region."""
-        self.held = device_constrain(self.pair, self.held, jnp.asarray(data))
 
     def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
              logprobs: bool = False, rows: Optional[int] = None,
