@@ -19,6 +19,7 @@ import numpy as np
 
 from .auto import AutoTuner, default_tuner
 from .auto.switch import Switcher
+from .constrain.rows import constraint_stats, row_constraints
 from .decoding import METHODS
 from .decoding.common import Stats
 from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
@@ -63,7 +64,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
              eos_token_id: Optional[int | Sequence[int]] = None, config: Any = "auto",
              mesh: Optional[jax.sharding.Mesh] = None, pool: Any = None,
              max_cache_len: Optional[int] = None, logprobs: bool = False,
-             top_logprobs: int = 0, tuner: Optional[AutoTuner] = None) -> GenerationOutput:
+             top_logprobs: int = 0, tuner: Optional[AutoTuner] = None,
+             response_format: Any = None) -> GenerationOutput:
     """Generates up to `max_new_tokens` new tokens for each prompt with the chosen method.
 
     prompts: list of strings (tokenized with the target's tokenizer), of token-id lists, or of
@@ -84,7 +86,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     return each new token's log-probability, taken from the forward that accepted it (no
     extra forward; off, the loop is the one without them); top_logprobs: with it, the most
     likely tokens' at each position (0..20). tuner: the `auto.AutoTuner` that sizes "auto" and
-    learns from the call (default: `auto.default_tuner()`). Returns `GenerationOutput`.
+    learns from the call (default: `auto.default_tuner()`). response_format: constrain the
+    output, one format or a list per prompt (docs/structured.md). Returns `GenerationOutput`.
     """
     t_call = time.perf_counter()  # stats' seconds: the whole call, as the caller's clock sees it
     tuner = default_tuner() if tuner is None else tuner
@@ -98,7 +101,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    eos_token_id=eos_token_id, config=repr(config), mesh=mesh_id(mesh),
                    pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
-                   max_cache_len=max_cache_len, logprobs=(logprobs, top_logprobs))
+                   max_cache_len=max_cache_len, logprobs=(logprobs, top_logprobs),
+                   response_format=repr(response_format))
     spec = resolve_method(method)
     validate_scalars(max_new_tokens, temperature, top_p, top_k, seed)
     n_top = check_logprobs(logprobs, top_logprobs)
@@ -106,13 +110,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     auto, cfg = method_config(spec, method, config)
     token_lists = as_token_lists(target, prompts)
     check_cache_len(target, token_lists, max_new_tokens, max_cache_len)
-    V = target.config.vocab_size
-    if eos_token_id is None:
-        eos = eos_array(default_eos_ids(target), V)
-    else:
-        eos = eos_array(explicit_eos(eos_token_id, V))
-
-    B = len(token_lists)
+    V, B = target.config.vocab_size, len(token_lists)
+    eos, constraint, tables = _eos_and_constraints(target, eos_token_id, response_format, B)
     prompt, plens = pad_prompts(token_lists)
     P = prompt.shape[1]
     check_call(spec, None if auto else cfg, target, draft, B, P, max_new_tokens, max_cache_len, mesh)
@@ -129,7 +128,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
         # the method auto runs: the asked one sized, or plain decoding where nothing pays
         spec, cfg = METHODS[choice.method], choice.config
     slots = cache_slots(P, max_new_tokens, spec.margin(cfg), max_cache_len)
-    limits, sp = row_knobs(B, max_new_tokens, *knobs)
+    limits, sp = row_knobs(B, max_new_tokens, *knobs, constraint=constraint)
     compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
     seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
@@ -141,6 +140,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     seconds = time.perf_counter() - t0
     out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
+    stats.update(constraint_stats(seq, tables))
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
@@ -168,6 +168,20 @@ def _auto_stats(choice, asked: str, compiles, programs: int, seconds: float) -> 
     out["compiled"] = {"programs": compiles.programs - programs,
                        "seconds": round(compiles.seconds - seconds, 3)}
     return out
+
+
+def _eos_and_constraints(target: Model, eos_token_id, response_format, rows: int):
+    """(the call's EOS ids int32[n_eos] (-1 pads), the rows' `constrain.RowConstraints` or
+    None, each row's table or None): the formats built (or read from their cache) before
+    anything runs, so a bad one fails fast."""
+    V = target.config.vocab_size
+    if eos_token_id is None:
+        eos = eos_array(default_eos_ids(target), V)
+    else:
+        eos = eos_array(explicit_eos(eos_token_id, V))
+    constraint, tables = row_constraints(response_format, rows, target.tokenizer, V,
+                                         [int(e) for e in eos if e >= 0])
+    return eos, constraint, tables
 
 
 def _read_rows(seq, plens: np.ndarray, tokenizer) -> GenerationOutput:

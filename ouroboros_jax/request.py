@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +263,8 @@ class RequestParams:
             likely tokens' (`decoding/logprobs.py`).
         speculation: False runs the request as plain decoding (its slot proposes no draft
             tokens; the output is what speculation gives, greedy identical).
+        response_format: None / {"type": "text"} (no constraint) or a structured-output
+            format (`constrain.formats`): checked and compiled by the engine's `validate`.
     """
 
     max_tokens: int = 128
@@ -274,6 +276,7 @@ class RequestParams:
     stop: tuple = ()
     logprobs: Optional[int] = None
     speculation: bool = True
+    response_format: Any = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         self.validate()
@@ -299,11 +302,13 @@ class ValidRequest:
         ids: the prompt's token ids (a chat conversation rendered once).
         params: its knobs.
         eos: int32[EOS_BUCKET] the ids that end it (-1 pads).
+        table: its response_format's `constrain.TokenTable` (None: unconstrained).
     """
 
     ids: list
     params: RequestParams
     eos: np.ndarray
+    table: Any = None
 
     @functools.cached_property
     def stop_ids(self) -> frozenset:
@@ -412,15 +417,16 @@ def pad_prompts(token_lists: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def row_knobs(rows: int, max_new_tokens: int, eos: np.ndarray, temperature: float, top_k: int,
-              top_p: float, seed: int, vocab_size: int, logprobs: int = -1
-              ) -> tuple[Limits, SamplingParams]:
+              top_p: float, seed: int, vocab_size: int, logprobs: int = -1,
+              constraint=None) -> tuple[Limits, SamplingParams]:
     """One call's knobs as per-row arrays (every row the same): Limits (max_new_tokens int32[B],
     EOS ids int32[B, n_eos]) and SamplingParams whose row b draws from stream b of `seed`
     (fold_in(key(seed), b), the keys generate has always used), computing `logprobs`
-    (`SamplingParams.logprobs`)."""
+    (`SamplingParams.logprobs`), with the rows' `constrain.RowConstraints` (None: none)."""
     B = rows
     limits = Limits(max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
-                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32))
+                    eos_token_id=jnp.asarray(np.broadcast_to(eos, (B, len(eos))), jnp.int32),
+                    constraint=constraint)
     # top_k >= V keeps every token, as transformers' min(top_k, V)
     sp = SamplingParams(
         temperature=jnp.full((B,), float(temperature) if temperature > 0 else 1.0, jnp.float32),

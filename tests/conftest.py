@@ -57,7 +57,7 @@ SLOW_MODULES = frozenset({
     "test_demo_pair.py", "test_notebook.py", "test_smollm2.py", "test_server.py",
     "test_hostile.py", "test_bench.py", "test_bench_serve.py", "test_bench_serve_peer.py",
     "test_cli_vocab.py", "test_device_script.py", "test_xla_cpu.py", "test_compile_cache.py",
-    "test_moe.py",
+    "test_moe.py", "test_structured_server.py",
 })
 
 # Single tests of the fast tier's modules that are slow too: every function whose calls took
@@ -153,6 +153,11 @@ SLOW_TESTS = frozenset({
     "test_speculative.py::test_adaptive_greedy_equals_vanilla_and_drafts_less",
     "test_speculative.py::test_greedy_batched_equals_vanilla",
     "test_speculative.py::test_sampling_matches_vanilla_distribution",
+    # test_structured.py
+    "test_structured.py::test_a_batch_mixes_formats_and_unconstrained_rows_each_as_its_solo_call",
+    "test_structured.py::test_constrained_sampling_is_lossless_and_a_wrong_rule_is_caught",
+    "test_structured.py::test_constrained_tree_methods_equal_constrained_vanilla",
+    "test_structured.py::test_constrained_vanilla_equals_transformers_with_the_automaton_as_a_mask",
     # test_vanilla.py
     "test_vanilla.py::test_mesh_gives_same_tokens",
 })

@@ -35,7 +35,7 @@ from ..models.layout import decode_params
 from ..sharding import cache_spec
 from ..pool import insert_context, pool_occupancy
 from ..sampling import choose_tokens
-from . import logprobs
+from . import constrained, logprobs
 
 
 @struct.dataclass
@@ -50,6 +50,11 @@ class Sequences:
         logprobs, top_tokens, top_logprobs: f32[B,S], int32[B,S,K], f32[B,S,K]: each
             emitted token's log-probability and the K most likely tokens' at its position,
             at its slot (`decoding/logprobs.py`); None when the loop computes none.
+        fsm: int32[B], each row's automaton state after its generated tokens (local to its
+            automaton, `constrain.device`; 0 at the start), None when the loop has no
+            constraint (`Limits.constraint`).
+        forced: int32[B], generated tokens that were the only one their state allowed (None
+            without a constraint).
     """
 
     tokens: jax.Array
@@ -59,6 +64,8 @@ class Sequences:
     logprobs: Optional[jax.Array] = None
     top_tokens: Optional[jax.Array] = None
     top_logprobs: Optional[jax.Array] = None
+    fsm: Optional[jax.Array] = None
+    forced: Optional[jax.Array] = None
 
     @property
     def last(self) -> jax.Array:
@@ -81,11 +88,16 @@ class Limits:
         speculate: bool[B] or None (every row): rows that may be offered draft tokens; a row
             without proposes nothing (its draft length is 0), so each round gives it the one
             token plain decoding would (the serving engine's per-request "speculation off").
+        constraint: `constrain.RowConstraints` or None (no row constrained): each row's
+            automaton; the target's logits are masked at every verified node by the state
+            there (`decoding/constrained.py`), proposals leaving the language are cut, and
+            `emit` advances the rows' states.
     """
 
     max_new_tokens: jax.Array
     eos_token_id: jax.Array
     speculate: Optional[jax.Array] = None
+    constraint: Any = None
 
 
 def proposing(limits: Limits, offered: jax.Array) -> jax.Array:
@@ -178,7 +190,7 @@ def insert_sequences(seq: Sequences, rows: jax.Array, prompt: jax.Array,
     int32[R]: live, nothing generated yet (logprob buffers zeroed, when seq has them)."""
     fresh = logprobs.buffers_like(seq, init_sequences(prompt, prompt_lengths,
                                                       seq.tokens.shape[1]))
-    return set_rows(seq, rows, fresh)
+    return set_rows(seq, rows, constrained.buffers_like(seq, fresh))
 
 
 def set_cache_rows(cache: KVCache, rows: jax.Array, fresh: KVCache) -> KVCache:
@@ -229,6 +241,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits,
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, A))
     tokens = seq.tokens.at[rows, slot].set(new, mode="drop")
     seq = logprobs.write(seq, rows, slot, lp)
+    seq = constrained.advance_rows(limits.constraint, seq, new, kept)
     lengths = seq.lengths + kept
     done = seq.done | (first_eos < A) | (lengths - seq.prompt_lengths >= limits.max_new_tokens)
     return seq.replace(tokens=tokens, lengths=lengths, done=done), kept
@@ -435,6 +448,7 @@ def plain_step(params, model_config, greedy: bool, sp, limits: Limits, seq: Sequ
     cache = settle(cache)
     logits, new = forward(params, model_config, seq.last[:, None], pos,
                           jnp.ones((B, 1, 1), bool), cache)
+    logits = constrained.masked(limits, constrained.root_states(limits, seq), logits)
     tok = choose_tokens(logits, pos + 1, sp, greedy)
     live = ~seq.done
     lp = logprobs.walk_logprobs(logits, jnp.zeros((B, 1), jnp.int32), tok, sp, greedy)
@@ -469,7 +483,8 @@ def make_runner(init, insert, round_fn, finish):
             greedy: bool):
         B = prompt.shape[0]
         state = init(pair, cfg, B, slots, pool)
-        state = state.replace(seq=logprobs.with_buffers(state.seq, sp.logprobs))
+        state = state.replace(seq=constrained.with_buffers(
+            logprobs.with_buffers(state.seq, sp.logprobs), limits.constraint))
         state = insert(pair, cfg, state, jnp.arange(B, dtype=jnp.int32), prompt, prompt_lengths)
         state = decode_loop(partial(round_fn, pair, cfg, greedy, sp, limits), state)
         return state.seq, finish(state), getattr(state, "pool", None)

@@ -164,8 +164,8 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
                 choose: Callable[[jax.Array, jax.Array], jax.Array], *,
                 prefix: Optional[jax.Array] = None, prefix_count: Optional[jax.Array] = None,
                 with_confidence: bool = False, key_offset: Optional[jax.Array] = None,
-                with_logits: bool = False, propose: Optional[jax.Array] = None
-                ) -> JacobiResult:
+                with_logits: bool = False, propose: Optional[jax.Array] = None,
+                constrain: Optional[Callable] = None) -> JacobiResult:
     """One lookahead step of rows `active` (bool[B]); inactive rows keep window and pool.
 
     last int32[B]: the pending token (root), at position cache.lengths (+ prefix_count).
@@ -179,6 +179,9 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
     walks stop at the root (speculation off for that row).
     key_offset int32[B] (None: 0): added to the row's pool keys, lookups and inserts alike
     (the engine's per-request pools give each slot its own key range).
+    constrain (None: no constraint): constrain(tokens int32[B,Q], parents int[Q], logits
+    [B,Q,V]) -> logits masked by the automaton state at each of the Q verified nodes (the
+    root, then each guess's chain), applied before `choose` (`decoding/constrained.py`).
     """
     B = last.shape[0]
     w, n, g = layout.window, layout.ngram, layout.guesses
@@ -207,7 +210,12 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
                                     layout.depths, valid, select, prefix, prefix_count)
     preds = jnp.argmax(logits[:, 1:1 + w], axis=-1).astype(jnp.int32)  # [B,W]
     verify = np.concatenate([[0], np.arange(1 + w, len(select))])
-    choices = choose(logits[:, verify], pos[:, verify] + 1)  # [B, 1 + G*M]
+    vlogits = logits[:, verify]
+    if constrain is not None:  # the root, then G chains of M guess tokens hanging off it
+        j = np.arange(g * m)
+        vparents = np.concatenate([[-1], np.where(j % m == 0, 0, j)]).astype(np.int32)
+        vlogits = constrain(tokens[:, select[verify]], vparents, vlogits)
+    choices = choose(vlogits, pos[:, verify] + 1)  # [B, 1 + G*M]
 
     # -- accept along the best guess: the walk over [last, that guess] (a chain of N nodes)
     c0 = choices[:, :1]
@@ -228,7 +236,7 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
         if with_confidence or with_logits:  # only the N nodes of the best guess's chain
             nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
                                      1 + best[:, None] * m + jnp.arange(m)[None]], 1)  # [B,N]
-            chain_logits = jnp.take_along_axis(logits[:, verify], nodes[:, :, None], 1)
+            chain_logits = jnp.take_along_axis(vlogits, nodes[:, :, None], 1)
             walked = jnp.take_along_axis(chain_logits, acc.path[:, :, None], 1)
         if with_confidence:
             conf = jnp.take_along_axis(token_probability(chain_logits, cch), acc.path, 1)
@@ -239,7 +247,7 @@ def jacobi_step(params, model_config, layout: JacobiLayout, cache: KVCache, wind
         acc = accept_walk(chain_parents(1), last[:, None], jnp.ones((B, 1), bool), c0)
         path = acc.path
         conf = token_probability(logits[:, :1], c0) if with_confidence else None
-        walked = logits[:, :1] if with_logits else None
+        walked = vlogits[:, :1] if with_logits else None
     acc = acc.replace(path=path)
 
     # -- harvest each column's n-gram: key, level1..level(N-2), new prediction

@@ -27,6 +27,7 @@ from ..models.kv_cache import KVCache, settle
 from ..pool import PhrasePool, prepare_pool
 from ..sampling import SamplingParams, choose_tokens
 from ..tree import jacobi_tree
+from . import constrained
 from .common import (Limits, Pair, Sequences, Stats, check_bool, check_int, count_round, counter,
                      counters_dict,
                      emit, empty_cache, empty_sequences, init_stats, insert_sequences, loop_config,
@@ -155,7 +156,8 @@ def lookahead_step(pair: Pair, cfg: LookaheadConfig, greedy: bool, sp: SamplingP
     cache = settle(state.cache)
     res = jacobi_step(pair.tparams, pair.tconfig, layout, cache, state.window,
                       state.pool, seq.last, live, choose, key_offset=state.key_offset,
-                      with_logits=wanted(sp), propose=limits.speculate)
+                      with_logits=wanted(sp), propose=limits.speculate,
+                      constrain=constrained.tree_mask_fn(limits, seq))
     lp = None if res.walk_logits is None else token_logprobs(res.walk_logits, res.acc.tokens,
                                                              sp, greedy)
     seq, kept = emit(seq, res.acc.tokens, res.acc.count, limits, lp)

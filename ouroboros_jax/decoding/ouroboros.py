@@ -74,6 +74,7 @@ from .cost import (POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
                    expected_tokens, phrase_gain)
 from .spec import MethodSpec
 from .speculative import chain_lesson, draft_propose
+from . import constrained
 from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
 
@@ -335,10 +336,13 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         found = jnp.zeros((B, 0), bool)
         tokens, valid = chain, chain_valid
 
-    # -- one target forward, accept, commit
+    # -- one target forward, accept, commit (a constraint cuts the tree and masks the logits)
+    states = constrained.tree_states(limits, seq, lay.parents, tokens)
+    valid = constrained.cut(states, valid)
     tcache = settle(state.tcache)
     pos = tcache.lengths[:, None] + jnp.asarray(lay.depths)[None]
     logits, new = forward(tparams, tconfig, tokens, pos, tree_mask(lay.parents, valid), tcache)
+    logits = constrained.masked(limits, states, logits)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     seq, kept = emit(seq, acc.tokens, acc.count, limits,

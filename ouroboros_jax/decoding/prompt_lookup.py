@@ -43,6 +43,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_int, count_round, cou
 from .cost import ROUND_OVERHEAD, RoundModel
 from .knobs import CANDIDATES, LENGTH, KnobSpace
 from .spec import MethodSpec
+from . import constrained
 from .logprobs import walk_logprobs
 from .verify import accept_walk, commit_path
 
@@ -205,10 +206,13 @@ def prompt_lookup_round(pair: Pair, cfg: PromptLookupConfig, greedy: bool,
     cvalid = proposing(limits, cvalid)  # rows with speculation off offer none
     tokens = jnp.concatenate([seq.last[:, None], cand.reshape(B, X * M)], axis=1)
     valid = jnp.concatenate([jnp.ones((B, 1), bool), cvalid.reshape(B, X * M)], axis=1)
+    states = constrained.tree_states(limits, seq, lay.parents, tokens)
+    valid = constrained.cut(states, valid)  # copies leaving the language are not verified
     cache = settle(state.cache)
     pos = cache.lengths[:, None] + jnp.asarray(lay.depths)[None]
     logits, new = forward(pair.tparams, pair.tconfig, tokens, pos, tree_mask(lay.parents, valid),
                           cache)
+    logits = constrained.masked(limits, states, logits)
     choices = choose_tokens(logits, pos + 1, sp, greedy)
     acc = accept_walk(lay.parents, tokens, valid, choices)
     live = ~seq.done

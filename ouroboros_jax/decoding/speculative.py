@@ -53,6 +53,7 @@ from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, 
                      counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows, source_labels)
+from . import constrained
 from .cost import (ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    depth_counts, expected_tokens)
 from .knobs import GAMMA, KnobSpace
@@ -147,7 +148,7 @@ def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool,
 
 def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingParams,
                   keys, seq: Sequences, cache: KVCache, confidence: float = 0.0,
-                  catch_up: int = 2):
+                  catch_up: int = 2, guard=None):
     """Up to γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, drafted int32[B],
     forwards int32[], cache).
 
@@ -160,6 +161,10 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     forwards, the draft's own chain (rolled back by the caller to what was accepted).
     catch_up (static): tokens of the first forward, the pending one and up to catch_up - 1
     the draft has not processed before it (2 here; Ouroboros' lengthening leaves up to N).
+    guard (`constrained.DraftGuard`, None: none): the draft drafts inside the rows'
+    constraints too (its logits masked by the state along its own chain), so its chain never
+    leaves the language and forced tokens come out as they are; sampling draws from the
+    masked, renormalised q, which the accept rule is given, so it stays lossless.
     """
     B, S = seq.tokens.shape
     n = seq.lengths
@@ -169,7 +174,12 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     mask2 = jnp.broadcast_to(tree_mask(chain_parents(catch_up)), (B, catch_up, catch_up))
     logits, new = forward(params, model_config, tok2, pos2, mask2, cache, select=lag[:, None])
     cache = commit_prefix(cache, new, lag + 1)
+    state = jnp.zeros((B,), jnp.int32) if guard is None else guard.root
+    if guard is not None:
+        logits = guard.mask(logits, state)
     d, logq = _draw(logits, None if greedy else keys[:, :1], sp, greedy)
+    if guard is not None:
+        state = guard.advance(state, d[:, 0])
     V = logits.shape[-1]
     drafts = jnp.zeros((B, gamma), jnp.int32).at[:, 0].set(d[:, 0])
     logqs = None if greedy else jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(logq[:, 0])
@@ -179,27 +189,31 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     drafted = jnp.ones((B,), jnp.int32)
 
     def cond(c):
-        i, _, _, _, active, _ = c
+        i, _, _, _, active, _, _ = c
         return (i < gamma) & jnp.any(active)
 
     def body(c):
-        i, drafts, logqs, cache, active, drafted = c
+        i, drafts, logqs, cache, active, drafted, state = c
         tok = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)
         pos = (n - 1 + i)[:, None]
         logits, new = forward(params, model_config, tok, pos, jnp.ones((B, 1, 1), bool), cache)
         cache = commit_prefix(cache, new, jnp.ones((B,), jnp.int32))
         k = None if greedy else jax.lax.dynamic_slice_in_dim(keys, i, 1, axis=1)
+        if guard is not None:
+            logits = guard.mask(logits, state)
         d, logq = _draw(logits, k, sp, greedy)
+        if guard is not None:
+            state = guard.advance(state, d[:, 0])
         drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, i, axis=1)
         if not greedy:
             logqs = jax.lax.dynamic_update_slice_in_dim(logqs, logq, i, axis=1)
         drafted = drafted + active.astype(jnp.int32)
         if confidence > 0:
             active = active & (_confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence)
-        return i + 1, drafts, logqs, cache, active, drafted
+        return i + 1, drafts, logqs, cache, active, drafted, state
 
-    i, drafts, logqs, cache, _, drafted = jax.lax.while_loop(
-        cond, body, (jnp.ones((), jnp.int32), drafts, logqs, cache, active, drafted))
+    i, drafts, logqs, cache, _, drafted, _ = jax.lax.while_loop(
+        cond, body, (jnp.ones((), jnp.int32), drafts, logqs, cache, active, drafted, state))
     return drafts, logqs, drafted, i, cache
 
 
@@ -276,12 +290,18 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     positions = (seq.lengths - 1)[:, None] + tree_depths(parents)[None]  # [B, γ+1]
     keys = None if greedy else token_keys(sp, positions + 1)
     drafts, logq, drafted, forwards, dcache = draft_propose(
-        pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence)
+        pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence,
+        guard=constrained.draft_guard(limits, seq))
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
+    states = constrained.tree_states(limits, seq, parents, chain)
+    if states is not None:  # the chain is cut where it leaves the language
+        drafted = jnp.minimum(drafted, jnp.sum(jnp.cumprod(states[:, 1:] >= 0, axis=1),
+                                               axis=1, dtype=jnp.int32))
     mask = jnp.broadcast_to(tree_mask(parents), (B, gamma + 1, gamma + 1))
     tcache = settle(state.tcache)
     logits, new = forward(pair.tparams, pair.tconfig, chain, positions, mask, tcache)
+    logits = constrained.masked(limits, states, logits)
 
     def walk():
         choices = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -291,7 +311,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     if greedy:
         acc = walk()
     else:
-        if confidence > 0 or limits.speculate is not None:
+        if confidence > 0 or limits.speculate is not None or states is not None:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
         else:
             acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)

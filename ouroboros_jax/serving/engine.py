@@ -47,55 +47,24 @@ import jax.numpy as jnp
 from ..auto import AutoTuner
 from ..decoding import METHODS, PLAIN
 from ..decoding.common import make_pair
-from ..distributed import (check_same, fetch, is_leader, mesh_id, model_id,
-                           model_spans_processes, spans_processes)
+from ..distributed import fetch, is_leader
 from ..pool import PhrasePool, ranged_pool
-from ..request import (RequestParams, ValidRequest, cache_slots, check_call, check_draft,
-                       check_model, default_eos_ids, default_method, eos_array, is_int,
-                       place_models, prompt_ids, resolve_method, validate_request)
+from ..request import (RequestParams, ValidRequest, cache_slots, check_call,
+                       default_eos_ids, default_method, eos_array, place_models, prompt_ids,
+                       validate_request)
 from .executor import (OFF, DeviceState, Executor, blank_knobs, device_insert,
-                       device_step, engine_state, pack_insert, pinned)
+                       device_step, engine_state, pinned)
+from .engine_args import check_args
 from .handle import Delta, QueueFull, RequestHandle, RequestResult  # noqa: F401  (re-exported)
 from .lockstep import Lockstep, Op
 from .metrics import EngineCounters
 from .row_buckets import buckets
 from .scheduler import Plan, Scheduler, auto_levels, check_family, load_levels
+from .structured import blank_limits, constrain, insert_ops, with_table
 from .warmup import Progress, compile_programs
 
 # the jitted calls by the names tests count their compiles by
 _device_step, _device_insert = device_step, device_insert
-
-
-def _check_args(target, draft, method, config, slots, max_cache_len, rounds_per_step, pool,
-                shared_pool, max_queue, mesh):
-    """The Engine's arguments checked by name (on several processes: the same on each) ->
-    (spec, spans processes, the prompt + max_tokens limit)."""
-    check_model(target, "target")
-    if draft is not None:
-        check_model(draft, "draft")
-    multi = spans_processes(mesh) or model_spans_processes(target)
-    if multi:  # SPMD: engines that differ would pair their collectives wrongly and hang
-        check_same("Engine", target=model_id(target), draft=model_id(draft), method=method,
-                   config=repr(config), slots=slots, max_cache_len=max_cache_len,
-                   rounds_per_step=rounds_per_step, shared_pool=shared_pool,
-                   pool=None if pool is None else jax.tree_util.tree_leaves(fetch(pool)),
-                   mesh=mesh_id(mesh) if isinstance(mesh, jax.sharding.Mesh) else None)
-    spec = resolve_method(method)
-    for name, v in (("slots", slots), ("rounds_per_step", rounds_per_step),
-                    ("max_queue", max_queue)):
-        if not is_int(v) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if not isinstance(shared_pool, bool):
-        raise ValueError(f"shared_pool must be a bool, got {shared_pool!r}")
-    check_draft(target, draft, method, spec.needs_draft)
-    limit = target.config.max_position_embeddings
-    if max_cache_len is not None:
-        if not is_int(max_cache_len) or max_cache_len < 2:
-            raise ValueError(f"max_cache_len must be an integer >= 2, got {max_cache_len!r}")
-        limit = min(limit, int(max_cache_len))
-    # sizes against the models and device before auto's probes allocate (issue 24)
-    check_call(spec, None, target, draft, int(slots), 16, 0, limit, mesh, batch_name="slots")
-    return spec, multi, limit
 
 
 class Engine:
@@ -109,6 +78,8 @@ class Engine:
     rounds per device step (k). pool: a phrase pool to start from (shared_pool only).
     max_queue: waiting requests beyond which submit raises QueueFull. mesh: a
     `sharding.make_mesh` mesh to place the models and the state on (None: as the models lie).
+    constraint_states, constraint_classes: each slot's share of the structured-output table
+    (`serving/structured.py`; 0: response_format refused).
 
     Over several processes (a mesh, or models loaded with `load_sharded`, spanning processes
     joined by `jax.distributed`): every process builds the Engine with the same arguments
@@ -120,9 +91,10 @@ class Engine:
     def __init__(self, target, draft=None, *, method: Optional[str] = None, config: Any = "auto",
                  slots: int = 8, max_cache_len: Optional[int] = None, rounds_per_step: int = 4,
                  pool: Optional[PhrasePool] = None, shared_pool: bool = True,
-                 max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None):
+                 max_queue: int = 256, mesh: Optional[jax.sharding.Mesh] = None,
+                 constraint_states: int = 512, constraint_classes: int = 1024):
         method = default_method(method, draft is not None)  # None: Ouroboros with a draft
-        spec, multi, limit = _check_args(target, draft, method, config, slots, max_cache_len,
+        spec, multi, limit = check_args(target, draft, method, config, slots, max_cache_len,
                                          rounds_per_step, pool, shared_pool, max_queue, mesh)
         # placed before auto: its probes time the models as steps run them
         target, draft = place_models(target, draft, mesh, multi)
@@ -131,6 +103,7 @@ class Engine:
         self.model_name = target.path or "model"
         self.slots, self.rounds, self.max_queue = int(slots), int(rounds_per_step), int(max_queue)
         self.limit, self.shared_pool, self.vocab = limit, shared_pool, target.config.vocab_size
+        self.constraint_region = (int(constraint_states), int(constraint_classes))
         self._default_eos = eos_array(default_eos_ids(target), self.vocab)
         self.tuner = AutoTuner()  # config="auto"'s: this engine's own prices and choices
         levels = load_levels(method, spec, config, lambda: auto_levels(
@@ -181,10 +154,11 @@ class Engine:
         """The device state before any request, placed on the mesh."""
         B = self.slots
         state = engine_state(jax.jit(spec.init, static_argnums=(1, 2, 3))(
-            pair, base, B, self.cache_slots, pool0))
+            pair, base, B, self.cache_slots, pool0), min(self.constraint_region) > 0)
         if not self.shared_pool and pool0 is not None:  # slot i's keys start at i * vocab
             state = state.replace(key_offset=jnp.arange(B, dtype=jnp.int32) * self.vocab)
-        dev = DeviceState(state, *blank_knobs(B))
+        sp, limits = blank_knobs(B)
+        dev = DeviceState(state, sp, blank_limits(limits, B, self.vocab, self.constraint_region))
         return jax.jit(pinned)(pair, dev) if pair.mesh is not None else dev
 
     @property
@@ -203,8 +177,9 @@ class Engine:
         """Token ids (from `tokens`) and knobs -> the request as submit queues it; FieldError
         naming the field (prompt or max_tokens past the cache, stop ids outside the
         vocabulary)."""
-        return validate_request(ids, params, limit=self.limit, vocab_size=self.vocab,
-                                default_eos=self._default_eos)
+        req = validate_request(ids, params, limit=self.limit, vocab_size=self.vocab,
+                               default_eos=self._default_eos)
+        return with_table(req, self.tokenizer, self.vocab, self.constraint_region)
 
     def submit(self, prompt, params: RequestParams = RequestParams()) -> RequestHandle:
         """prompt: token ids, a string, chat messages (list of {"role","content"} dicts), or a
@@ -234,8 +209,9 @@ class Engine:
         """The device call op stands for, on this process (the lockstep serializes them)."""
         ex = self._executor
         calls = {"insert": lambda: ex.insert(op.packed),
+                 "constraint": lambda: constrain(ex, op.packed),
                  "step": lambda: ex.step(op.level, op.greedy, op.stop_rows, op.logprobs,
-                                         op.rows),
+                                         op.rows, op.constrained),
                  "pool": ex.pool_copy, "save_pool": ex.save_pool,
                  "restore_pool": ex.restore_pool, "idle": lambda: None}
         if op.kind not in calls:
@@ -261,7 +237,8 @@ class Engine:
                 self._end(h, "cancelled")
             admitted = self._sched.admit()
         for slot, h in admitted:
-            self._lockstep.lead(Op("insert", packed=pack_insert(slot, h.request)))
+            for op in insert_ops(slot, h.request, self.constraint_region):
+                self._lockstep.lead(op)
             self._counters.c["prompt_tokens"] += len(h.prompt)
         with self._lock:
             plan = self._sched.plan()
@@ -269,7 +246,7 @@ class Engine:
             return None
         return plan, self._lockstep.lead(Op("step", level=plan.level, greedy=plan.greedy,
                                              stop_rows=plan.stop_rows, logprobs=plan.logprobs,
-                                             rows=plan.rows))
+                                             rows=plan.rows, constrained=plan.constrained))
 
     def _process(self, plan: Plan, packed: jax.Array) -> None:
         """A step's outputs on the host (waiting for the device): tokens streamed to their

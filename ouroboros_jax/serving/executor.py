@@ -44,9 +44,10 @@ from .row_buckets import pad_rows, put_head, take_head
 
 OFF = "off"  # a load level without speculation
 # the packed insert's header: slot, prompt length, top_k, seed, greedy, max_tokens,
-# temperature and top_p (float32 bits), speculation on, then EOS_BUCKET stop ids; the prompt
-# follows
-INSERT_HEAD = 9 + EOS_BUCKET
+# temperature and top_p (float32 bits), speculation on, constrained (the request's table was
+# put in its slot's region just before, `pack_constraint`), then EOS_BUCKET stop ids; the
+# prompt follows
+INSERT_HEAD = 10 + EOS_BUCKET
 
 
 @struct.dataclass
@@ -69,11 +70,14 @@ def blank_knobs(B: int) -> tuple[SamplingParams, Limits]:
                    speculate=jnp.ones((B,), bool)))
 
 
-def engine_state(state):
+def engine_state(state, structured: bool = False):
     """A method's state over the slots (`MethodSpec.init`) as the engine keeps it: its
     sequences with logprob buffers of `MAX_TOP_LOGPROBS` top tokens, which steps fill when a
-    request asks for logprobs."""
-    return state.replace(seq=lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS))
+    request asks for logprobs, and (structured) automaton-state buffers."""
+    seq = lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS)
+    if structured:
+        seq = seq.replace(fsm=jnp.zeros_like(seq.lengths), forced=jnp.zeros_like(seq.lengths))
+    return state.replace(seq=seq)
 
 
 def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
@@ -84,7 +88,8 @@ def pack_insert(slot: int, req: ValidRequest) -> np.ndarray:
     out[:6] = (slot, len(ids), p.top_k, np.uint32(p.seed).view(np.int32), greedy, p.max_tokens)
     out[6:8] = np.asarray([1.0 if greedy else p.temperature, p.top_p], np.float32).view(np.int32)
     out[8] = p.speculation
-    out[9:INSERT_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
+    out[9] = req.table is not None
+    out[10:INSERT_HEAD] = np.asarray(req.eos[:EOS_BUCKET], np.int32)
     out[INSERT_HEAD:INSERT_HEAD + len(ids)] = ids
     return out
 
@@ -98,9 +103,9 @@ def unpack_insert(packed: jax.Array, vocab: int):
                         top_p=floats[1:2],
                         seed=jax.lax.bitcast_convert_type(h[3:4], jnp.uint32),
                         stream=jnp.zeros((1,), jnp.int32), greedy_rows=h[4:5] != 0)
-    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[9:INSERT_HEAD][None],
+    limits = Limits(max_new_tokens=h[5:6], eos_token_id=h[10:INSERT_HEAD][None],
                     speculate=h[8:9] != 0)
-    return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits
+    return h[0:1], packed[INSERT_HEAD:][None], h[1:2], sp, limits, h[9] != 0
 
 
 def _placed(mesh, logical: tuple, x: jax.Array) -> jax.Array:
@@ -181,26 +186,35 @@ def device_insert(pair, dev: DeviceState, packed, *, insert_fn, cfg, vocab: int,
     """A request (`pack_insert`) prefilled into its slot; the other slots untouched. dev may
     be `packed_state.Packed` (then so is the state returned)."""
     held, dev = dev, _opened(dev)
-    rows, prompt, prompt_lengths, sp, limits = unpack_insert(packed, vocab)
+    rows, prompt, prompt_lengths, sp, limits, constrained = unpack_insert(packed, vocab)
     state = dev.state
     if not shared:  # before the insert, which may fill the slot's range (context phrases)
         lo = rows[0] * vocab
         state = state.replace(pool=clear_keys(state.pool, lo, lo + vocab * rows.shape[0]))
     state = insert_fn(pair, cfg, state, rows, prompt, prompt_lengths)
+    rc = dev.limits.constraint
+    new_limits = set_rows(dev.limits.replace(constraint=None), rows, limits)
+    if rc is not None:  # the slot's own automaton (its table just written) or automaton 0
+        rc = rc.replace(automaton=rc.automaton.at[rows].set(
+            jnp.where(constrained, rows + 1, 0).astype(jnp.int32)))
+        new_limits = new_limits.replace(constraint=rc)
     return _closed(held, pinned(pair, DeviceState(state, set_rows(dev.sp, rows, sp),
-                                                  set_rows(dev.limits, rows, limits))))
+                                                  new_limits)))
 
 
 @partial(jax.jit, static_argnames=("round_fn", "cfg", "greedy", "rounds", "width", "logprobs",
-                                   "rows"), donate_argnums=(1,))
+                                   "rows", "constrained"), donate_argnums=(1,))
 def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, rounds: int,
-                width: int, logprobs: bool = False, rows: Optional[int] = None):
+                width: int, logprobs: bool = False, rows: Optional[int] = None,
+                constrained: bool = False):
     """stop bool[B]: slots freed since the last step (their rows end here). -> (device state,
     the step's outputs as one int32 array, `StepOutput.pack`: one download). logprobs: the
     rounds compute the emitted tokens' logprobs, and the outputs carry them. rows: the rounds
     run on slots [0, rows) only (`row_buckets`; every slot past them must be free), None:
     on all B; the outputs cover all B either way. dev may be `packed_state.Packed` (then so
-    is the state returned)."""
+    is the state returned). constrained: a busy slot has a response_format, so the rounds
+    apply the slots' automata (`decoding/constrained.py`); without, they run as if none
+    were kept (a second compiled step, built on first use, like logprobs')."""
     held, dev = dev, _opened(dev)
     B = dev.limits.max_new_tokens.shape[0]
     st = dev.state
@@ -210,7 +224,8 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
     full = dev.replace(state=st)
     part = full if rows is None or rows == B else take_head(full, B, rows)
     sp = part.sp.replace(logprobs=MAX_TOP_LOGPROBS if logprobs else -1)
-    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, part.limits),
+    limits = part.limits if constrained else part.limits.replace(constraint=None)
+    st, kept, live, prop = run_rounds(partial(round_fn, pair, cfg, greedy, sp, limits),
                                       rounds, part.state)
     if part is not full:
         st = put_head(full, part.replace(state=st), B).state
@@ -359,7 +374,8 @@ class Executor:
                                   shared=self.shared)
 
     def step(self, level: int, greedy: bool, stop_rows: np.ndarray,
-             logprobs: bool = False, rows: Optional[int] = None) -> jax.Array:
+             logprobs: bool = False, rows: Optional[int] = None,
+             constrained: bool = False) -> jax.Array:
         """k rounds on every slot (on slots [0, rows) when rows is set: the rest must be free)
         under load level `level` -> the outputs packed on the device (`StepOutput.pack`, with
         logprobs when asked; not waited for: `read` them)."""
@@ -372,7 +388,8 @@ class Executor:
                                      round_fn=round_fn, cfg=cfg, greedy=greedy,
                                      rounds=self.rounds, width=self.width,
                                      logprobs=bool(logprobs),
-                                     rows=None if rows is None else int(rows))
+                                     rows=None if rows is None else int(rows),
+                                     constrained=bool(constrained))
         return out
 
     def read(self, flat: np.ndarray, logprobs: bool = False) -> StepOutput:

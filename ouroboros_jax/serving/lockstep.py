@@ -42,7 +42,9 @@ class Op:
     kind: "insert" (a prompt into a slot: `packed`, `executor.pack_insert`'s array), "step"
     (k rounds on every slot: `level`, an index into the load levels; `greedy`, every busy slot
     greedy; `stop_rows` bool[B], slots freed since the last step; `logprobs`, a busy slot asks
-    for logprobs; `rows`, the slots [0, rows) it computes, None: all), "pool" (gather the phrase
+    for logprobs; `rows`, the slots [0, rows) it computes, None: all; `constrained`, a busy
+    slot has a response_format), "constraint" (a request's automaton table into its slot's
+    region: `packed`, `executor.pack_constraint`'s array), "pool" (gather the phrase
     pool), "save_pool" / "restore_pool" (warmup keeps the pool as it was), "idle" (no device
     call: keeps a follower's wait short) or "stop" (the followers return).
     """
@@ -54,6 +56,7 @@ class Op:
     stop_rows: Optional[np.ndarray] = None
     logprobs: bool = False
     rows: Optional[int] = None
+    constrained: bool = False
 
 
 class Lockstep:

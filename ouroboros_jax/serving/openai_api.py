@@ -34,9 +34,6 @@ UNSUPPORTED = (
     ("logit_bias", lambda v: bool(v), "logit_bias is not supported"),
     ("tools", lambda v: bool(v), "tools are not supported"),
     ("functions", lambda v: bool(v), "functions are not supported"),
-    ("response_format", lambda v: v not in (None, {}) and (not isinstance(v, dict)
-                                                          or v.get("type") != "text"),
-     "only response_format {'type': 'text'} is supported"),
 )
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_CHOICES = 32  # n: each choice takes a slot of its own
@@ -242,7 +239,8 @@ def sampling_fields(body: dict, *, default_max_tokens: Optional[int],
                seed=secrets.randbits(31) if seed is None else seed,  # no seed: not reproducible
                stop_token_ids=_stop_ids(body, default_eos),
                stop=stop_strings(body.get("stop")),
-               logprobs=logprob_count(body, chat), speculation=speculation_of(body))
+               logprobs=logprob_count(body, chat), speculation=speculation_of(body),
+               response_format=body.get("response_format"))
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None:
         out["max_tokens"] = max_tokens

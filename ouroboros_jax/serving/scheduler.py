@@ -98,7 +98,8 @@ def check_family(method: str, spec, cfgs: list) -> None:
 class Plan:
     """One step as the scheduler decided it: the busy slots and their handles, the load level
     (an index into levels), whether every busy slot is greedy, the slots to end, whether a
-    busy slot asks for logprobs, and the rows the step computes (slots [0, rows))."""
+    busy slot asks for logprobs, and the rows the step computes (slots [0, rows)), whether a
+    busy slot has a response_format (the step applies the automata)."""
 
     busy: list
     handles: list
@@ -107,6 +108,7 @@ class Plan:
     stop_rows: np.ndarray
     logprobs: bool = False
     rows: Optional[int] = None
+    constrained: bool = False
 
 
 class Scheduler:
@@ -176,6 +178,7 @@ class Scheduler:
         plan = Plan(busy, handles, self.level(len(busy)),
                     all(h.params.temperature == 0 for h in handles), self.stop_rows.copy(),
                     any(h.params.logprobs is not None for h in handles),
-                    None if self.row_sizes is None else rows_for(busy, self.row_sizes))
+                    None if self.row_sizes is None else rows_for(busy, self.row_sizes),
+                    any(h.request.table is not None for h in handles))
         self.stop_rows[:] = False
         return plan

@@ -1,0 +1,187 @@
+"""Structured output on a JSON extraction workload: does the constraint keep every output valid,
+what does it cost plain decoding, and how fast do the speculative methods run under it?
+
+    python -m experiments.json_extract --target ~/.cache/ouroboros-real/smollm2-135m-instruct-q4_1.gguf
+    python -m experiments.json_extract \
+        --target ~/.cache/ouroboros-real/qwen2.5-coder-1.5b-instruct-q4_k.gguf \
+        --draft ~/.cache/ouroboros-real/qwen2.5-coder-0.5b-instruct-q4.gguf
+
+Eight held-out tasks written for this script (`TASKS`: a text in, an object matching a schema
+out; not tuned on). Each row runs every task at B = 1, greedy, twice: the first call compiles,
+the second is timed (calls 2 onward, as the bench times). Rows: unconstrained vanilla,
+constrained vanilla, then each method constrained (`--methods`; speculative and ouroboros need
+--draft). Columns: validity (the output parsed and validated with jsonschema), tokens/s of the
+timed calls, x constrained vanilla (side by side in one process), forced tokens per answer
+(tokens the automaton allowed alone), and whether the greedy tokens equal constrained
+vanilla's. Also: the largest schema's table (MiB) and its build time (first build; later calls
+read the cache).
+
+No peer row here: transformers cannot load these GGUF files without torch-side dequantisation
+of every tensor (minutes per model on this CPU); the exactness test runs transformers with the
+same automaton as a logits mask instead (tests/test_structured.py).
+
+Prints one JSON object (rows and the table figures) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+TASKS = [
+    ("Maria Lopez, 34, moved from Lisbon to Berlin last spring to work as a nurse.",
+     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                       "age": {"type": "integer"},
+                                       "city": {"type": "string", "maxLength": 30}},
+      "required": ["name", "age", "city"]}),
+    ("The Acme X200 vacuum costs $149.99 and ships in 3 days; it is currently in stock.",
+     {"type": "object", "properties": {"product": {"type": "string", "maxLength": 40},
+                                       "price": {"type": "number"},
+                                       "in_stock": {"type": "boolean"}},
+      "required": ["product", "price", "in_stock"]}),
+    ("Team meeting on 2024-03-15 at 10:30 in room B12 with Alice, Bob and Chen.",
+     {"type": "object", "properties": {"date": {"type": "string", "maxLength": 12},
+                                       "room": {"type": "string", "maxLength": 10},
+                                       "attendees": {"type": "array", "maxItems": 6,
+                                                     "items": {"type": "string",
+                                                               "maxLength": 20}}},
+      "required": ["date", "room", "attendees"]}),
+    ("Order #5521 by Ken Ito: 2 notebooks and 1 pen, paid by card.",
+     {"type": "object", "properties": {"order_id": {"type": "integer"},
+                                       "customer": {"type": "string", "maxLength": 30},
+                                       "payment": {"enum": ["card", "cash", "transfer"]}},
+      "required": ["order_id", "customer", "payment"]}),
+    ("The film Night Harbor (2019), directed by Ana Ruiz, runs 112 minutes and is rated PG-13.",
+     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                       "year": {"type": "integer"},
+                                       "director": {"type": "string", "maxLength": 30},
+                                       "minutes": {"type": "integer"}},
+      "required": ["title", "year", "director", "minutes"]}),
+    ("Flight LH 455 from Frankfurt to San Francisco departs at 13:20 and is delayed.",
+     {"type": "object", "properties": {"flight": {"type": "string", "maxLength": 10},
+                                       "origin": {"type": "string", "maxLength": 30},
+                                       "destination": {"type": "string", "maxLength": 30},
+                                       "status": {"enum": ["on time", "delayed", "cancelled"]}},
+      "required": ["flight", "origin", "destination", "status"]}),
+    ("Sensor 7 reported 21.5 degrees and 40 percent humidity; battery is low.",
+     {"type": "object", "properties": {"sensor": {"type": "integer"},
+                                       "temperature": {"type": "number"},
+                                       "humidity": {"type": "integer"},
+                                       "battery_low": {"type": "boolean"}},
+      "required": ["sensor", "temperature", "humidity", "battery_low"]}),
+    ("Dr. Sam Okafor, a cardiologist at St. Mary's, can be reached at sam.okafor@stmarys.org.",
+     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                       "specialty": {"type": "string", "maxLength": 30},
+                                       "email": {"type": "string", "maxLength": 40}},
+      "required": ["name", "specialty", "email"]}),
+]
+
+
+def messages(text: str, schema: dict) -> list:
+    return [{"role": "system", "content": "You extract facts from text into JSON. Answer with "
+                                          "the JSON object only."},
+            {"role": "user", "content": f"Schema: {json.dumps(schema)}\nText: {text}"}]
+
+
+def fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "extract", "schema": schema}}
+
+
+def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
+    """(per task: tokens, text, stats) of the timed call, and the seconds and tokens of all."""
+    outs, seconds, tokens = [], 0.0, 0
+    for text, schema in tasks:
+        kw = dict(method=method, max_new_tokens=max_new, config=config,
+                  draft=draft if method in ("speculative", "ouroboros") else None,
+                  response_format=fmt(schema) if constrained else None)
+        oj.generate(target, [messages(text, schema)], **kw)  # call 1: compiles
+        t0 = time.perf_counter()
+        out = oj.generate(target, [messages(text, schema)], **kw)
+        seconds += time.perf_counter() - t0
+        tokens += len(out.tokens[0])
+        outs.append((out.tokens[0], out.texts[0], out.stats))
+    return outs, seconds, tokens
+
+
+def valid(text: str, schema: dict) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated (default: prompt_lookup,lookahead, plus speculative,"
+                         "ouroboros with --draft)")
+    ap.add_argument("--tasks", type=int, default=len(TASKS))
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--config", default="none", choices=["none", "auto"],
+                    help="none: each method's paper recipe (default); auto: config='auto'")
+    args = ap.parse_args(argv)
+
+    import ouroboros_jax as oj
+    from ouroboros_jax.constrain import table_for
+    from ouroboros_jax.request import default_eos_ids
+
+    target = oj.load_model(args.target)
+    draft = oj.load_model(args.draft) if args.draft else None
+    methods = (args.methods.split(",") if args.methods else
+               ["prompt_lookup", "lookahead"] + (["speculative", "ouroboros"] if draft else []))
+    tasks = TASKS[:args.tasks]
+    config = None if args.config == "none" else "auto"
+    eos = default_eos_ids(target)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    builds = []
+    for _, schema in tasks:
+        t0 = time.perf_counter()
+        t = table_for(fmt(schema), target.tokenizer, target.config.vocab_size, eos)
+        builds.append(dict(states=int(t.next_state.shape[0]), classes=int(t.next_state.shape[1]),
+                           mib=t.nbytes / 2**20, build_s=time.perf_counter() - t0))
+    rows = []
+    ref = None
+    plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    for method, constrained in plan:
+        outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
+                                   args.max_new_tokens, config)
+        if method == "vanilla" and constrained:
+            ref = outs
+        row = dict(method=method, constrained=constrained,
+                   validity=sum(valid(o[1], s) for o, (_, s) in zip(outs, tasks)) / len(tasks),
+                   tok_s=toks / secs, tokens=toks, seconds=secs,
+                   forced_per_answer=(sum(o[2].get("forced_tokens", 0) for o in outs)
+                                      / len(tasks)))
+        if constrained and ref is not None:
+            row["equals_constrained_vanilla"] = all(a[0] == b[0] for a, b in zip(outs, ref))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = next(r["tok_s"] for r in rows if r["method"] == "vanilla" and r["constrained"])
+    for r in rows:
+        r["x_constrained_vanilla"] = r["tok_s"] / base
+    largest = max(builds, key=lambda b: b["mib"])
+    result = dict(command="python -m experiments.json_extract " + " ".join(argv or []),
+                  target=args.target, draft=args.draft, rows=rows, largest_table=largest,
+                  tables=builds)
+    print(json.dumps(result, indent=1))
+    print(f"\n{'row':28s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} {'==c-van':>7s}")
+    for r in rows:
+        name = ("constrained " if r["constrained"] else "unconstrained ") + r["method"]
+        print(f"{name:28s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
+              f"{r['x_constrained_vanilla']:8.2f} {r['forced_per_answer']:7.1f} "
+              f"{str(r.get('equals_constrained_vanilla', '-')):>7s}")
+    print(f"largest table: {largest['mib']:.2f} MiB ({largest['states']} states x "
+          f"{largest['classes']} classes), built in {largest['build_s']:.2f} s")
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

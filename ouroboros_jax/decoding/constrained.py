@@ -1,0 +1,119 @@
+"""The constraint's hooks in the shared verify machinery: every method calls these at the same
+three places, so constrained decoding is one rule, not one per method.
+
+1. Before the target's forward, `tree_states` gives the automaton state at every node of the
+   proposed tree (draft chain, Jacobi/pool phrases, branches, copies) and `cut` drops the nodes
+   whose path leaves the language: they can never be accepted, so they cost no verify width.
+2. After it, `masked` sets the target's logits of refused tokens to -inf at every verified node
+   (the bonus/correction position included), by the state there. The accept walk then follows
+   the target's constrained choice at each node: greedy tokens are constrained vanilla's, and a
+   draw is from the constrained (renormalised) distribution with the same (row, position) key,
+   so sampling stays lossless with respect to it.
+3. `emit` advances each row's state along the tokens it kept (`advance_rows`): rollback is free,
+   the state at the accepted length is where the walk stopped.
+
+Without a constraint (`Limits.constraint` None, static) every hook is the identity and the
+loop is the one without them.
+
+Letters (package glossary): B rows, T tree nodes, V vocab, A tokens offered to emit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..constrain import device as cdev
+
+
+def with_buffers(seq, rc):
+    """seq with zeroed automaton buffers (fsm, forced int32[B]) when rc (a
+    `constrain.RowConstraints`) is given, as is otherwise."""
+    if rc is None:
+        return seq
+    B = seq.tokens.shape[0]
+    return seq.replace(fsm=jnp.zeros((B,), jnp.int32), forced=jnp.zeros((B,), jnp.int32))
+
+
+def buffers_like(seq, fresh):
+    """fresh Sequences [R] with zeroed automaton buffers when seq has them (rows restarting:
+    every automaton starts at its local state 0)."""
+    if seq.fsm is None:
+        return fresh
+    R = fresh.tokens.shape[0]
+    return fresh.replace(fsm=jnp.zeros((R,), jnp.int32), forced=jnp.zeros((R,), jnp.int32))
+
+
+def root_states(limits, seq) -> Optional[jax.Array]:
+    """int32[B,1]: each row's state at its pending token (None without a constraint)."""
+    if limits.constraint is None:
+        return None
+    return seq.fsm[:, None]
+
+
+def tree_states(limits, seq, parents: np.ndarray, tokens: jax.Array) -> Optional[jax.Array]:
+    """parents int[T] (static), tokens int32[B,T] (node 0 the pending token) -> int32[B,T]:
+    the state at each node (-1: its path leaves the language); None without a constraint."""
+    if limits.constraint is None:
+        return None
+    return cdev.tree_states(limits.constraint, seq.fsm, parents, tokens)
+
+
+def cut(states: Optional[jax.Array], valid: jax.Array) -> jax.Array:
+    """valid bool[B,T] without the nodes whose path leaves the language."""
+    return valid if states is None else valid & (states >= 0)
+
+
+def masked(limits, states: Optional[jax.Array], logits: jax.Array) -> jax.Array:
+    """logits [B,T,V] with each node's refused tokens at -inf (states int32[B,T])."""
+    if states is None:
+        return logits
+    return cdev.mask_logits(limits.constraint, states, logits)
+
+
+def advance_rows(rc, seq, new: jax.Array, kept: jax.Array):
+    """seq with each row's state advanced along new[b, :kept[b]] (new int32[B,A]) and its
+    forced-token count added to; as is without a constraint."""
+    if rc is None:
+        return seq
+    fsm, forced = cdev.advance(rc, seq.fsm, new, kept)
+    return seq.replace(fsm=fsm, forced=seq.forced + forced)
+
+
+def tree_mask_fn(limits, seq):
+    """A `jacobi_step` hook (None without a constraint): (tokens int32[B,Q], parents int[Q],
+    logits [B,Q,V]) -> logits masked by the state at each node. Nodes whose path leaves the
+    language keep their logits: the walk never reaches them, since their parent's choice is
+    masked to the language."""
+    if limits.constraint is None:
+        return None
+
+    def constrain(tokens, parents, logits):
+        return masked(limits, tree_states(limits, seq, parents, tokens), logits)
+
+    return constrain
+
+
+class DraftGuard(NamedTuple):
+    """What a draft model's own loop needs to draft inside the rows' constraints.
+
+    root: int32[B], each row's state at its pending token; mask(logits [B,1,V], state [B]) ->
+    logits with refused tokens at -inf; advance(state [B], token [B]) -> the state after it.
+    """
+
+    root: jax.Array
+    mask: object
+    advance: object
+
+
+def draft_guard(limits, seq) -> Optional[DraftGuard]:
+    """The rows' constraints for a draft loop (None without a constraint)."""
+    rc = limits.constraint
+    if rc is None:
+        return None
+    return DraftGuard(root=seq.fsm,
+                      mask=lambda logits, state: cdev.mask_logits(rc, state[:, None], logits),
+                      advance=lambda state, tok: cdev.step(rc, state, tok))
