@@ -378,8 +378,36 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
         free_tokens_accepted=own.free_tokens_accepted
         + jnp.sum(fv * jnp.minimum(matched, jnp.maximum(kept - 1, 0)))))
+    if prop is not None:
+        stats = _count_offers(stats, live, prop, acc.tokens, kept, free)
     return state.replace(seq=seq, tcache=tcache, dcache=dcache, window=window, pool=pool,
                          stats=stats)
+
+
+def shadow_accepted(prop: FreeDraft, emitted, kept, free) -> jax.Array:
+    """int32[B]: the free proposal's tokens the round kept: its leading agreement with the
+    round's emitted tokens (emitted int32[B,A], the first kept int32[B] of them real), at most
+    its count. In a free row (free bool[B]) these are its accepted tokens as
+    free_tokens_accepted counts them (a cut-off keeps the last kept token as the round's
+    own); in a drafted row, what verifying it would have kept up to the round's end (a lower
+    bound: the round may end before the proposal disagrees)."""
+    n = min(prop.tokens.shape[1], emitted.shape[1])
+    i = jnp.arange(n, dtype=jnp.int32)[None]
+    upto = jnp.where(free, kept - 1, kept)
+    agree = (prop.tokens[:, :n] == emitted[:, :n]) & (i < prop.count[:, None]) \
+        & (i < upto[:, None])
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def _count_offers(stats: Stats, live, prop: FreeDraft, emitted, kept, free) -> Stats:
+    """Adds every live row round to free_offered and free_would_accept at its proposal's
+    match length (0 where no source offered one), free or drafted alike."""
+    r = jnp.where(prop.count > 0, prop.run, 0)
+    w = jnp.where(live, shadow_accepted(prop, emitted, kept, free), 0)
+    own = stats.own
+    return stats.replace(own=own.replace(
+        free_offered=own.free_offered.at[r].add(live.astype(jnp.int32)),
+        free_would_accept=own.free_would_accept.at[r].add(w)))
 
 
 def _count_sources(stats: Stats, cfg: OuroborosConfig, size: int, live, kept, path,
@@ -407,7 +435,9 @@ def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool
                             pool_hits=counter(), draft_matches=counter(),
                             draft_accepted=counter(), catch_up_forwards=counter(),
                             draft_rounds=counter(), free_rounds=counter(),
-                            free_tokens_accepted=counter())
+                            free_tokens_accepted=counter(),
+                            free_offered=jnp.zeros((cfg.ngram,), jnp.int32),
+                            free_would_accept=jnp.zeros((cfg.ngram,), jnp.int32))
     return OuroborosState(
         empty_sequences(rows, slots),
         empty_cache(pair, "target", rows, slots),

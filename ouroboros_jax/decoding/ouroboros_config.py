@@ -108,15 +108,22 @@ class OuroborosCounters:
     and draft_rounds (row rounds whose chain came from the free sources / from the draft;
     they add up to the row rounds), free_tokens_accepted (chain tokens accepted from free
     proposals), catch_up_forwards (batch draft forwards feeding the draft what free rounds
-    committed)."""
+    committed); and, with free drafts on, over every row round (free or drafted) by the free
+    proposal's match length r = 0 .. M (0: none offered), int32[M+1]: free_offered (row
+    rounds) and free_would_accept (the proposal's tokens the round kept: in a free round the
+    ones accepted, in a drafted round its leading agreement with the tokens the round
+    emitted, a lower bound of what verifying it would have kept). Their ratio by r is what a
+    free proposal of that match is worth on this pair (`cost.FreeProfile`)."""
 
     catch_up_forwards: jax.Array
     draft_accepted: jax.Array
     draft_forwards: jax.Array
     draft_matches: jax.Array
     draft_rounds: jax.Array
+    free_offered: jax.Array
     free_rounds: jax.Array
     free_tokens_accepted: jax.Array
+    free_would_accept: jax.Array
     pool_hits: jax.Array
     suffix_tokens_accepted: jax.Array
 
