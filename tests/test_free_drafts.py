@@ -424,3 +424,27 @@ def test_serving_engine_requests_equal_vanilla(tiny_pair, shared_pool):
     m = eng.metrics()
     assert m["requests_finished"] == len(prompts)
     assert m["accepted_by_source"]["prompt_lookup"] > 0  # free chains from the context
+    # rounds by kind: free and drafted apart, the draft forwards and their catch-up share
+    assert m["free_rounds"] > 0 and m["draft_rounds"] > 0, m
+    assert 0 < m["catch_up_forwards"] <= m["draft_forwards"], m
+    from ouroboros_jax.serving.metrics import render
+
+    text = render(m)
+    for name in ("free_rounds", "draft_rounds", "draft_forwards", "catch_up_forwards"):
+        assert f"ouroboros:spec_decode_num_{name}_total {m[name]}" in text, name
+
+
+def test_metrics_count_rounds_by_kind_as_the_steps_increase():
+    from ouroboros_jax.serving.metrics import EngineCounters
+
+    c = EngineCounters(8, ("draft_chain", "pool_phrases", "prompt_lookup"), True)
+    c.step(2, "a", 0, 4, {"free_rounds": 3, "draft_rounds": 1, "draft_forwards": 5,
+                          "catch_up_forwards": 1, "pool_hits": 0})
+    c.step(2, "a", 0, 4, {"free_rounds": 4, "draft_rounds": 4, "draft_forwards": 9,
+                          "catch_up_forwards": 2, "pool_hits": 0})
+    m = c.snapshot()
+    assert [m[k] for k in ("free_rounds", "draft_rounds", "draft_forwards",
+                           "catch_up_forwards")] == [4, 4, 9, 2]
+    # a method without a draft model's chain (lookahead) or a pool (speculative): none
+    for sources, pool in ((("pool_phrases",), True), (("draft_chain",), False)):
+        assert "free_rounds" not in EngineCounters(8, sources, pool).snapshot()
