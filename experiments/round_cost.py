@@ -143,6 +143,8 @@ def fit(tt: dict, td: dict, agreement: float, draft_ratio: float) -> list:
     space = oj.OuroborosConfig.KNOBS
     groups = [("Ouroboros, every mechanism", space.grid(oj.OuroborosConfig))]
     for v in space.variants:
+        if v.switches.get("free_drafts"):  # priced from a measured profile: not here
+            continue
         off = [k for k, on in v.switches.items() if not on]
         label = ("Ouroboros SD (every mechanism off)" if len(off) == len(space.switches) - 1
                  else "Ouroboros, " + ", ".join(off) + " off")

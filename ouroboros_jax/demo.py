@@ -76,6 +76,22 @@ def switches_off(config: Optional[str]) -> list[str]:
     return re.findall(r"(\w+)=False", config or "")
 
 
+# Ouroboros' own mechanisms (besides its SD step), as its recipe names them: free drafts are
+# off by default (named when =True), the others on (named when =False)
+OWN_MECHANISMS = (("free_drafts", "free drafts"), ("phrase_drafting", "phrase drafting"),
+                  ("lengthening", "lengthening"), ("recycling", "recycling"),
+                  ("context_phrases", "context phrases"))
+
+
+def mechanisms_on(config: Optional[str]) -> list[str]:
+    """Ouroboros' own mechanisms a recipe string runs, in OWN_MECHANISMS order (the pool's
+    history is not one: it only carries the others' phrases across calls)."""
+    off = set(switches_off(config))
+    on = set(re.findall(r"(\w+)=True", config or ""))
+    return [label for field, label in OWN_MECHANISMS
+            if (field in on if field == "free_drafts" else field not in off)]
+
+
 def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]:
     """(label, why) for a method's row, from its `stats["auto"]`: the label names only the
     mechanisms that ran ("ouroboros (as speculative γ2: mechanisms off on this device)",
@@ -88,14 +104,21 @@ def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]
         return f"{method} (ran vanilla)", f"{method}: {reason}"
     off = switches_off(auto.get("config"))
     if not off:
+        if method == "ouroboros" and "free drafts" in mechanisms_on(auto.get("config")):
+            return "ouroboros (free drafts on)", None
         return method, None
     why = (f"{method}: auto turned off {', '.join(off)}: the cost model predicts this device "
            f"runs it faster without them ({auto.get('reason', '').split(' (a priori')[0]})")
+    free = method == "ouroboros" and "free drafts" in mechanisms_on(auto.get("config"))
     if method == "ouroboros" and all(s in off for s in SD_SWITCHES):
         gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
         g = f"γ{gamma.group(1)}" if gamma else ""
+        if free:
+            t = re.search(r"free_threshold=(\d+)", auto.get("config") or "")
+            return (f"ouroboros (free drafts at matches of {t.group(1) if t else 2}+ tokens, "
+                    f"else speculative {g}: its other mechanisms off on this device)", why)
         return f"ouroboros (as speculative {g}: mechanisms off on this device)", why
-    return f"{method} ({', '.join(off)} off)", why
+    return f"{method} ({'free drafts on; ' if free else ''}{', '.join(off)} off)", why
 
 
 def _timed_runs(target, draft, prompts, methods: list[str], max_new_tokens: int) -> dict:
@@ -180,6 +203,11 @@ def run_demo(num_prompts: int | None = None, max_new_tokens: int = 128,
                                  "label": label}
     for why in whys:  # what config="auto" turned off, one line each
         print(f"  {why}")
+    ours = summary["methods"].get("ouroboros")
+    if ours and (ours["auto"] or {}).get("method") == "ouroboros":
+        on = mechanisms_on(ours["auto"].get("config"))
+        print(f"  ouroboros ran with its own mechanisms: {', '.join(on) or 'none (its SD step)'}")
+        ours["mechanisms_on"] = on
     # a row auto ran as vanilla runs vanilla's loop: its speed differs from vanilla's by noise
     # alone, so it is not a candidate for "fastest"
     ran = [m for m in results

@@ -102,6 +102,20 @@ def test_fastest_label_names_only_the_mechanisms_that_ran():
     assert describe_run("ouroboros", {"method": "ouroboros", "config": on,
                                       "reason": "predicted 2.0x vanilla"}) == ("ouroboros", None)
     assert describe_run("vanilla", None) == ("vanilla", None)
+    # free drafts are named: over the SD step, beside other switches, alone
+    sd_free = OU_SD.replace(")", ", free_drafts=True, free_threshold=3)")
+    label, _ = describe_run("ouroboros", {"method": "ouroboros", "config": sd_free,
+                                          "reason": "predicted 1.3x vanilla"})
+    assert label == ("ouroboros (free drafts at matches of 3+ tokens, else speculative γ1: its "
+                     "other mechanisms off on this device)")
+    assert describe_run("ouroboros", {"method": "ouroboros", "reason": "x",
+                                      "config": on.replace(")", ", free_drafts=True)")}
+                        ) == ("ouroboros (free drafts on)", None)
+    from ouroboros_jax.demo import mechanisms_on
+
+    assert mechanisms_on(sd_free) == ["free drafts"]
+    assert mechanisms_on(OU_SD) == []
+    assert mechanisms_on(on) == ["phrase drafting", "lengthening", "recycling", "context phrases"]
 
 
 def test_a_method_auto_ran_as_vanilla_says_so_and_why():

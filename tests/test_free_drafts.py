@@ -32,10 +32,16 @@ def ouro(target, draft, prompts, cfg, **kw):
     return oj.generate(target, prompts, draft=draft, method="ouroboros", config=cfg, **kw)
 
 
-def check_counts(s):
-    """Every live row round is free or drafted; accepted tokens add up by source."""
+def check_counts(s, threshold=None):
+    """Every live row round is free or drafted; accepted tokens add up by source; every row
+    round is counted once in free_offered, and at a match of at least the threshold its
+    would-be accepted tokens are the free tokens accepted."""
     hist = s["acceptance_histogram"]
     assert s["free_rounds"] + s["draft_rounds"] == sum(hist)
+    assert sum(s["free_offered"]) == sum(hist)
+    if threshold is not None:
+        assert sum(s["free_offered"][threshold:]) == s["free_rounds"]
+        assert sum(s["free_would_accept"][threshold:]) == s["free_tokens_accepted"]
     accepted = sum(max(j - 1, 0) * n for j, n in enumerate(hist))
     assert accepted == (s["accepted_from_draft_chain"] + s["accepted_from_pool_phrases"]
                         + s["accepted_from_prompt_lookup"])
@@ -134,6 +140,24 @@ def test_pool_match_takes_the_longest_key_then_the_newest_phrase():
     assert np.asarray(got[2]).tolist() == run.tolist()
 
 
+def test_shadow_accepted_is_the_leading_agreement_within_the_kept_tokens():
+    """A proposal's would-be accepted tokens: its leading agreement with what the round
+    emitted, within its count and the kept tokens (a free row: all but the round's own)."""
+    from ouroboros_jax.decoding.free_drafts import FreeDraft
+    from ouroboros_jax.decoding.ouroboros import shadow_accepted
+
+    prop = FreeDraft(tokens=jnp.asarray([[5, 6, 7, 8]] * 5, jnp.int32),
+                     count=jnp.asarray([4, 4, 2, 4, 4], jnp.int32),
+                     run=jnp.ones((5,), jnp.int32), from_context=jnp.ones((5,), bool))
+    emitted = jnp.asarray([[5, 6, 9, 9, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [4, 6, 7, 8, 9],
+                           [5, 6, 7, 8, 9]], jnp.int32)
+    kept = jnp.asarray([5, 3, 5, 5, 3], jnp.int32)
+    drafted = shadow_accepted(prop, emitted, kept, jnp.zeros((5,), bool))
+    assert drafted.tolist() == [2, 3, 2, 0, 3]
+    freed = shadow_accepted(prop, emitted, kept, jnp.ones((5,), bool))
+    assert freed.tolist() == [2, 2, 2, 0, 2]
+
+
 def test_free_proposal_prefers_the_longer_match():
     # the context repeats "5 6 7" (run 3); the pool knows only the key 7 (run 1) -> context
     row = [5, 6, 7, 8, 9, 5, 6, 7]
@@ -173,7 +197,7 @@ def test_greedy_equals_vanilla_batched(tiny_pair, noisy_draft, repeat_ref, thres
         out = ouro(target, draft, REPEAT, free(threshold), **kw)
         assert out.tokens == repeat_ref
         s = out.stats
-        check_counts(s)
+        check_counts(s, threshold)
         assert s["free_rounds"] > 0 and s["draft_rounds"] > 0, s
         assert s["free_tokens_accepted"] > 0
 
@@ -186,7 +210,7 @@ def test_greedy_equals_vanilla_one_row(tiny_target, noisy_draft, repeat_ref, thr
     for p, want in zip(REPEAT, repeat_ref):
         out = ouro(tiny_target, noisy_draft, [p], free(threshold), **kw)
         assert out.tokens[0] == want, p
-        check_counts(out.stats)
+        check_counts(out.stats, threshold)
         n_free += out.stats["free_rounds"]
     assert n_free > 0
 
@@ -207,7 +231,7 @@ def test_every_round_free_never_runs_the_draft(tiny_target, noisy_draft, repeat_
     out = ouro(tiny_target, noisy_draft, prompts, free(1), pool=_full_pool(), **kw)
     assert out.tokens == want
     s = out.stats
-    check_counts(s)
+    check_counts(s, 1)
     assert s["draft_rounds"] == 0 and s["free_rounds"] == sum(s["acceptance_histogram"])
     assert s["draft_forwards"] == 0 and s["draft_calls"] == 0
 
@@ -259,7 +283,7 @@ def test_copying_output_saves_draft_forwards(bigram, tiny_pair, phrase_drafting)
     on = ouro(bigram, draft, prompts, free(2, cfg), **kw)
     assert on.tokens == off.tokens == ref
     s = on.stats
-    check_counts(s)
+    check_counts(s, 2)
     assert s["free_rounds"] > 2 * s["draft_rounds"], s
     assert s["draft_forwards"] < off.stats["draft_forwards"], (s, off.stats)
     assert s["free_tokens_accepted"] > 0 and s["accepted_from_prompt_lookup"] > 0
@@ -282,14 +306,14 @@ def test_eos_max_new_tokens_and_adaptive_drafting_with_free_chains(bigram, tiny_
     for k in (1, 2, 3, 5, 8):
         out = ouro(bigram, draft, prompts, free(2), max_new_tokens=k, eos_token_id=-1)
         assert out.tokens == [o[:k] for o in full], k
-        check_counts(out.stats)
+        check_counts(out.stats, 2)
     n_cut = 0
     for pos in (2, 4, 7):
         eos = full[1][pos]
         ref = oj.generate(bigram, prompts, max_new_tokens=24, eos_token_id=eos).tokens
         got = ouro(bigram, draft, prompts, free(2), max_new_tokens=24, eos_token_id=eos)
         assert got.tokens == ref, pos
-        check_counts(got.stats)
+        check_counts(got.stats, 2)
         assert got.stats["free_tokens_accepted"] > 0
         n_cut += sum(len(r) < 24 for r in ref)
     assert n_cut >= 3
@@ -400,3 +424,27 @@ def test_serving_engine_requests_equal_vanilla(tiny_pair, shared_pool):
     m = eng.metrics()
     assert m["requests_finished"] == len(prompts)
     assert m["accepted_by_source"]["prompt_lookup"] > 0  # free chains from the context
+    # rounds by kind: free and drafted apart, the draft forwards and their catch-up share
+    assert m["free_rounds"] > 0 and m["draft_rounds"] > 0, m
+    assert m["catch_up_forwards"] <= m["draft_forwards"] and m["draft_forwards"] > 0, m
+    from ouroboros_jax.serving.metrics import render
+
+    text = render(m)
+    for name in ("free_rounds", "draft_rounds", "draft_forwards", "catch_up_forwards"):
+        assert f"ouroboros:spec_decode_num_{name}_total {m[name]}" in text, name
+
+
+def test_metrics_count_rounds_by_kind_as_the_steps_increase():
+    from ouroboros_jax.serving.metrics import EngineCounters
+
+    c = EngineCounters(8, ("draft_chain", "pool_phrases", "prompt_lookup"), True)
+    c.step(2, "a", 0, 4, {"free_rounds": 3, "draft_rounds": 1, "draft_forwards": 5,
+                          "catch_up_forwards": 1, "pool_hits": 0})
+    c.step(2, "a", 0, 4, {"free_rounds": 4, "draft_rounds": 4, "draft_forwards": 9,
+                          "catch_up_forwards": 2, "pool_hits": 0})
+    m = c.snapshot()
+    assert [m[k] for k in ("free_rounds", "draft_rounds", "draft_forwards",
+                           "catch_up_forwards")] == [4, 4, 9, 2]
+    # a method without a draft model's chain (lookahead) or a pool (speculative): none
+    for sources, pool in ((("pool_phrases",), True), (("draft_chain",), False)):
+        assert "free_rounds" not in EngineCounters(8, sources, pool).snapshot()

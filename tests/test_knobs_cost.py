@@ -22,8 +22,12 @@ def test_auto_grid_applies_the_tie_rules():
     # then the switch variants, their idle knobs pinned (G = W still holds)
     assert all(c.phrase_drafting and c.lengthening for c in grid[:len(want)])
     assert all(c.guesses == c.window and c.suffixes <= c.window for c in grid)
-    sd = [c for c in grid if not (c.phrase_drafting or c.lengthening)]
+    sd = [c for c in grid if not (c.phrase_drafting or c.lengthening or c.free_drafts)]
     assert [(c.gamma, c.window, c.suffixes) for c in sd] == [(2, 2, 1), (3, 2, 1)]
+    # free drafts over the SD step, at every threshold, matches of up to 6 tokens (ngram 7)
+    free = [c for c in grid if c.free_drafts and not c.phrase_drafting]
+    assert {(c.gamma, c.ngram, c.free_threshold) for c in free} == {
+        (g, 7, t) for g in (2, 3) for t in (2, 3, 4, 6)}
     la = METHODS["lookahead"].auto_grid({"window": (2, 8), "ngram": (3, 5)})
     assert [(c.window, c.ngram, c.guesses) for c in la] == [(2, 3, 2), (2, 5, 2), (8, 3, 8),
                                                              (8, 5, 8)]

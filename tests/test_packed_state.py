@@ -80,9 +80,12 @@ def test_rows_read_the_packed_fields(tiny_pair):
     prop = rng.integers(0, 5, (k, B))
     done = rng.random((B,)) < 0.5
     sources = rng.integers(0, 9, (B, len(SOURCES)))
-    flat = np.asarray(executor.StepOutput.pack(toks, counts, kept, live, prop, done, 17, sources))
+    own = np.arange(17, 17 + len(executor.OWN_COUNTERS))  # pool hits 17, then the others
+    flat = np.asarray(executor.StepOutput.pack(toks, counts, kept, live, prop, done, own,
+                                               sources))
     out = executor.StepOutput(flat, B, E, k)
     assert out.hits == 17
+    assert out.own == dict(zip(executor.OWN_COUNTERS, own.tolist()))
     names = ("pool_phrases", "draft_chain")
     busy = [4, 0, 2]
     for r, row in zip(busy, out.rows(busy, names)):

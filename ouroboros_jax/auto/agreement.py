@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ..decoding.cost import DepthAgreement
+from ..decoding.cost import DepthAgreement, FreeProfile, free_profile
 from ..models import causal_mask, forward
 from .keys import Signatures
 from .store import MAX_DEPTH, Store
@@ -149,7 +149,30 @@ class Agreement:
         # to 2 decimals (a chain's tokens move by under 1%): the choice is searched again only
         # when the agreement has moved that much (the chooser's memo)
         beyond = round(deep_a / deep_r, 2) if deep_r >= MIN_DEPTH_ROUNDS else by_depth[-1]
-        return DepthAgreement(tuple(by_depth), beyond)
+        return DepthAgreement(tuple(by_depth), beyond, self.free_profile(target, draft))
+
+    def record_free(self, target, draft, offered, would_accept) -> None:
+        """After a call with Ouroboros' free drafts: pool its rounds by the free proposal's
+        match length (free_offered) and the tokens those proposals kept (free_would_accept)
+        with earlier calls' for the pair, length by length, in the store."""
+        key = self.sig.pair(target, draft)
+        new = [[int(o), int(w)] for o, w in zip(offered, would_accept)]
+
+        def change(data):
+            old = data.setdefault("free", {}).get(key, [])
+            both = [list(x) for x in old] + [[0, 0]] * max(0, len(new) - len(old))
+            for r, (o, w) in enumerate(new):
+                both[r] = [both[r][0] + o, both[r][1] + w]
+            data["free"][key] = both
+        self.store.update(change)
+
+    def free_profile(self, target, draft) -> Optional[FreeProfile]:
+        """What the pair's free proposals kept by match length (`cost.FreeProfile`), once
+        MIN_REALISED_ROUNDS rounds back it; else None (the cost model's prior)."""
+        counts = self.store.read().get("free", {}).get(self.sig.pair(target, draft), [])
+        if sum(o for o, _ in counts) < MIN_REALISED_ROUNDS:
+            return None
+        return free_profile([o for o, _ in counts], [w for _, w in counts])
 
     def realised_counts(self, key: str) -> tuple:
         """(sum of realised agreement x rounds, rounds) pooled in the store under a

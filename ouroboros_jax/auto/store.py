@@ -28,7 +28,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None
 
 SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor", "depth",
-            "rounds")
+            "rounds", "free")
 # Depths of a draft chain the store counts acceptance at (the "depth" section's bound)
 MAX_DEPTH = 64
 
@@ -55,7 +55,8 @@ def valid_entry(section: str, value) -> bool:
     "flops"} finite and > 0; timing five finite sums (the two squares >= 0) and a count of
     calls; choice {"method": name, "config": {field: int or bool} or None}; anchor a finite
     ratio > 0; depth 1 to MAX_DEPTH [reached, accepted] counts with accepted <= reached;
-    rounds three finite sums >= 0 and a count of calls."""
+    rounds three finite sums >= 0 and a count of calls; free 1 to MAX_DEPTH [rounds, tokens
+    kept] counts (Ouroboros' free proposals by match length, `Agreement.record_free`)."""
     if section == "device":
         return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
                 and all(_number(v) and v > 0 for v in value.values()))
@@ -65,6 +66,10 @@ def valid_entry(section: str, value) -> bool:
         return (isinstance(value, list) and 1 <= len(value) <= MAX_DEPTH and all(
             isinstance(d, list) and len(d) == 2 and _count(d[0]) and _count(d[1])
             and d[1] <= d[0] for d in value))
+    if section == "free":
+        return (isinstance(value, list) and 1 <= len(value) <= MAX_DEPTH and all(
+            isinstance(d, list) and len(d) == 2 and _count(d[0]) and _count(d[1])
+            for d in value))
     if section == "rounds":
         return (isinstance(value, list) and len(value) == 4
                 and all(_number(v) and v >= 0 for v in value[:3]) and _count(value[3]))

@@ -121,6 +121,10 @@ class AutoTuner:
         if learned is not None and is_leader():
             name = next(m for m, s in METHODS.items() if s is spec)
             self.agreement.record_realised(target, used, *learned, method=name)
+        if greedy and used is not None and "free_offered" in stats and is_leader():
+            # Ouroboros' free drafts: what its proposals kept, by match (`cost.FreeProfile`)
+            self.agreement.record_free(target, used, stats["free_offered"],
+                                       stats["free_would_accept"])
 
 
 class DefaultTuner:

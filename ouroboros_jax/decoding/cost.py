@@ -226,6 +226,8 @@ class DepthAgreement(NamedTuple):
 
     by_depth: tuple
     beyond: float
+    # what free proposals were worth on the pair (`FreeProfile`), None before any was measured
+    free: Optional["FreeProfile"] = None
 
 
 def chain_tokens(a: DepthAgreement, gamma: int) -> float:
@@ -332,3 +334,77 @@ def rate(sizes: tuple, model: RoundModel, tt: dict, td: Optional[dict]) -> float
 def vanilla_rate(tt: dict) -> float:
     """Vanilla's predicted tokens per second: one target forward of one token per token."""
     return rate((1, 0), RoundModel(tokens=1.0, overhead=vanilla_overhead(tt)), tt, None)
+
+
+# Free drafts (Ouroboros' `free_drafts`, issue 52): a round whose chain comes from the context
+# or the pool runs no draft forward. What such a chain is worth depends on the pair and the
+# workload, so it is priced from what the pair's calls measured (`FreeProfile`, from the
+# rounds' free_offered / free_would_accept counters); before any, from FREE_PRIOR, which
+# offers nothing: auto turns free drafts on only from a profile the pair's free-drafts calls
+# measured. FREE_OVERHEAD: a round's free proposal (the context match over the buffer and M
+# pool lookups), in units of t_T(1); not fitted (a guess of the order of POOL_OVERHEAD's
+# share), it keeps a profile that brings nothing from pricing equal to drafting alone.
+FREE_OVERHEAD = 0.05
+
+
+class FreeProfile(NamedTuple):
+    """What free proposals are worth on a pair, by match length r = 0 .. M (0: none offered):
+    offered[r], the share of rounds whose best free proposal matched r tokens; kept[r], the
+    proposal's tokens such a round kept on average (`ouroboros.shadow_accepted`)."""
+
+    offered: tuple
+    kept: tuple
+
+
+FREE_PRIOR = FreeProfile(offered=(1.0,), kept=(0.0,))
+
+
+def free_profile(offered, would_accept) -> Optional[FreeProfile]:
+    """A FreeProfile from rounds by match length (offered) and the tokens their proposals
+    kept (would_accept), as the counters free_offered / free_would_accept hold them (summed
+    over calls); None without rounds."""
+    total = float(sum(offered))
+    if total <= 0:
+        return None
+    return FreeProfile(offered=tuple(round(float(o) / total, 4) for o in offered),
+                       kept=tuple(round(float(w) / max(float(o), 1.0), 3)
+                                  for o, w in zip(offered, would_accept)))
+
+
+def free_mix(profile: FreeProfile, threshold: int) -> tuple[float, float]:
+    """(share of rounds that go free, tokens per free round) at a threshold: the rounds whose
+    proposal matched at least `threshold` tokens, each emitting its kept tokens plus the
+    target's own. A match past the profile's longest counts as its longest."""
+    top = len(profile.offered) - 1
+    rs = range(min(threshold, top), top + 1)
+    share = sum(profile.offered[r] for r in rs)
+    if share <= 0:
+        return 0.0, 1.0
+    return share, 1.0 + sum(profile.offered[r] * profile.kept[r] for r in rs) / share
+
+
+def free_round_model(base: RoundModel, profile: FreeProfile, threshold: int,
+                     catch_up_chunk: int) -> RoundModel:
+    """A round model with free drafts: a share f of the rounds (`free_mix`) verifies a free
+    chain (its tokens, no draft forward), the rest are `base`'s rounds; each free round's
+    tokens are fed to the draft later by catch-up forwards of catch_up_chunk tokens, priced
+    as draft forwards (they are wider: on an accelerator the same, on a CPU a little more).
+    The verify forward is base's (the same tree); the overhead base's plus FREE_OVERHEAD."""
+    f, free_tokens = free_mix(profile, threshold)
+    return RoundModel(tokens=(1 - f) * base.tokens + f * free_tokens,
+                      draft_forwards=(1 - f) * base.draft_forwards
+                      + f * free_tokens / catch_up_chunk,
+                      overhead=base.overhead + FREE_OVERHEAD)
+
+
+def best_free_threshold(sizes: tuple, base: RoundModel, profile: FreeProfile,
+                        catch_up_chunk: int, tt: dict, td: Optional[dict],
+                        thresholds) -> Optional[int]:
+    """The threshold of `thresholds` at which free drafts price fastest, or None where the
+    draft-only round (`base`) prices at least as fast as every one."""
+    best, best_rate = None, rate(sizes, base, tt, td)
+    for t in thresholds:
+        r = rate(sizes, free_round_model(base, profile, t, catch_up_chunk), tt, td)
+        if r > best_rate:
+            best, best_rate = t, r
+    return best

@@ -101,12 +101,15 @@ class KnobSpace:
         switches: mechanism switches in ablation order (empty: no ablation).
         baseline: the label of the ablation step with every switch off.
         variants: `Variant`s config="auto" searches besides the default switches.
+        extras: other config fields a variant may set (not ablation steps: Ouroboros' free
+            drafts and their threshold), named in recipes where they differ from the default.
     """
 
     knobs: tuple
     switches: tuple = ()
     baseline: str = "SD"
     variants: tuple = ()
+    extras: tuple = ()
 
     @property
     def searched(self) -> tuple:
@@ -165,6 +168,8 @@ class KnobSpace:
         body = [f"{k.field}={getattr(cfg, k.field)}" for k in self.knobs]
         body += [f"{s.field}={getattr(cfg, s.field)}" for s in self.switches
                  if getattr(cfg, s.field) != fields[s.field].default]
+        body += [f"{f}={getattr(cfg, f)}" for f in self.extras
+                 if getattr(cfg, f) != fields[f].default]
         return f"{type(cfg).__name__}({', '.join(body)})"
 
     def ablation_steps(self) -> tuple:

@@ -70,8 +70,8 @@ from .free_drafts import FreeDraft, free_proposal
 from .ouroboros_config import (OuroborosConfig, OuroborosCounters, OuroborosState,
                                forward_sizes)
 from .jacobi import (commit_with_prefix, empty_window, init_window, jacobi_step)
-from .cost import (POOL_OVERHEAD, ROUND_OVERHEAD, RoundModel, branch_gain,
-                   expected_tokens, phrase_gain)
+from .cost import (FREE_PRIOR, POOL_OVERHEAD, ROUND_OVERHEAD, FreeProfile, RoundModel,
+                   branch_gain, expected_tokens, free_round_model, phrase_gain)
 from .spec import MethodSpec
 from .speculative import chain_lesson, draft_propose
 from . import constrained
@@ -378,12 +378,42 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         + jnp.sum(dv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
         draft_accepted=own.draft_accepted + jnp.sum(dv * matched),
         draft_rounds=own.draft_rounds + jnp.sum(dv),
+        draft_histogram=own.draft_histogram.at[
+            jnp.clip(kept, 0, own.draft_histogram.shape[0] - 1)].add(dv),
         free_rounds=own.free_rounds + jnp.sum(fv),
         # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
         free_tokens_accepted=own.free_tokens_accepted
         + jnp.sum(fv * jnp.minimum(matched, jnp.maximum(kept - 1, 0)))))
+    if prop is not None:
+        stats = _count_offers(stats, live, prop, acc.tokens, kept, free)
     return state.replace(seq=seq, tcache=tcache, dcache=dcache, window=window, pool=pool,
                          stats=stats)
+
+
+def shadow_accepted(prop: FreeDraft, emitted, kept, free) -> jax.Array:
+    """int32[B]: the free proposal's tokens the round kept: its leading agreement with the
+    round's emitted tokens (emitted int32[B,A], the first kept int32[B] of them real), at most
+    its count. In a free row (free bool[B]) these are its accepted tokens as
+    free_tokens_accepted counts them (a cut-off keeps the last kept token as the round's
+    own); in a drafted row, what verifying it would have kept up to the round's end (a lower
+    bound: the round may end before the proposal disagrees)."""
+    n = min(prop.tokens.shape[1], emitted.shape[1])
+    i = jnp.arange(n, dtype=jnp.int32)[None]
+    upto = jnp.where(free, kept - 1, kept)
+    agree = (prop.tokens[:, :n] == emitted[:, :n]) & (i < prop.count[:, None]) \
+        & (i < upto[:, None])
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def _count_offers(stats: Stats, live, prop: FreeDraft, emitted, kept, free) -> Stats:
+    """Adds every live row round to free_offered and free_would_accept at its proposal's
+    match length (0 where no source offered one), free or drafted alike."""
+    r = jnp.where(prop.count > 0, prop.run, 0)
+    w = jnp.where(live, shadow_accepted(prop, emitted, kept, free), 0)
+    own = stats.own
+    return stats.replace(own=own.replace(
+        free_offered=own.free_offered.at[r].add(live.astype(jnp.int32)),
+        free_would_accept=own.free_would_accept.at[r].add(w)))
 
 
 def _count_sources(stats: Stats, cfg: OuroborosConfig, size: int, live, kept, path,
@@ -406,18 +436,25 @@ def _count_sources(stats: Stats, cfg: OuroborosConfig, size: int, live, kept, pa
 def ouroboros_init(pair: Pair, cfg: OuroborosConfig, rows: int, slots: int, pool: PhrasePool
                    ) -> OuroborosState:
     """B = rows empty rows (done) of S = slots, around `pool`."""
-    x = cfg.suffixes if cfg.lengthening else 0
     own = OuroborosCounters(draft_forwards=counter(), suffix_tokens_accepted=counter(),
                             pool_hits=counter(), draft_matches=counter(),
                             draft_accepted=counter(), catch_up_forwards=counter(),
                             draft_rounds=counter(), free_rounds=counter(),
-                            free_tokens_accepted=counter())
+                            free_tokens_accepted=counter(),
+                            draft_histogram=jnp.zeros((_bins(cfg),), jnp.int32),
+                            free_offered=jnp.zeros((cfg.ngram,), jnp.int32),
+                            free_would_accept=jnp.zeros((cfg.ngram,), jnp.int32))
     return OuroborosState(
         empty_sequences(rows, slots),
         empty_cache(pair, "target", rows, slots),
         empty_cache(pair, "draft", rows, slots),
         empty_window(jacobi_tree(cfg.window, cfg.ngram, cfg.guesses), rows), pool,
-        init_stats(rows, 2 + cfg.gamma + (cfg.ngram - 1 if x else 0), own))
+        init_stats(rows, _bins(cfg), own))
+
+
+def _bins(cfg: OuroborosConfig) -> int:
+    # acceptance histogram bins: 0 .. the most tokens a round keeps (1 + gamma + M)
+    return 2 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0)
 
 
 def ouroboros_insert(pair: Pair, cfg: OuroborosConfig, state: OuroborosState, rows, prompt,
@@ -492,15 +529,32 @@ def _round_model(cfg: OuroborosConfig, a: float) -> RoundModel:
         overhead=ROUND_OVERHEAD + pool)
 
 
+def _free_model(cfg: OuroborosConfig, model: RoundModel, profile: Optional[FreeProfile]
+                ) -> RoundModel:
+    # free drafts: the rounds whose proposal reaches the threshold verify it with no draft
+    # forward, priced from what the pair's proposals kept (FREE_PRIOR before any)
+    if not cfg.free_drafts:
+        return model
+    return free_round_model(model, profile or FREE_PRIOR, cfg.free_threshold,
+                            _catch_up_chunk(cfg))
+
+
 def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):
     # A round without phrase drafting or lengthening drafts one chain of gamma tokens token by
     # token and verifies it alone, as speculative decoding does (the ablation's SD step, which
     # auto runs where wide forwards cost more than they bring): its acceptance is the pair's
     # agreement by depth. With lengthening a round keeps pool tokens past the chain, and with
     # phrase drafting the chain is drafted phrase by phrase: neither call is read as one.
-    # With free drafts, chains the draft never drafted are in the counts.
-    if cfg.phrase_drafting or cfg.lengthening or cfg.free_drafts:
+    # With free drafts the drafted rounds' own histogram is read (free chains are not the
+    # draft's); they are the rounds no free proposal reached the threshold in.
+    if cfg.phrase_drafting or cfg.lengthening:
         return None
+    if cfg.free_drafts:
+        hist = stats.get("draft_histogram", [])
+        rounds = sum(hist)
+        tokens = sum(k * n for k, n in enumerate(hist))
+        stats = {"target_calls": rounds, "new_tokens": tokens,
+                 "eta": tokens / max(rounds, 1), "acceptance_histogram": hist}
     return chain_lesson(cfg.gamma, cfg.confidence, stats, greedy)
 
 
@@ -516,4 +570,5 @@ SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosC
                   quick_config=lambda: OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
                                                        suffixes=2),
                   learn=_learn,
-                  round_model=_round_model)
+                  round_model=_round_model,
+                  free_model=_free_model)

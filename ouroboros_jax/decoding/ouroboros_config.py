@@ -19,6 +19,11 @@ from .knobs import (CONTEXT_PHRASES, GAMMA, GUESSES, NGRAM, SUFFIXES, WINDOW, Kn
                     Switch, Variant)
 
 
+# the free thresholds config="auto" prices over the SD step (matches of 2 to 6 tokens; 1, any
+# continuation of the pending token alone, is rarely right on code)
+FREE_THRESHOLDS = (6, 4, 3, 2)  # longest first: of equally priced ones auto takes it
+
+
 @dataclasses.dataclass(frozen=True)
 class OuroborosConfig:
     """gamma γ (draft tokens per round), window W, ngram N (phrases have N-1 tokens), guesses G
@@ -45,7 +50,9 @@ class OuroborosConfig:
     the draft's chain would be, lengthening and recycling as usual. Rows without one draft as
     before; when no row drafts, the round runs no draft forward at all (a `lax.cond`). The
     draft catches up on the tokens free rounds committed at its next drafting round. Off by
-    default (`config="auto"` does not choose it yet).
+    default; `config="auto"` turns it on (with a threshold) where the pair's measured free
+    proposals (`free_offered`, `free_would_accept`: what each match length kept) price it
+    faster than drafting (`cost.free_round_model`), first at the longest match only.
     free_threshold: the match length a free proposal needs (how many of the row's last tokens,
     the pending one included, the tokens before it repeat; a pool phrase's key counts as
     one), in [1, ngram - 1]. 1 takes any continuation the context or the pool holds for the
@@ -80,7 +87,16 @@ class OuroborosConfig:
                   # history stays on: a pool the caller passes goes through untouched
                   Variant(dict(phrase_drafting=False, lengthening=False, recycling=False,
                                context_phrases=False),
-                          pinned={"window": 2, "suffixes": 1})))
+                          pinned={"window": 2, "suffixes": 1}))
+        # free drafts over the SD step and over every mechanism, at matches of up to 6
+        # tokens (ngram 7), priced from the pair's measured free proposals (`cost.FreeProfile`)
+        + tuple(Variant(dict(phrase_drafting=False, lengthening=False, recycling=False,
+                             context_phrases=False, free_drafts=True, free_threshold=t),
+                        pinned={"window": 2, "suffixes": 1, "ngram": 7})
+                for t in FREE_THRESHOLDS)
+        + tuple(Variant(dict(free_drafts=True, free_threshold=t), pinned={"ngram": 7})
+                for t in (3, 6)),
+        extras=("free_drafts", "free_threshold"))
 
     def __post_init__(self):
         check_int(self, "gamma", 1, MAX_TREE_TOKENS)
@@ -108,15 +124,25 @@ class OuroborosCounters:
     and draft_rounds (row rounds whose chain came from the free sources / from the draft;
     they add up to the row rounds), free_tokens_accepted (chain tokens accepted from free
     proposals), catch_up_forwards (batch draft forwards feeding the draft what free rounds
-    committed)."""
+    committed), draft_histogram (int32[bins]: the drafted row rounds by tokens kept, as
+    acceptance_histogram counts every round: what the draft's chains realised); and, with
+    free drafts on, over every row round (free or drafted) by the free
+    proposal's match length r = 0 .. M (0: none offered), int32[M+1]: free_offered (row
+    rounds) and free_would_accept (the proposal's tokens the round kept: in a free round the
+    ones accepted, in a drafted round its leading agreement with the tokens the round
+    emitted, a lower bound of what verifying it would have kept). Their ratio by r is what a
+    free proposal of that match is worth on this pair (`cost.FreeProfile`)."""
 
     catch_up_forwards: jax.Array
     draft_accepted: jax.Array
+    draft_histogram: jax.Array
     draft_forwards: jax.Array
     draft_matches: jax.Array
     draft_rounds: jax.Array
+    free_offered: jax.Array
     free_rounds: jax.Array
     free_tokens_accepted: jax.Array
+    free_would_accept: jax.Array
     pool_hits: jax.Array
     suffix_tokens_accepted: jax.Array
 

@@ -95,6 +95,9 @@ class MethodSpec:
             (decoding/cost.py) prices. None: the method has no `config="auto"`.
         sources: the names (`common.SOURCES`) of where its accepted draft tokens come from,
             each counted per row in `Stats.by_source` (() for vanilla: none).
+        free_model: (config, RoundModel, `cost.FreeProfile` or None) -> RoundModel: the round
+            model with rounds that need no draft forward mixed in (Ouroboros' free drafts),
+            priced from the pair's measured profile (the agreement's `free`); None: none.
 
     The knobs `config="auto"` searches, and everything else that enumerates configs, come from
     the config class's `KNOBS` (decoding/knobs.py).
@@ -119,6 +122,7 @@ class MethodSpec:
     quick_config: Optional[Callable[[], Any]] = None
     round_model: Optional[Callable[..., Any]] = None
     sources: tuple = ()
+    free_model: Optional[Callable[..., Any]] = None
 
     def run(self, target, draft, prompt, prompt_lengths, limits, sampling, cfg, *, greedy: bool,
             slots: int, pool):
@@ -159,8 +163,16 @@ class MethodSpec:
     def rate(self, cfg, agreement, tt: dict, td: Optional[dict]) -> float:
         """Predicted tokens/s of one config from latency tables (decoding/cost.py); agreement
         one number or a `cost.DepthAgreement` (priced at the config's chain length)."""
-        return cost.rate(self.forward_sizes(cfg), self.round_model(cfg, chain_agreement(
-            agreement, cfg)), tt, td)
+        return cost.rate(self.forward_sizes(cfg), self.priced_round(cfg, agreement), tt, td)
+
+    def priced_round(self, cfg, agreement):
+        """The `cost.RoundModel` of cfg at the agreement (`round_model` at its chain length,
+        with free rounds mixed in by `free_model` from the agreement's measured free profile,
+        `cost.DepthAgreement.free`)."""
+        model = self.round_model(cfg, chain_agreement(agreement, cfg))
+        if self.free_model is None:
+            return model
+        return self.free_model(cfg, model, getattr(agreement, "free", None))
 
 
 def chain_agreement(agreement, cfg):

@@ -258,7 +258,7 @@ class Engine:
         rows = out.rows(plan.busy, self.spec.sources)
         with self._lock:
             self._counters.step(len(rows), self._labels[plan.level], out.hits,
-                                sum(len(r.kept) for r in rows) if pooled else 0)
+                                sum(len(r.kept) for r in rows) if pooled else 0, out.own)
             self._counters.rows(rows)
             for i, h, row in zip(plan.busy, plan.handles, rows):
                 if self._sched.running[i] is not h:  # ended since (cancelled, or overlapped)

@@ -231,7 +231,8 @@ def device_step(pair, dev: DeviceState, stop, *, round_fn, cfg, greedy: bool, ro
         st = put_head(full, part.replace(state=st), B).state
         kept, live, prop = (pad_rows(x, B) for x in (kept, live, prop))
     toks, counts = read_emitted(st.seq, since, width)
-    hits = getattr(st.stats.own, "pool_hits", jnp.zeros((), jnp.int32))
+    zero = jnp.zeros((), jnp.int32)
+    hits = jnp.stack([getattr(st.stats.own, n, zero) for n in OWN_COUNTERS])
     lp = lpm.read(st.seq, since, width) if logprobs else None
     out = StepOutput.pack(toks, counts, kept, live, prop, st.seq.done, hits,
                           st.stats.by_source - by_source, lp)
@@ -248,10 +249,17 @@ class RowOutput(NamedTuple):
     done: bool  # the device ended its row (a stop id or max_tokens)
 
 
+# the method's own cumulative counters a step reports (0 where it has none): the pool's hits,
+# and Ouroboros' rounds by kind (free drafts: free / drafted) and draft forwards (of them
+# catch-up ones), for the metrics' per-kind counters
+OWN_COUNTERS = ("pool_hits", "free_rounds", "draft_rounds", "draft_forwards",
+                "catch_up_forwards")
+
+
 def _offsets(B: int, E: int, k: int) -> tuple:
     """Where `StepOutput.pack`'s int fields start: tokens, counts, kept, live, proposed, done,
-    hits, sources, and where they end."""
-    sizes = (B * E, B, k * B, k * B, k * B, B, 1, B * len(SOURCES))
+    own counters (`OWN_COUNTERS`), sources, and where they end."""
+    sizes = (B * E, B, k * B, k * B, k * B, B, len(OWN_COUNTERS), B * len(SOURCES))
     return tuple(itertools.accumulate(sizes, initial=0))
 
 
@@ -272,7 +280,8 @@ class StepOutput:
         self.at = _offsets(B, E, k)
         flat = np.asarray(flat)
         self.ints = flat[:self.at[-1]].tolist()
-        self.hits = self.ints[self.at[6]]
+        self.own = dict(zip(OWN_COUNTERS, self.ints[self.at[6]:self.at[7]]))
+        self.hits = self.own["pool_hits"]
         self.logprobs = None
         if K >= 0:
             lp = flat[self.at[-1]:]
@@ -283,7 +292,7 @@ class StepOutput:
 
     @staticmethod
     def pack(toks, counts, kept, live, prop, done, hits, sources, lp=None) -> jax.Array:
-        """(traced) -> int32[B*E + B + 3*k*B + B + 1 + B*n_sources (+ B*E*(1 + 2K))], in the
+        """(traced) -> int32[B*E + B + 3*k*B + B + n_own + B*n_sources (+ B*E*(1 + 2K))], in the
         order of the fields (logprobs as float32 bits)."""
         i32 = lambda x: jnp.ravel(x).astype(jnp.int32)  # noqa: E731
         parts = [i32(toks), i32(counts), i32(kept), i32(live), i32(prop), i32(done), i32(hits),

@@ -142,6 +142,15 @@ _ENGINE_SCALARS = (
      "Phrase-pool lookups that found a phrase (Ouroboros; shared or per-request pools)."),
     ("pool_lookups", "pool_lookups", "counter", "Phrase-pool lookups."),
     ("pool_hit_rate", "pool_hit_rate", "gauge", "pool_hits / pool_lookups since start."),
+    ("free_rounds", "spec_decode_num_free_rounds", "counter",
+     "Row rounds whose draft came free from the context or the pool, with no draft forward "
+     "(Ouroboros' free drafts)."),
+    ("draft_rounds", "spec_decode_num_draft_rounds", "counter",
+     "Row rounds whose draft the draft model drafted (Ouroboros)."),
+    ("draft_forwards", "spec_decode_num_draft_forwards", "counter",
+     "Draft-model forwards (Ouroboros; batch forwards, catch-up ones included)."),
+    ("catch_up_forwards", "spec_decode_num_catch_up_forwards", "counter",
+     "Draft forwards feeding the draft the tokens free rounds committed (Ouroboros)."),
     ("busy_slots", "num_requests_running", "gauge", "Slots serving a request now."),
     ("slots", "num_slots", "gauge", "Slots (rows of the device state) in the engine."),
     ("queue_length", "num_requests_waiting", "gauge", "Requests waiting for a free slot."),
@@ -208,6 +217,9 @@ class EngineCounters:
     SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                  "num_accepted_tokens_per_pos", "accepted_by_source")
     POOL_KEYS = ("pool_hits", "pool_lookups", "pool_hit_rate")
+    # Ouroboros' rounds by kind (free drafts: verified with no draft forward / drafted) and
+    # its draft forwards (of them, catch-up ones after free rounds): cumulative on the device
+    KIND_KEYS = ("free_rounds", "draft_rounds", "draft_forwards", "catch_up_forwards")
 
     def __init__(self, hist: int, sources: tuple = ("draft_chain",), pool: bool = True):
         self.c = dict(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
@@ -217,12 +229,24 @@ class EngineCounters:
         self.sources, self.pool = tuple(sources), pool
         self.by_source = {s: 0 for s in self.sources}
         self.hits_seen = 0
+        # a method drafting with a draft model and keeping a pool (Ouroboros) reports its
+        # rounds by kind
+        self.kinds = pool and "draft_chain" in self.sources
+        self.c.update({k: 0 for k in self.KIND_KEYS})
+        self.own_seen = {k: 0 for k in self.KIND_KEYS}
         self.levels_used: dict = {}
 
-    def step(self, busy: int, cfg_name: str, hits: int, lookups: int) -> None:
+    def step(self, busy: int, cfg_name: str, hits: int, lookups: int,
+             own: Optional[dict] = None) -> None:
         """One device step with `busy` slots under the config named cfg_name; hits: the
-        pool's cumulative hit counter; lookups: the rounds that looked the pool up."""
+        pool's cumulative hit counter; lookups: the rounds that looked the pool up; own: the
+        method's cumulative counters (`executor.OWN_COUNTERS`), of which KIND_KEYS are kept
+        as the step's increase."""
         self.c["steps"] += 1
+        for k in self.KIND_KEYS:
+            if own and k in own:
+                self.c[k] += own[k] - self.own_seen[k]
+                self.own_seen[k] = own[k]
         key = (busy, cfg_name)
         self.levels_used[key] = self.levels_used.get(key, 0) + 1
         self.c["pool_hits"] += hits - self.hits_seen
@@ -266,7 +290,8 @@ class EngineCounters:
         m["num_accepted_tokens_per_pos"] = list(self.c["num_accepted_tokens_per_pos"])
         m["pool_hit_rate"] = m["pool_hits"] / m["pool_lookups"] if m["pool_lookups"] else 0.0
         m["accepted_by_source"] = dict(self.by_source)
-        for k in (() if self.sources else self.SPEC_KEYS) + (() if self.pool else self.POOL_KEYS):
+        for k in ((() if self.sources else self.SPEC_KEYS) + (() if self.pool else self.POOL_KEYS)
+                  + (() if self.kinds else self.KIND_KEYS)):
             m.pop(k, None)
         m["steps_per_level"] = {f"{b} busy: {c}": v for (b, c), v in
                                 sorted(self.levels_used.items())}

@@ -1,0 +1,182 @@
+"""Do Ouroboros' free drafts (issue 52) pay, and what is a free proposal worth by its match?
+Result: docs/real-pair.md ("Free drafts").
+
+One process, interleaved prompt by prompt (load from other processes falls on every config
+alike), first call of each config outside the timings, then --reps passes; each config's
+tokens/s over the passes after the first (calls 2 onward), its ratio to vanilla's in the same
+run, eta, draft forwards per token, the free rounds' share, accepted tokens by source and,
+for every free-drafts config, the free proposals' worth by match length r (free_offered,
+free_would_accept: rounds and the tokens the proposal kept, free or drafted alike).
+
+    python -m experiments.free_drafts --workload demo --prompts 6 --reps 2
+    python -m experiments.free_drafts --workload real --prompts 2 --reps 2 --max-new-tokens 96
+
+Workloads: `demo` (the shipped pair; prompts: its held-out code prompts, "code", and
+copy-style prompts, "edit": a held-out snippet, a comment asking for it again with a change,
+and its first line, which a base model continues by copying), `real` (the Qwen2.5-Coder
+1.5B/0.5B GGUFs from --gguf-dir; "code": code-continuation prompts, "edit": the shipped code
+rewrites in the chat template). Every output is checked against vanilla's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+REAL = ("qwen2.5-coder-1.5b-instruct-q4_k.gguf", "qwen2.5-coder-0.5b-instruct-q4.gguf")
+
+
+def sd_step(gamma: int, ngram: int = 5, **kw):
+    """Ouroboros' SD step (what auto ran on these pairs: phrase drafting, lengthening,
+    recycling and context phrases off)."""
+    from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+
+    return OuroborosConfig(gamma=gamma, window=2, ngram=ngram, guesses=2, suffixes=1,
+                           phrase_drafting=False, lengthening=False, recycling=False,
+                           context_phrases=False, **kw)
+
+
+def configs(gamma: int) -> dict:
+    """{label: generate kwargs} of the run."""
+    import dataclasses
+
+    from ouroboros_jax.decoding.ouroboros import OuroborosConfig
+
+    out = {"vanilla": {}, "speculative@auto": {"method": "speculative", "config": "auto"},
+           "prompt_lookup@auto": {"method": "prompt_lookup", "config": "auto"},
+           "ouroboros@auto": {"method": "ouroboros", "config": "auto"},
+           f"ouro SD g{gamma}": {"method": "ouroboros", "config": sd_step(gamma)}}
+    for thr in (2, 3, 4):
+        out[f"ouro SD g{gamma} +free{thr}"] = {
+            "method": "ouroboros", "config": sd_step(gamma, free_drafts=True, free_threshold=thr)}
+    tree = OuroborosConfig(gamma=gamma, window=4, ngram=5, guesses=4, suffixes=2)
+    out[f"ouro tree g{gamma}"] = {"method": "ouroboros", "config": tree}
+    out[f"ouro tree g{gamma} +free3"] = {
+        "method": "ouroboros", "config": dataclasses.replace(tree, free_drafts=True,
+                                                             free_threshold=3)}
+    return out
+
+
+def demo_prompts(target, n: int) -> list[tuple[str, list[int]]]:
+    from ouroboros_jax.demo_assets import demo_prompts as held_out
+
+    tok = target.tokenizer
+    texts = [p["text"] for p in held_out()]
+    out = [("code", tok(t)["input_ids"]) for t in texts[:n]]
+    for t in texts[-n:]:
+        first = t.strip().splitlines()[0]
+        edit = f"{t}\n    pass\n\n\n# The same code again, with clearer names:\n{first}\n"
+        out.append(("edit", tok(edit)["input_ids"]))
+    return out
+
+
+def real_prompts(target, n: int) -> list[tuple[str, list[int]]]:
+    from experiments.auto_check import CODE_PROMPTS
+    from experiments.copy_heavy import chat_ids
+    from ouroboros_jax.bench.workloads import code_rewrite_prompts
+
+    tok = target.tokenizer
+    out = [("code", list(tok(t)["input_ids"])) for t in CODE_PROMPTS[:n]]
+    out += [("edit", chat_ids(target, p.turns[0])) for p in code_rewrite_prompts()[:n]]
+    return out
+
+
+def worth_by_run(stats: list[dict]) -> list[list]:
+    """[[r, rounds, tokens per round]] of the free proposals by match length, summed over calls."""
+    off = np.sum([s["free_offered"] for s in stats], axis=0)
+    acc = np.sum([s["free_would_accept"] for s in stats], axis=0)
+    return [[r, int(o), round(float(a) / max(o, 1), 3)] for r, (o, a) in enumerate(zip(off, acc))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.free_drafts",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("demo", "real"), default="demo")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per task")
+    ap.add_argument("--reps", type=int, default=2, help="passes after the first call")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--only", help="comma-separated labels to run (vanilla always)")
+    ap.add_argument("--gguf-dir", default=os.path.expanduser("~/.cache/ouroboros-real"))
+    ap.add_argument("--out", help="write the JSON here too")
+    args = ap.parse_args(argv)
+
+    from ouroboros_jax.generate import generate
+    from ouroboros_jax.heap import freeze_heap
+
+    if args.workload == "demo":
+        from ouroboros_jax.demo_assets import demo_pair
+
+        target, draft = demo_pair()
+        prompts = demo_prompts(target, args.prompts)
+    else:
+        from ouroboros_jax.models.gguf import load_gguf
+
+        target, draft = (load_gguf(os.path.join(args.gguf_dir, f)) for f in REAL)
+        prompts = real_prompts(target, args.prompts)
+    runs = configs(args.gamma)
+    if args.only:
+        keep = {"vanilla", *args.only.split(",")}
+        runs = {k: v for k, v in runs.items() if k in keep}
+    n = args.max_new_tokens
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    for label, kw in runs.items():
+        t = time.perf_counter()
+        generate(target, [prompts[0][1]], max_new_tokens=n, eos_token_id=-1,
+                 **({"draft": draft} if kw else {}), **kw)
+        log(f"[free_drafts] {label}: first call {time.perf_counter() - t:.1f} s")
+    freeze_heap()
+    P = len(prompts)
+    secs = {m: np.zeros((args.reps, P)) for m in runs}
+    outs = {m: [None] * P for m in runs}
+    stats = {m: [None] * P for m in runs}
+    for r in range(args.reps):
+        for i, (_, p) in enumerate(prompts):
+            for m, kw in runs.items():
+                o = generate(target, [p], max_new_tokens=n, eos_token_id=-1,
+                             **({"draft": draft} if kw else {}), **kw)
+                secs[m][r, i] = o.stats["seconds"]
+                outs[m][i], stats[m][i] = o.tokens[0], o.stats
+            log(f"[free_drafts] pass {r + 1}/{args.reps} prompt {i + 1}/{P}")
+    res = {"command": "python -m experiments.free_drafts " + " ".join(argv or sys.argv[1:]),
+           "workload": args.workload, "max_new_tokens": n, "reps": args.reps, "tasks": {}}
+    for task in dict.fromkeys(t for t, _ in prompts):
+        idx = [i for i, (t, _) in enumerate(prompts) if t == task]
+        van = secs["vanilla"][:, idx].sum(axis=1)
+        rows = {}
+        for m in runs:
+            st = [stats[m][i] for i in idx]
+            tokens = sum(s["new_tokens"] for s in st)
+            rounds = sum(s["target_calls"] for s in st)
+            row = {"tok_s": round(tokens / float(np.median(secs[m][:, idx].sum(axis=1))), 2),
+                   "x_vanilla": [round(float(x), 3) for x in van / secs[m][:, idx].sum(axis=1)],
+                   "eta": round(tokens / max(rounds, 1), 3),
+                   "identical": [outs[m][i] for i in idx] == [outs["vanilla"][i] for i in idx],
+                   "auto": (st[-1].get("auto") or {}).get("config")}
+            if "draft_forwards" in st[0]:
+                row["draft_forwards_per_token"] = round(
+                    sum(s["draft_forwards"] for s in st) / tokens, 3)
+            for k in ("accepted_from_draft_chain", "accepted_from_pool_phrases",
+                      "accepted_from_prompt_lookup", "free_rounds", "draft_rounds",
+                      "free_tokens_accepted", "catch_up_forwards"):
+                if k in st[0]:
+                    row[k] = sum(s[k] for s in st)
+            if "free_offered" in st[0]:
+                row["worth_by_run"] = worth_by_run(st)
+            rows[m] = row
+        res["tasks"][task] = rows
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
