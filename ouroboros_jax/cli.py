@@ -391,6 +391,8 @@ def _cmd_memory(a):
     data, model = _parse_mesh(a.mesh)
     _positive("--batch", a.batch)
     _positive("--cache-len", a.cache_len)
+    if getattr(a, "quantize", None):
+        return _print_weights_plan(a)
     _positive("--hosts", a.hosts)
     if (data * model) % a.hosts:
         raise ValueError(f"--hosts {a.hosts} must divide the mesh's {data * model} devices")
@@ -409,6 +411,26 @@ def _cmd_memory(a):
               f"{p['kv_cache_per_device_bytes'] / gib:>12.2f}GiB"
               f"{p['total_per_device_bytes'] / gib:>9.2f}GiB"
               f"{p['total_per_host_bytes'] / gib:>10.2f}GiB")
+
+
+def _print_weights_plan(a):
+    """`memory --quantize`: the target(s) and draft in bf16 and the asked widths on 1/2/4/8
+    devices (`weights_plan.py`)."""
+    from .models.presets import PRESETS
+    from .weights_plan import DEFAULT_DRAFT, DEFAULT_TARGETS, format_plan, plan
+
+    if a.model:
+        targets = [(os.path.basename(os.path.normpath(a.model)), _model_config(a.model))]
+    else:
+        for n in a.preset or []:
+            if n not in PRESETS:
+                raise ValueError(f"--preset: unknown preset {n!r}; choose from "
+                                 f"{sorted(PRESETS)}")
+        targets = [(n, PRESETS[n]) for n in a.preset or DEFAULT_TARGETS]
+    draft = ((os.path.basename(os.path.normpath(a.draft)), _model_config(a.draft)) if a.draft
+             else (DEFAULT_DRAFT, PRESETS[DEFAULT_DRAFT]))
+    print(format_plan(plan(targets, draft, a.quantize, a.batch, a.cache_len, a.dtype),
+                      a.batch, a.cache_len))
 
 
 def _cmd_demo(a):

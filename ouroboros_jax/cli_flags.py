@@ -165,6 +165,11 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                    help="parameter and cache dtype")
     m.add_argument("--hosts", type=int, default=1,
                    help="hosts the mesh spans (equal device counts): adds per-host bytes")
+    m.add_argument("--quantize", action="append", choices=["int8", "int4"],
+                   help="the quantized-weights plan instead: target + draft with bf16 and "
+                        "these weights on 1/2/4/8 devices of 80 and 141 GB (default targets "
+                        "llama-3.1-70b and yi-34b, draft llama-3.2-1b; --preset/--model and "
+                        "--draft choose others); repeat for both")
     m.set_defaults(fn=handlers["memory"])
 
     b = command(sub, "bench", "benchmark methods and transformers peers: JSON, markdown, plots")

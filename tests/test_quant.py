@@ -231,3 +231,46 @@ def test_the_engine_serves_quantized_weights(quantized_pairs):
         want = oj.generate(target, [p], draft=draft, method="speculative", config=cfg,
                            max_new_tokens=10).tokens[0]
         assert h.result(timeout=0).token_ids == want
+
+
+def test_memory_plan_counts_codes_scales_and_float_leaves():
+    """The planner's int8 / int4 bytes for Llama-3.1-70B, against a count from the leaf table:
+    the embedding and norms in bf16, each linear weight's codes (1 or 1/2 byte a value) and its
+    f32 scales (one per output channel and group of the input side)."""
+    from ouroboros_jax.models.presets import PRESETS
+    from ouroboros_jax.sharding import memory_plan
+
+    c = PRESETS["llama-3.1-70b"]
+    for scheme, code_bytes in (("int8", 1.0), ("int4", 0.5)):
+        want = 0
+        for leaf in leaves_of(c):
+            n = int(np.prod(leaf.shape(c)))
+            if not quant.quantizable(leaf):
+                want += 2 * n
+                continue
+            ins = int(np.prod(leaf.slice_shape(c)[:leaf.hf_in_dims]))
+            G = quant.group_for(ins, quant.BITS[scheme])
+            want += int(n * code_bytes) + 4 * (n // G)
+        got = memory_plan(c, 1, 1, 1, 16, "bfloat16", quantize=scheme)["params_total_bytes"]
+        assert got == want, scheme
+
+
+def test_memory_quantize_prints_the_70b_plan(capsys):
+    """`ouroboros-jax memory --quantize int8 --quantize int4`: Llama-3.1-70B int8 with the 1B
+    draft fits one 141 GB device and two 80 GB ones; bf16 fits no single device."""
+    from ouroboros_jax import cli
+
+    cli.main(["memory", "--quantize", "int8", "--quantize", "int4"])
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith(("llama-3.1-70b + llama-3.2-1b", "yi-34b + llama-3.2-1b")):
+            f = line.split()
+            rows[(f[0], f[3], int(f[4]))] = (float(f[5]), f[7], f[9])
+    assert {k[1] for k in rows} == {"bfloat16", "int8", "int4"}
+    assert {k[2] for k in rows} == {1, 2, 4, 8} and {k[0] for k in rows} == {"llama-3.1-70b",
+                                                                            "yi-34b"}
+    gb, on80, on141 = rows[("llama-3.1-70b", "int8", 1)]
+    assert on141 == "fits" and 70 < gb < 80  # (on 80 GB: under 6 GB left for the rest)
+    assert rows[("llama-3.1-70b", "int8", 2)][1] == "fits"
+    assert rows[("llama-3.1-70b", "bfloat16", 1)][1:] == ("no", "no")
+    assert rows[("llama-3.1-70b", "int4", 1)][0] < rows[("llama-3.1-70b", "int8", 1)][0] / 1.7

@@ -300,9 +300,11 @@ def storage_axes(w: QuantArray, axes: tuple) -> tuple:
     """Logical axes of (codes, scale) for a weight whose float form has logical `axes`
     (`params.Leaf.axes`): the group axis takes the first input axis's name (groups split
     where the input side does: groups never straddle a split of a divisible input side), the
-    group-length axis none."""
+    group-length axis the same name, so that it splits where the groups cannot (one group per
+    channel: int8's) and the input side stays split (`sharding.spec_for` gives a mesh axis to
+    the first dimension it divides, once)."""
     lead = tuple(axes[:w.lead_ndim])
     first_in = axes[w.lead_ndim]
     out = tuple(axes[w.lead_ndim + len(w.in_shape):])
-    return lead + (first_in, None) + out, lead + (first_in,) + out
+    return lead + (first_in, first_in) + out, lead + (first_in,) + out
 
