@@ -274,3 +274,40 @@ def test_memory_quantize_prints_the_70b_plan(capsys):
     assert rows[("llama-3.1-70b", "int8", 2)][1] == "fits"
     assert rows[("llama-3.1-70b", "bfloat16", 1)][1:] == ("no", "no")
     assert rows[("llama-3.1-70b", "int4", 1)][0] < rows[("llama-3.1-70b", "int8", 1)][0] / 1.7
+
+
+def test_quantized_experts_match_a_dequantized_reference(tmp_path):
+    """A mixture of experts (Qwen3-MoE) on int8 / int4 experts: the routed experts' codes
+    gathered then dequantized (a decoding step: fewer rows than experts) and all experts (a
+    prefill) give the dequantized reference's logits; the router stays float."""
+    make_hf_model(tmp_path, model_type="qwen3_moe", vocab=97, hidden=32, heads=4, kv_heads=2,
+                  inter=48, seed=57, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, norm_topk_prob=True)
+    m = oj.load_model(str(tmp_path), dtype="float32")
+    for scheme in ("int8", "int4"):
+        q = _quantized(m, scheme, 16)
+        assert quant.is_quantized(q.params["layers"]["we_down"])
+        assert not quant.is_quantized(q.params["layers"]["router"])
+        ref = _dequantized(q)
+        for T in (1, 12):
+            args = (jnp.arange(3, 3 + T)[None], jnp.arange(T)[None], causal_mask(1, T))
+            want = np.asarray(forward(ref.params, q.config, *args)[0])
+            got = np.asarray(forward(q.params, q.config, *args)[0])
+            np.testing.assert_allclose(got, want, rtol=0,
+                                       atol=LOGIT_RTOL * np.abs(want).max())
+
+
+def test_a_sharded_quantized_model_gives_the_same_tokens(tmp_path, random_prompts):
+    """int8 and int4 weights placed on 1x8 and 2x4 meshes (codes split as the float weights,
+    `sharding.param_specs_of`): vanilla's greedy tokens are the unsharded model's."""
+    from ouroboros_jax.sharding import make_mesh
+
+    make_hf_model(tmp_path, heads=8, kv_heads=4, hidden=64)
+    m = oj.load_model(str(tmp_path))
+    prompts = random_prompts[:8]
+    for scheme in ("int8", "int4"):
+        q = _quantized(m, scheme, 16)
+        ref = oj.generate(q, prompts, max_new_tokens=12).tokens
+        for data, model in ((1, 8), (2, 4)):
+            got = oj.generate(q, prompts, max_new_tokens=12, mesh=make_mesh(data, model)).tokens
+            assert got == ref, (scheme, data, model)
