@@ -108,10 +108,10 @@ def demo_exactness(methods, scheme: str, num_prompts: int, new_tokens: int, in_b
 
 def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: int,
                 new_tokens: int, demo_prompts: int, demo_tokens: int, in_budget, save,
-                schemes=SCHEMES) -> dict:
-    """Runs 1-4 of the module docstring; `models` holds stage 1's bf16 "target" and "draft"
-    (random weights). Fills and returns the "quantized" entry of device.json, calling
-    save() after each part so a cut run keeps what it measured."""
+                schemes=SCHEMES, demo: bool = True) -> dict:
+    """Runs 1-4 of the module docstring (3 only when `demo`); `models` holds stage 1's bf16
+    "target" and "draft" (random weights). Fills and returns the "quantized" entry of
+    device.json, calling save() after each part so a cut run keeps what it measured."""
     import jax
 
     from experiments.device.probe import random_model, time_forwards
@@ -139,7 +139,7 @@ def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: i
         del q
         jax.clear_caches()
         save(out)
-    if in_budget():
+    if demo and in_budget():
         out["demo_exact"] = demo_exactness(methods, schemes[0], demo_prompts, demo_tokens,
                                            in_budget)
         save(out)
