@@ -148,3 +148,15 @@ def kept_leaf(leaf, config, tensors: dict, scheme: str, dtype,
                       jnp.asarray(stack(scales)),
                       jnp.asarray(stack(offsets)) if offsets else None,
                       in_shape, len(out_shape), KEPT[kind][0], dtype)
+
+
+def keeper(config, scheme: Optional[str], dtype):
+    """`gguf.load_gguf_params`'s keep hook for `load_model(quantize=scheme)`: each leaf as its
+    kept blocks or None (None: no hook, for float loading)."""
+    if scheme is None:
+        return None
+
+    def keep(leaf, tensors, rows_fn):
+        return kept_leaf(leaf, config, tensors, scheme, dtype, rows_fn)
+
+    return keep

@@ -483,25 +483,12 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
     params = (load_params(path, config, jnp.dtype(dtype)) if shardings is None
               else load_params_sliced(path, config, jnp.dtype(dtype), shardings(config)))
     if quantize is not None:
-        params = _quantized(params, config, quantize)
+        from .quant import quantize_loaded
+
+        params = quantize_loaded(params, config, quantize)
     tokenizer = load_tokenizer(path)
     return Model(config=config, params=params, tokenizer=tokenizer, path=path,
                  generation_config=_with_end_of_turn(gen, config, tokenizer))
-
-
-def _quantized(params, config: ModelConfig, scheme: str):
-    """params with every linear weight quantized (`quant.quantize_params`, leaf by leaf so the
-    float copy of one leaf at a time is what it adds), said once on a CPU."""
-    import jax
-
-    from ..notices import say_once
-    from .quant import quantize_params
-
-    if jax.default_backend() == "cpu":
-        say_once("quantize-cpu", f"quantize={scheme!r} on cpu keeps the weights' memory small "
-                 "but runs slower than float32 (XLA:CPU does not fuse the int8 convert into "
-                 "the dot); leave quantize=None for speed")
-    return quantize_params(params, config, scheme)
 
 
 def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None) -> Model:
@@ -511,16 +498,12 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None) -> Model:
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
-    keep = None
-    if quantize is not None:
-        from .gguf_quant import kept_leaf
+    from .gguf_quant import keeper
+    from .quant import quantize_loaded
 
-        def keep(leaf, tensors, rows_fn):
-            return kept_leaf(leaf, config, tensors, quantize, dtype, rows_fn)
-
-    params = load_gguf_params(reader, config, path, dtype, keep=keep)
-    if quantize is not None:
-        params = _quantized(params, config, quantize)
+    params = load_gguf_params(reader, config, path, dtype, keep=keeper(config, quantize, dtype))
+    if quantize is not None:  # the leaves not kept as the file's blocks
+        params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)
     gen = {}
     extra = [i for i in end_of_generation_ids(reader, path) if i < config.vocab_size]

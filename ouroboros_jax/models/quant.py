@@ -284,6 +284,18 @@ def quantize_params(params: dict, config, scheme: str,
     return out
 
 
+def quantize_loaded(params: dict, config, scheme: str) -> dict:
+    """`quantize_params` for `load_model(quantize=)`, saying once on a CPU that it is slower
+    there (XLA:CPU does not fuse the convert into the dot: for memory, not speed)."""
+    from ..notices import say_once
+
+    if jax.default_backend() == "cpu":
+        say_once("quantize-cpu", f"quantize={scheme!r} on cpu keeps the weights' memory small "
+                 "but runs slower than float32 (XLA:CPU does not fuse the int8 convert into "
+                 "the dot); leave quantize=None for speed")
+    return quantize_params(params, config, scheme)
+
+
 def bits_of(quantize: str) -> int:
     """"int8" -> 8, "int4" -> 4; ValueError naming the parameter otherwise."""
     if quantize not in BITS:
