@@ -311,3 +311,22 @@ def test_a_sharded_quantized_model_gives_the_same_tokens(tmp_path, random_prompt
         for data, model in ((1, 8), (2, 4)):
             got = oj.generate(q, prompts, max_new_tokens=12, mesh=make_mesh(data, model)).tokens
             assert got == ref, (scheme, data, model)
+
+
+def test_the_dequantize_first_product_gives_the_same_numbers():
+    """`quant.set_matmul("dequantize")`, the device script's candidate product: the same
+    products as the grouped one within float32 rounding; a bad mode is named."""
+    rng = np.random.default_rng(1)
+    w = quant.quantize(jnp.asarray(rng.standard_normal((64, 4, 8)), jnp.float32), 1, 4,
+                       group_size=16)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    grouped = quant.linear(x, w)
+    try:
+        quant.set_matmul("dequantize")
+        first = quant.linear(x, w)
+    finally:
+        quant.set_matmul("grouped")
+    assert first.shape == grouped.shape == (3, 4, 8)
+    np.testing.assert_allclose(np.asarray(first), np.asarray(grouped), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quant.set_matmul("fast")

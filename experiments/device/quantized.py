@@ -13,7 +13,10 @@ side by side in one process on one device:
    difference here is counted, not a verdict);
 3. exactness on real weights: the shipped demo pair quantized to int8 (float32 activations),
    every method's greedy tokens against int8 vanilla's, prompt by prompt;
-4. t(T) of further pairs' shapes (the real Qwen2.5-Coder 1.5B/0.5B pair) in int8 and int4.
+4. t(T) of further pairs' shapes (the real Qwen2.5-Coder 1.5B/0.5B pair) in int8 and int4;
+5. the candidate product side by side: `quant.set_matmul("dequantize")` (the weight
+   dequantized to bf16, then a plain matmul, left to XLA to fuse) against the default grouped
+   product, t(T) at T = 1 and 16 and vanilla ms per token, 8B int8 ("matmul_variants").
 """
 
 from __future__ import annotations
@@ -143,6 +146,10 @@ def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: i
         out["demo_exact"] = demo_exactness(methods, schemes[0], demo_prompts, demo_tokens,
                                            in_budget)
         save(out)
+    if in_budget():
+        out["matmul_variants"] = matmul_variants(target, schemes[0], context, reps,
+                                                 prompt_len, new_tokens)
+        save(out)
     for name, (pt, pd) in pairs.items():
         entry = out["pairs"][name] = {}
         for who, cfg, seed in (("target", pt, 2), ("draft", pd, 3)):
@@ -155,6 +162,30 @@ def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: i
                                                                   sizes, context, reps)
             del base
         save(out)
+    return out
+
+
+def matmul_variants(target, scheme: str, context: int, reps: int, prompt_len: int,
+                    new_tokens: int) -> dict:
+    """{mode: {"t_of_T": {1, 16}, "vanilla_seconds_per_token"}} for each `quant.MATMULS`
+    product on the target quantized to `scheme` (caches cleared between: read at trace time)."""
+    import jax
+
+    from ouroboros_jax.models import quant
+    from experiments.device.probe import time_forwards
+
+    q = quantized(target, scheme)
+    out = {}
+    try:
+        for mode in quant.MATMULS:
+            quant.set_matmul(mode)
+            jax.clear_caches()
+            out[mode] = {"t_of_T": time_forwards(q, (1, 16), context, reps),
+                         "vanilla_seconds_per_token": vanilla_seconds_per_token(
+                             q, prompt_len, new_tokens)}
+    finally:
+        quant.set_matmul("grouped")
+        jax.clear_caches()
     return out
 
 
@@ -181,6 +212,10 @@ def summary_lines(q: dict) -> list:
                          f"{r['round_seconds'] * 1e3:.2f} ms/round, "
                          f"{r['seconds_per_token'] * 1e3:.2f} ms/token, first difference "
                          f"{r['first_difference']}")
+    for mode, m in (q.get("matmul_variants") or {}).items():
+        t = m["t_of_T"]
+        lines.append(f"quantized matmul {mode}: t(1) {t.get('1', t.get(1)) * 1e3:.2f} ms, "
+                     f"vanilla {m['vanilla_seconds_per_token'] * 1e3:.2f} ms/token")
     for r in q.get("demo_exact") or []:
         if "skipped" not in r:
             lines.append(f"quantized demo {r['scheme']} {r['method']}: identical "

@@ -54,6 +54,19 @@ BITS = {"int8": 8, "int4": 4}
 # leaf whose input side it does not divide is quantized per channel. int8 is per channel.
 INT4_GROUP = 128
 _CODE_DTYPE = {8: jnp.int8, 4: jnp.int4}
+# how `linear` multiplies a QuantArray (read at trace time): "grouped" (the codes into one
+# dot_general, groups as a batch axis, scales on the product) or "dequantize" (the weight
+# dequantized to x's dtype, then a plain matmul: qwix's choice for a float activation, left
+# to XLA to fuse). The device script times both (experiments/device/quantized.py).
+MATMULS = ("grouped", "dequantize")
+_matmul = ["grouped"]
+
+
+def set_matmul(mode: str) -> None:
+    """Chooses `linear`'s product for quantized weights in later traces (A/B benchmarks)."""
+    if mode not in MATMULS:
+        raise ValueError(f"set_matmul: mode must be one of {MATMULS}, got {mode!r}")
+    _matmul[0] = mode
 
 
 @jax.tree_util.register_pytree_node_class
@@ -241,6 +254,9 @@ def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
             y = jnp.einsum("...i,io->...o", x, w2, preferred_element_type=out_dtype)
         return y.reshape(*x.shape[:-1], *out_shape)
     assert w.lead_ndim == 0, "linear takes one layer's weight"
+    if _matmul[0] == "dequantize":
+        wd = QuantArray(w.codes, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, x.dtype)
+        return linear(x, dequantize(wd), len(w.in_shape), out_dtype)
     lead, out_shape = x.shape[:-1], w.out_shape
     ng, G = w.codes.shape[:2]
     O = math.prod(out_shape)
