@@ -96,6 +96,7 @@ def _print_stats(stats: dict, compile_s: float) -> None:
 
 def _cmd_generate(a):
     from . import generate, load_model
+    from .models.quant import quantize_model
     from .request import default_eos_ids
 
     # every flag checked before anything loads
@@ -106,15 +107,16 @@ def _cmd_generate(a):
     _check_draft_flag(a, method)
     config = _method_config(method, _config_fields(a.config))
     shape = _parse_mesh(a.mesh) if a.mesh else None
+    q = getattr(a, "quantize", None)
     if a.model:
-        target = load_model(a.model, dtype=a.dtype)
-        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+        target = load_model(a.model, dtype=a.dtype, quantize=q)
+        draft = load_model(a.draft, dtype=a.dtype, quantize=q) if a.draft else None
     else:  # the shipped pair, as `demo` uses it
         from .demo_assets import demo_pair
 
-        target, draft = demo_pair(a.dtype)
+        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
         if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype)
+            draft = load_model(a.draft, dtype=a.dtype, quantize=q)
     mesh = None
     if shape:
         from .sharding import make_mesh
@@ -177,12 +179,14 @@ def _serve_models(a, mesh):
     GGUF files and the demo pair are read whole, then placed by the engine."""
     from .models import load_model
 
+    q = getattr(a, "quantize", None)
+
     def one(path):
-        if mesh is not None and os.path.isdir(path):
+        if mesh is not None and os.path.isdir(path) and q is None:
             from .sharding import load_sharded
 
             return load_sharded(path, mesh, dtype=a.dtype)
-        return load_model(path, dtype=a.dtype)
+        return load_model(path, dtype=a.dtype, quantize=q)  # quantized: placed by the engine
 
     if a.model:
         target = one(a.model)
@@ -190,7 +194,9 @@ def _serve_models(a, mesh):
     else:  # the shipped demo pair
         from .demo_assets import demo_pair
 
-        target, draft = demo_pair(a.dtype)
+        from .models.quant import quantize_model
+
+        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
         if a.draft:
             draft = one(a.draft)
     return target, draft

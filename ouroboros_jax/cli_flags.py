@@ -93,6 +93,9 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering (1.0: off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k filtering (0: off)")
     g.add_argument("--seed", type=int, default=0, help="the random stream of sampling")
+    g.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weights kept as int8 or int4 codes with scales (every linear layer, target and "
+                        "draft; on a CPU slower than float: for memory)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
@@ -128,6 +131,9 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
                                                "model's directory or file name; "
                                                "ouroboros-demo for the demo pair)")
+    s.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weights kept as int8 or int4 codes with scales (every linear layer, target and "
+                        "draft; on a CPU slower than float: for memory)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     s.add_argument("--drain-timeout", type=float, default=30.0,

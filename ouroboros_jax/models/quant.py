@@ -312,6 +312,16 @@ def quantize_loaded(params: dict, config, scheme: str) -> dict:
     return quantize_params(params, config, scheme)
 
 
+def quantize_model(model, scheme: Optional[str]):
+    """A `Model` with its params quantized (`quantize_loaded`); the model itself for None."""
+    if scheme is None:
+        return model
+    import dataclasses
+
+    return dataclasses.replace(model, params=quantize_loaded(model.params, model.config,
+                                                              scheme))
+
+
 def bits_of(quantize: str) -> int:
     """"int8" -> 8, "int4" -> 4; ValueError naming the parameter otherwise."""
     if quantize not in BITS:
