@@ -130,6 +130,7 @@ def test_the_quantized_stage_times_each_format_and_every_method(device_run):
     assert q["schemes"] == ["int8"]
     assert sorted(int(k) for k in q["t_of_T"]["int8"]) == list(q["sizes"])
     assert set(q["vanilla_seconds_per_token"]) == {"bfloat16", "int8"}
+    assert 0.2 < q["weight_bytes"]["int8"] / q["weight_bytes"]["bfloat16"] < 0.8
     assert all(v > 0 for v in q["vanilla_seconds_per_token"].values())
     rows = q["rounds"]["int8"]
     assert [r["method"] for r in rows] == list(METHODS)
@@ -148,6 +149,7 @@ def test_the_quantized_summary_gives_ratios_to_bf16():
     text = "\n".join(summary_lines(q))
     assert "int8 6.00 ms (0.60x)" in text and "t(64)/t(1)=2.00" in text
     assert "speculative: 20.00 ms/round" in text
+    assert set(q) >= {"vanilla_seconds_per_token", "t_of_T", "rounds"}
 
 
 def test_the_first_difference():

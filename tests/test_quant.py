@@ -253,6 +253,9 @@ def test_memory_plan_counts_codes_scales_and_float_leaves():
             want += int(n * code_bytes) + 4 * (n // G)
         got = memory_plan(c, 1, 1, 1, 16, "bfloat16", quantize=scheme)["params_total_bytes"]
         assert got == want, scheme
+        abstract = jax.eval_shape(lambda: quant.quantize_params(
+            oj.models.llama.init_params(c, jax.random.key(0), jnp.bfloat16), c, scheme))
+        assert quant.params_nbytes(abstract) == want  # what the device script counts
 
 
 def test_memory_quantize_prints_the_70b_plan(capsys):

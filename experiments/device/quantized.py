@@ -119,10 +119,14 @@ def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: i
 
     from experiments.device.probe import random_model, time_forwards
 
+    from ouroboros_jax.models.quant import params_nbytes
+
     out: dict = {"schemes": list(schemes), "sizes": list(sizes), "t_of_T": {},
-                 "vanilla_seconds_per_token": {}, "rounds": {}, "demo_exact": [], "pairs": {}}
+                 "weight_bytes": {}, "vanilla_seconds_per_token": {}, "rounds": {},
+                 "demo_exact": [], "pairs": {}}
     target, draft = models["target"], models["draft"]
     prompt_len = min(128, target.config.max_position_embeddings // 4)
+    out["weight_bytes"]["bfloat16"] = params_nbytes(target.params)
     out["vanilla_seconds_per_token"]["bfloat16"] = vanilla_seconds_per_token(
         target, prompt_len, new_tokens)
     save(out)
@@ -131,6 +135,7 @@ def quant_stage(models: dict, pairs: dict, methods, sizes, context: int, reps: i
             out["t_of_T"][scheme] = "skipped: budget"
             continue
         q = quantized(target, scheme)
+        out["weight_bytes"][scheme] = params_nbytes(q.params)  # vanilla reads these a token
         out["t_of_T"][scheme] = time_forwards(q, sizes, context, reps)
         out["vanilla_seconds_per_token"][scheme] = vanilla_seconds_per_token(
             q, prompt_len, new_tokens)
@@ -198,6 +203,10 @@ def summary_lines(q: dict) -> list:
     if bf:
         cells = ", ".join(f"{k} {s * 1e3:.2f} ms ({s / bf:.2f}x)" for k, s in v.items())
         lines.append(f"quantized vanilla per token: {cells}")
+        wb = q.get("weight_bytes") or {}
+        if wb.get("bfloat16"):
+            lines.append("quantized weight bytes: " + ", ".join(
+                f"{k} {b / 1e9:.2f} GB ({b / wb['bfloat16']:.2f}x)" for k, b in wb.items()))
     for scheme, t in (q.get("t_of_T") or {}).items():
         if isinstance(t, dict) and t:
             get = lambda x: t.get(str(x), t.get(x))  # noqa: E731

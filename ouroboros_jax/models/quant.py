@@ -329,6 +329,13 @@ def bits_of(quantize: str) -> int:
     return BITS[quantize]
 
 
+def params_nbytes(params) -> int:
+    """Bytes of a params pytree on an accelerator: quantized leaves by `QuantArray.nbytes`
+    (4-bit codes two to a byte), the rest by their dtype."""
+    return int(sum(x.nbytes if is_quantized(x) else x.size * x.dtype.itemsize
+                   for x in jax.tree.leaves(params, is_leaf=is_quantized)))
+
+
 def is_quantized_params(params: dict) -> bool:
     """Whether any leaf of a params pytree (either layout) is quantized."""
     return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
