@@ -94,8 +94,8 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="top-k filtering (0: off)")
     g.add_argument("--seed", type=int, default=0, help="the random stream of sampling")
     g.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weights kept as int8 or int4 codes with scales (every linear layer, target and "
-                        "draft; on a CPU slower than float: for memory)")
+                   help="weights kept as int8 or int4 codes with scales (every linear "
+                        "layer, target and draft; on a CPU slower than float: for memory)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
@@ -132,8 +132,8 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                                                "model's directory or file name; "
                                                "ouroboros-demo for the demo pair)")
     s.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weights kept as int8 or int4 codes with scales (every linear layer, target and "
-                        "draft; on a CPU slower than float: for memory)")
+                   help="weights kept as int8 or int4 codes with scales (every linear "
+                        "layer, target and draft; on a CPU slower than float: for memory)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     s.add_argument("--drain-timeout", type=float, default=30.0,

@@ -46,7 +46,6 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # the quantize= choices: code width in bits
 BITS = {"int8": 8, "int4": 4}
