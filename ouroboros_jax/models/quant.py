@@ -30,8 +30,11 @@ scales, `dot_general(x, w_int, preferred_element_type=f32)` with tiles as a batc
 represents w as `(q - zero_point) * scale`, which cannot hold Q4_K's `scale * q - min` bit for
 bit (a zero point of min / scale rounds), its QArray is a flax struct whose static shape does not
 follow a `lax.scan` slice of the stacked layers axis the way a params leaf must, and this
-module is the ~250 lines we need with no runtime dependency. Measured side by side on this CPU
-(experiments/quant_matmul.py): see its output in the issue report.
+module is the ~350 lines we need with no runtime dependency. Measured side by side on a
+1536x8960 layer (experiments/quant_matmul.py, docs/quantization.md): on this CPU both pay the
+unfused convert (44-72x float32 at T = 1), qwix's dequantize-first order 10-25% less than our
+grouped product; `set_matmul("dequantize")` gives that order here too, and the device script
+times both on a GPU, where the choice is made.
 
 What stays float: the embedding table (a lookup reads B*T rows, not the table, so its bytes cost
 memory but no bandwidth per token; a tied model's LM head reads it too), the MoE router (small,
