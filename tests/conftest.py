@@ -144,6 +144,8 @@ SLOW_TESTS = frozenset({
     "test_quant.py::test_the_engine_serves_quantized_weights",
     "test_quant.py::test_a_sharded_quantized_model_gives_the_same_tokens",
     "test_quant.py::test_quantized_experts_match_a_dequantized_reference",
+    # test_quant_lowering.py
+    "test_quant_lowering.py::test_the_packed_gpu_program_lowers_on_quantized_weights",
     # test_row_buckets.py
     "test_row_buckets.py::test_a_head_step_equals_a_full_step",
     "test_row_buckets.py::test_one_request_runs_one_row_steps",
