@@ -96,6 +96,7 @@ def _print_stats(stats: dict, compile_s: float) -> None:
 
 def _cmd_generate(a):
     from . import generate, load_model
+    from .models.quant import quantize_model
     from .request import default_eos_ids
 
     # every flag checked before anything loads
@@ -106,15 +107,16 @@ def _cmd_generate(a):
     _check_draft_flag(a, method)
     config = _method_config(method, _config_fields(a.config))
     shape = _parse_mesh(a.mesh) if a.mesh else None
+    q = getattr(a, "quantize", None)
     if a.model:
-        target = load_model(a.model, dtype=a.dtype)
-        draft = load_model(a.draft, dtype=a.dtype) if a.draft else None
+        target = load_model(a.model, dtype=a.dtype, quantize=q)
+        draft = load_model(a.draft, dtype=a.dtype, quantize=q) if a.draft else None
     else:  # the shipped pair, as `demo` uses it
         from .demo_assets import demo_pair
 
-        target, draft = demo_pair(a.dtype)
+        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
         if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype)
+            draft = load_model(a.draft, dtype=a.dtype, quantize=q)
     mesh = None
     if shape:
         from .sharding import make_mesh
@@ -177,12 +179,14 @@ def _serve_models(a, mesh):
     GGUF files and the demo pair are read whole, then placed by the engine."""
     from .models import load_model
 
+    q = getattr(a, "quantize", None)
+
     def one(path):
-        if mesh is not None and os.path.isdir(path):
+        if mesh is not None and os.path.isdir(path) and q is None:
             from .sharding import load_sharded
 
             return load_sharded(path, mesh, dtype=a.dtype)
-        return load_model(path, dtype=a.dtype)
+        return load_model(path, dtype=a.dtype, quantize=q)  # quantized: placed by the engine
 
     if a.model:
         target = one(a.model)
@@ -190,7 +194,9 @@ def _serve_models(a, mesh):
     else:  # the shipped demo pair
         from .demo_assets import demo_pair
 
-        target, draft = demo_pair(a.dtype)
+        from .models.quant import quantize_model
+
+        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
         if a.draft:
             draft = one(a.draft)
     return target, draft
@@ -391,6 +397,8 @@ def _cmd_memory(a):
     data, model = _parse_mesh(a.mesh)
     _positive("--batch", a.batch)
     _positive("--cache-len", a.cache_len)
+    if getattr(a, "quantize", None):
+        return _print_weights_plan(a)
     _positive("--hosts", a.hosts)
     if (data * model) % a.hosts:
         raise ValueError(f"--hosts {a.hosts} must divide the mesh's {data * model} devices")
@@ -444,6 +452,26 @@ def _print_footprint(a, rows) -> None:
     print(f"expected peak (resident set on a CPU, device memory on a GPU): at most "
           f"{PEAK_FACTOR} x total = {peak_bound(fps, 'cpu') / gb:.2f}GB on a CPU, "
           f"{peak_bound(fps, 'gpu') / gb:.2f}GB on a GPU")
+
+
+def _print_weights_plan(a):
+    """`memory --quantize`: the target(s) and draft in bf16 and the asked widths on 1/2/4/8
+    devices (`weights_plan.py`)."""
+    from .models.presets import PRESETS
+    from .weights_plan import DEFAULT_DRAFT, DEFAULT_TARGETS, format_plan, plan
+
+    if a.model:
+        targets = [(os.path.basename(os.path.normpath(a.model)), _model_config(a.model))]
+    else:
+        for n in a.preset or []:
+            if n not in PRESETS:
+                raise ValueError(f"--preset: unknown preset {n!r}; choose from "
+                                 f"{sorted(PRESETS)}")
+        targets = [(n, PRESETS[n]) for n in a.preset or DEFAULT_TARGETS]
+    draft = ((os.path.basename(os.path.normpath(a.draft)), _model_config(a.draft)) if a.draft
+             else (DEFAULT_DRAFT, PRESETS[DEFAULT_DRAFT]))
+    print(format_plan(plan(targets, draft, a.quantize, a.batch, a.cache_len, a.dtype),
+                      a.batch, a.cache_len))
 
 
 def _cmd_demo(a):

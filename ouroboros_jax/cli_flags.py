@@ -93,6 +93,9 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering (1.0: off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k filtering (0: off)")
     g.add_argument("--seed", type=int, default=0, help="the random stream of sampling")
+    g.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weights kept as int8 or int4 codes with scales (every linear "
+                        "layer, target and draft; on a CPU slower than float: for memory)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
@@ -128,6 +131,9 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model name clients send (default: the "
                                                "model's directory or file name; "
                                                "ouroboros-demo for the demo pair)")
+    s.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weights kept as int8 or int4 codes with scales (every linear "
+                        "layer, target and draft; on a CPU slower than float: for memory)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     s.add_argument("--drain-timeout", type=float, default=30.0,
@@ -165,6 +171,11 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                    help="parameter and cache dtype")
     m.add_argument("--hosts", type=int, default=1,
                    help="hosts the mesh spans (equal device counts): adds per-host bytes")
+    m.add_argument("--quantize", action="append", choices=["int8", "int4"],
+                   help="the quantized-weights plan instead: target + draft with bf16 and "
+                        "these weights on 1/2/4/8 devices of 80 and 141 GB (default targets "
+                        "llama-3.1-70b and yi-34b, draft llama-3.2-1b; --preset/--model and "
+                        "--draft choose others); repeat for both")
     m.set_defaults(fn=handlers["memory"])
 
     b = command(sub, "bench", "benchmark methods and transformers peers: JSON, markdown, plots")

@@ -76,8 +76,19 @@ def _rows(shape, dtype, mesh):
     return _sds(shape, dtype, mesh, spec)
 
 
-def abstract_params(config: ModelConfig, dtype="bfloat16", mesh=None) -> dict:
-    """The params of `config` as ShapeDtypeStructs, placed with `param_shardings` on a mesh."""
+def abstract_params(config: ModelConfig, dtype="bfloat16", mesh=None, quantize=None) -> dict:
+    """The params of `config` as ShapeDtypeStructs, placed with `param_shardings` on a mesh;
+    quantize "int8" / "int4": their linear weights as `load_model(quantize=)` keeps them
+    (abstract `quant.QuantArray`s, split by `sharding.param_specs_of`)."""
+    if quantize is not None:
+        from .models.quant import quantize_params
+
+        plain = abstract_params(config, dtype)
+        q = jax.eval_shape(lambda p: quantize_params(p, config, quantize), plain)
+        if mesh is None:
+            return q
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            q, param_shardings(config, mesh, q))
     shapes = nest(config, lambda leaf: leaf.shape(config))
     if mesh is None:
         return jax.tree.map(lambda s: _sds(s, dtype), shapes,
@@ -88,11 +99,12 @@ def abstract_params(config: ModelConfig, dtype="bfloat16", mesh=None) -> dict:
 
 
 def abstract_pair(tconfig: ModelConfig, dconfig: Optional[ModelConfig] = None,
-                  dtype="bfloat16", mesh=None) -> Pair:
+                  dtype="bfloat16", mesh=None, quantize=None) -> Pair:
     """A `Pair` of abstract params (draft None: no draft), carrying the mesh as `make_pair`
-    does for placed params."""
-    return Pair(tparams=abstract_params(tconfig, dtype, mesh), tconfig=tconfig,
-                dparams=None if dconfig is None else abstract_params(dconfig, dtype, mesh),
+    does for placed params; quantize: both models' weights so (`abstract_params`)."""
+    return Pair(tparams=abstract_params(tconfig, dtype, mesh, quantize), tconfig=tconfig,
+                dparams=None if dconfig is None else abstract_params(dconfig, dtype, mesh,
+                                                                     quantize),
                 dconfig=dconfig, mesh=mesh)
 
 
@@ -255,6 +267,12 @@ def weight_shapes(config: ModelConfig) -> set[tuple]:
         else:
             shapes.add(flat[::-1])
     return shapes
+
+
+def f32_tensor_shapes(text: str) -> list[tuple]:
+    """The shapes of the f32 tensor types in a lowered module's text."""
+    return [tuple(int(d) for d in dims.rstrip("x").split("x"))
+            for dims in set(_TENSOR.findall(text))]
 
 
 def f32_weight_copies(text: str, *configs: ModelConfig) -> list[str]:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .models.config import ModelConfig
 from .models.loading import Model
 from .models.params import LEAVES, nest
+from .models.quant import QuantArray, is_quantized, storage_axes
 
 # logical names per dimension of each leaf ("layers" is the stacked scan axis): the parameters'
 # come from their one description (`models.params.LEAVES`), the KV cache's are added here
@@ -68,9 +69,29 @@ def param_specs(config: ModelConfig, mesh: Mesh) -> dict:
     return nest(config, lambda leaf: spec_for(leaf.axes, leaf.shape(config), mesh))
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
+def param_specs_of(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """`param_specs` for params whose leaves may be quantized (`models/quant.py`): a
+    QuantArray's codes and scales are split as its float form would be, by their storage
+    axes (`quant.storage_axes`: groups split with the input side, output dims as theirs)."""
+    def one(leaf):
+        w = params["layers"][leaf.name] if leaf.per_layer else params[leaf.name]
+        if not is_quantized(w):
+            return spec_for(leaf.axes, leaf.shape(config), mesh)
+        code_axes, scale_axes = storage_axes(w, leaf.axes)
+        ss = spec_for(scale_axes, w.scale.shape, mesh)
+        return QuantArray(spec_for(code_axes, w.codes.shape, mesh), ss,
+                          None if w.offset is None else ss, w.in_shape, w.out_ndim, w.bits,
+                          w.dtype)
+
+    return nest(config, one)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, params: dict = None) -> dict:
+    """NamedShardings of the config's params; of `params` as they are (quantized leaves
+    too, `param_specs_of`) when given."""
     _check_mesh(mesh)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh),
+    specs = param_specs(config, mesh) if params is None else param_specs_of(params, config, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -90,7 +111,7 @@ def shard_model(model: Model, mesh: Mesh) -> Model:
     hit = model.derived_copy(("mesh", mesh))
     if hit is not None:
         return hit
-    params = jax.device_put(model.params, param_shardings(model.config, mesh))
+    params = jax.device_put(model.params, param_shardings(model.config, mesh, model.params))
     return model.keep_derived(("mesh", mesh), dataclasses.replace(model, params=params))
 
 
@@ -143,8 +164,11 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
 
 
 def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
-    # Python ints: np.prod wraps around int64 for huge batch x cache sizes (negative GiB)
-    n = math.prod(int(d) for d in shape) * jnp.dtype(dtype).itemsize
+    # Python ints: np.prod wraps around int64 for huge batch x cache sizes (negative GiB);
+    # 4-bit codes two to a byte, as GPU and TPU store them
+    bits = 4 if jnp.dtype(dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+        8 * jnp.dtype(dtype).itemsize
+    n = math.prod(int(d) for d in shape) * bits // 8
     for a in spec:
         if a is not None:
             n //= axis_sizes[a]
@@ -152,13 +176,15 @@ def _bytes_per_device(shape, dtype, spec: P, axis_sizes: dict) -> int:
 
 
 def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_len: int,
-                dtype="bfloat16", hosts: int = 1) -> dict:
+                dtype="bfloat16", hosts: int = 1, quantize=None) -> dict:
     """Per-device bytes of params and KV cache for a (data, model) mesh, from shapes alone,
     and per-host bytes when the mesh spans `hosts` hosts of equal device counts (a host holds
     its devices' shares: with `load_sharded` that is also what it reads from the checkpoint).
 
     Uses `jax.eval_shape` of init (no memory is allocated), so full-size 70B configs can be
-    planned on a laptop.
+    planned on a laptop. quantize: None, "int8" or "int4": the linear weights as
+    `load_model(quantize=)` keeps them (codes and scales, `models/quant.py`), dtype then the
+    float leaves' and the cache's.
     """
     if isinstance(hosts, bool) or not isinstance(hosts, (int, np.integer)) or hosts < 1 \
             or (data * model) % hosts != 0:
@@ -170,18 +196,24 @@ def memory_plan(config: ModelConfig, data: int, model: int, batch: int, cache_le
                     ("cache_len", cache_len)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"memory_plan: {name} must be an integer >= 1, got {v!r}")
-    abstract = jax.eval_shape(lambda k: init_params(config, k, jnp.dtype(dtype)),
-                              jax.random.key(0))
+    from .models.quant import quantize_params
+
+    def init(k):
+        p = init_params(config, k, jnp.dtype(dtype))
+        return p if quantize is None else quantize_params(p, config, quantize)
+
+    abstract = jax.eval_shape(init, jax.random.key(0))
     axis_sizes = {"data": data, "model": model}
 
     class _FakeMesh:  # spec_for needs only axis names and sizes
         axis_names = ("data", "model")
         shape = axis_sizes
 
-    specs = param_specs(config, _FakeMesh)
+    specs = param_specs_of(abstract, config, _FakeMesh)
     leaves = jax.tree.leaves(abstract)
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    params_total = sum(math.prod(a.shape) * a.dtype.itemsize for a in leaves)
+    assert len(leaves) == len(spec_leaves)
+    params_total = sum(_bytes_per_device(a.shape, a.dtype, P(), axis_sizes) for a in leaves)
     params_dev = sum(_bytes_per_device(a.shape, a.dtype, s, axis_sizes)
                      for a, s in zip(leaves, spec_leaves))
     cshape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)

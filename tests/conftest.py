@@ -140,6 +140,14 @@ SLOW_TESTS = frozenset({
     "test_ouroboros.py::test_sampling_identical_to_vanilla_same_seed",
     # test_prompt_lookup.py
     "test_prompt_lookup.py::test_no_recompile_across_prompts_and_auto",
+    # test_quant.py
+    "test_quant.py::test_every_method_on_quantized_weights_equals_vanilla",
+    "test_quant.py::test_gguf_load_keeps_fitting_blocks_and_requantizes_the_rest",
+    "test_quant.py::test_the_engine_serves_quantized_weights",
+    "test_quant.py::test_a_sharded_quantized_model_gives_the_same_tokens",
+    "test_quant.py::test_quantized_experts_match_a_dequantized_reference",
+    # test_quant_lowering.py
+    "test_quant_lowering.py::test_the_packed_gpu_program_lowers_on_quantized_weights",
     # test_row_buckets.py
     "test_row_buckets.py::test_a_head_step_equals_a_full_step",
     "test_row_buckets.py::test_one_request_runs_one_row_steps",

@@ -47,7 +47,8 @@ def device_run(tmp_path_factory):
            "PYTHONPATH": os.pathsep.join([str(guard), str(ROOT)]),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(["bash", str(SCRIPT), "--tiny", "--budget-s", "100000", "--methods",
-                           ",".join(METHODS)], env=env, capture_output=True, text=True,
+                           ",".join(METHODS), "--quantize", "int8"], env=env,
+                          capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "device.json") as f:
@@ -118,6 +119,37 @@ def test_each_further_pair_leaves_a_latency_table(device_run):
     table = LatencyTable.from_json(str(out / f"latency-{name}.json"))
     assert table.t_target(4) == entry["target"]["4"] and table.t_draft(1) == entry["draft"]["1"]
     assert "software" in res and res["software"]["backend"] == "cpu"
+
+
+def test_the_quantized_stage_times_each_format_and_every_method(device_run):
+    """The quantized stage (experiments/device/quantized.py) at --tiny with int8: t(T) of the
+    int8 target, vanilla's seconds per token in bf16 and int8, every method's round on int8
+    weights (exact on this CPU: the same tokens as int8 vanilla), the further pair in int8."""
+    res, _, log = device_run
+    q = res["quantized"]
+    assert q["schemes"] == ["int8"]
+    assert sorted(int(k) for k in q["t_of_T"]["int8"]) == list(q["sizes"])
+    assert set(q["vanilla_seconds_per_token"]) == {"bfloat16", "int8"}
+    assert 0.2 < q["weight_bytes"]["int8"] / q["weight_bytes"]["bfloat16"] < 0.8
+    assert all(v > 0 for v in q["vanilla_seconds_per_token"].values())
+    rows = q["rounds"]["int8"]
+    assert [r["method"] for r in rows] == list(METHODS)
+    assert all(r["first_difference"] == -1 and r["round_seconds"] > 0 for r in rows)
+    (name,) = res["settings"]["pairs"]
+    assert set(q["pairs"][name]["int8"]) == {"target", "draft"}
+
+
+def test_the_quantized_summary_gives_ratios_to_bf16():
+    from experiments.device.quantized import summary_lines
+
+    q = {"vanilla_seconds_per_token": {"bfloat16": 0.010, "int8": 0.006},
+         "t_of_T": {"int8": {"1": 0.004, "64": 0.008}},
+         "rounds": {"int8": [{"method": "speculative", "round_seconds": 0.02,
+                              "seconds_per_token": 0.01, "first_difference": -1}]}}
+    text = "\n".join(summary_lines(q))
+    assert "int8 6.00 ms (0.60x)" in text and "t(64)/t(1)=2.00" in text
+    assert "speculative: 20.00 ms/round" in text
+    assert set(q) >= {"vanilla_seconds_per_token", "t_of_T", "rounds"}
 
 
 def test_the_first_difference():

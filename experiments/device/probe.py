@@ -20,8 +20,12 @@ script's work (experiments/device/run.sh).
 5. t(T) of further pairs' shapes (`--pairs`, default the real Qwen2.5-Coder 1.5B/0.5B pair),
    each written as a latency table of its own: `bench --latency-json latency-PAIR.json` prices
    that pair's counted CPU forwards with the device's measured latencies.
+6. Quantized weights (`--quantize`, default int8,int4; experiments/device/quantized.py): t(T)
+   for T = 1..64 and vanilla ms per token of the 8B shape in bf16, int8 and int4, every
+   method's round on int8 8B/1B weights, the demo pair's exactness in int8, and the further
+   pairs' t(T) in int8 and int4 (under "quantized" in device.json).
 
-Stages run in the order 1, 3, 4, 5, 2 (the per-round stage compiles the most and is the first
+Stages run in the order 1, 3, 6, 4, 5, 2 (the per-round stage compiles the most and is the first
 cut by the budget). Written under --out: device.json (everything, with a `latency` table in the cost model's
 format: `ouroboros-jax bench --latency-json device.json` prices a CPU run's counted forwards
 with it, replacing the roofline projection by the device's measured latencies) and
@@ -288,6 +292,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--matmul-precision", choices=["default", "high", "highest"], default=None,
                     help="jax_default_matmul_precision for the whole run (on a GPU, 'highest' "
                          "keeps float32 dots out of TF32; default: jax's)")
+    ap.add_argument("--quantize", default="int8,int4",
+                    help="weight formats of the quantized stage ('' skips it)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="seconds after which remaining stages are skipped (recorded)")
     a = ap.parse_args(argv)
@@ -302,6 +308,9 @@ def main(argv=None) -> dict:
     demo_dtypes = [d.strip() for d in (a.demo_dtypes if a.demo_dtypes is not None
                                        else "float32" if a.tiny else "float32,bfloat16"
                                        ).split(",") if d.strip()]
+    bad = [x for x in a.quantize.split(",") if x.strip() and x.strip() not in ("int8", "int4")]
+    if bad:
+        ap.error(f"--quantize: unknown {', '.join(bad)}; choose from int8, int4")
     bad = [d for d in demo_dtypes if d not in ("float32", "bfloat16")]
     if bad:
         ap.error(f"--demo-dtypes: unknown {', '.join(bad)}; choose from float32, bfloat16")
@@ -384,6 +393,23 @@ def main(argv=None) -> dict:
     stage("vanilla bandwidth bound", vanilla_bound)
 
     in_budget = lambda: time.perf_counter() - t0 < a.budget_s  # noqa: E731
+    schemes = [x.strip() for x in a.quantize.split(",") if x.strip()]
+
+    def quant():
+        from experiments.device.quantized import SIZES as QS, TINY_SIZES as QT, quant_stage
+
+        def keep(part):
+            result["quantized"] = part
+            save()
+
+        # --tiny leaves the demo pair's int8 exactness to the CPU tests (tests/test_quant.py):
+        # its compiles are most of the stage's time on a CPU
+        keep(quant_stage(models, pairs, methods, QT if a.tiny else QS, context, reps,
+                         new_tokens, demo_prompts, demo_tokens, in_budget, keep, schemes,
+                         demo=not a.tiny))
+
+    if schemes:
+        stage("quantized weights", quant)
 
     def demo():
         from experiments.device.demo_pair import demo_rows
@@ -435,6 +461,10 @@ def main(argv=None) -> dict:
     save()
     print(json.dumps({k: result[k] for k in ("device", "stages", "seconds")}, default=str))
     print(summary(result))
+    if result.get("quantized"):
+        from experiments.device.quantized import summary_lines
+
+        print("\n".join(summary_lines(result["quantized"])))
     return result
 
 

@@ -4,7 +4,9 @@
 # about 5-8 minutes, nothing downloaded. Measures t(T) for T = 1..256 at Llama-3.1-8B and
 # Llama-3.2-1B shapes (random bf16 weights built on the device), the per-round time of every
 # method at the paper's recipe and at config="auto"'s choice, and vanilla tokens/s against
-# the HBM-bandwidth bound; writes $OUT/device.json and $OUT/device.png (probe.py's docstring).
+# the HBM-bandwidth bound, and the same 8B shape with int8 and int4 weights (t(T) for T = 1..64,
+# vanilla ms/token, every method's round; experiments/device/quantized.py); writes
+# $OUT/device.json and $OUT/device.png (probe.py's docstring).
 #
 #   OUT=/tmp/device experiments/device/run.sh            # on the device
 #   OUT=/tmp/device experiments/device/run.sh --tiny     # anywhere: tiny shapes (CI)

@@ -484,7 +484,8 @@ def _nbytes(t) -> int:
     return int(t.nbytes) if isinstance(t, np.ndarray) else int(t.n_bytes)
 
 
-def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bool = True) -> dict:
+def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bool = True,
+                     keep=None) -> dict:
     """Every tensor of the file into our stacked params layout, strictly (as
     `loading.load_params`): exactly the tensors the config implies, each once, each of its
     shape. dtype: the params' numpy/jax dtype. progress: a bar on stderr once the load has
@@ -493,7 +494,8 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
     Each leaf is one preallocated array that its tensors are dequantized into, chunk by chunk
     (`gguf_read.fill_tensor`), then handed to jax (without a copy on the CPU backend), so host
     memory peaks near the weights themselves. The values are those of `dequantize_tensor` +
-    `Leaf.from_hf` + a cast: bit-identical."""
+    `Leaf.from_hf` + a cast: bit-identical. keep: None, or (leaf, {layer: tensor}, rows_fn)
+    -> the leaf as kept quantized blocks or None (`gguf_quant.kept_leaf`, `quantize=`)."""
     from .gguf_read import aligned_empty, fill_tensor, pieces, row_count, to_device
 
     import jax.numpy as jnp
@@ -507,6 +509,13 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
     release = getattr(reader, "release", None)
 
     def leaf_array(pool, leaf: Leaf):
+        if keep is not None:
+            kept = keep(leaf, by_leaf[leaf.name],
+                        lambda name: _row_transform(family, leaf, config, name)[1])
+            if kept is not None:
+                if bar is not None:
+                    bar.update(sum(_nbytes(t) for t in by_leaf[leaf.name].values()))
+                return kept
         out = aligned_empty(leaf.shape(config), np_dtype)
 
         def fill(job):  # one piece of one tensor: disjoint from every other job's destination

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .quant import concat_out
 
 Params = dict
 
@@ -78,12 +79,12 @@ def pack(params: Params, config: ModelConfig) -> Params:
     layers = []
     for i in range(config.num_layers):  # one fused copy per output buffer, no stacked temporary
         layer = {"attn_norm": lay["attn_norm"][i],
-                 "wqkv": jnp.concatenate([flat("wq", i), flat("wk", i), flat("wv", i)], -1),
+                 "wqkv": concat_out([flat("wq", i), flat("wk", i), flat("wv", i)]),
                  "wo": lay["wo"][i].reshape(-1, E), "mlp_norm": lay["mlp_norm"][i]}
         if config.is_moe:
             layer.update({name: lay[name][i] for name in MOE_LEAVES})
         else:
-            layer.update({"w_gate_up": jnp.concatenate([lay["w_gate"][i], lay["w_up"][i]], -1),
+            layer.update({"w_gate_up": concat_out([lay["w_gate"][i], lay["w_up"][i]]),
                           "w_down": lay["w_down"][i]})
         if config.qkv_bias:
             layer["bqkv"] = jnp.concatenate([lay[b][i].reshape(-1) for b in ("bq", "bk", "bv")])

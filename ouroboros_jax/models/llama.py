@@ -44,6 +44,7 @@ from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
 from .kv_cache import KVCache, NewKV
 from .layout import is_packed
+from .quant import dense, linear, take
 from .params import nest
 
 Params = dict
@@ -174,14 +175,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
 
 
 def _matmul_heads(h: jax.Array, w: jax.Array) -> jax.Array:
-    """h [B,T,E] @ w [E,N,D] -> [B,T,N,D], as one 2-D matmul over a [E, N*D] view of w.
+    """h [B,T,E] @ w [E,N,D] -> [B,T,N,D], as one 2-D matmul over a [E, N*D] view of w (or
+    w's codes and scales when it is quantized, `quant.linear`).
 
     The same product as einsum("bte,end->btnd"), but XLA:CPU runs the 3-D contraction far
     slower than the plain matrix product of the same weights (measured on SmolLM2-135M at
     T = 1, experiments/cpu_forward.py); a reshape of a contiguous weight costs nothing inside jit,
     so the parameter layout (sharding, loading, training) stays [E,N,D]."""
-    E, N, D = w.shape
-    return (h @ w.reshape(E, N * D)).reshape(*h.shape[:-1], N, D)
+    return linear(h, w)
 
 
 def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
@@ -194,7 +195,7 @@ def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
         return q, k, v
     B, T, _ = h.shape
     H, K, D = config.num_heads, config.num_kv_heads, config.head_dim
-    qkv = h @ lp["wqkv"]
+    qkv = linear(h, lp["wqkv"])
     if config.qkv_bias:
         qkv = qkv + lp["bqkv"]
     return (qkv[..., :H * D].reshape(B, T, H, D), qkv[..., H * D:(H + K) * D].reshape(B, T, K, D),
@@ -204,12 +205,11 @@ def _qkv(config: ModelConfig, h: jax.Array, lp: dict):
 def _mlp(config: ModelConfig, h: jax.Array, lp: dict) -> jax.Array:
     """The SwiGLU MLP, h [B,T,E] -> [B,T,E], in either layout (gate and up fused when packed)."""
     if "w_gate_up" not in lp:
-        gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
-        up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
-        return jnp.einsum("btf,fe->bte", _act(config, gate) * up, lp["w_down"])
+        gate, up = linear(h, lp["w_gate"]), linear(h, lp["w_up"])
+        return linear(_act(config, gate) * up, lp["w_down"])
     F = config.intermediate_size
-    gate_up = h @ lp["w_gate_up"]
-    return (_act(config, gate_up[..., :F]) * gate_up[..., F:]) @ lp["w_down"]
+    gate_up = linear(h, lp["w_gate_up"])
+    return linear(_act(config, gate_up[..., :F]) * gate_up[..., F:], lp["w_down"])
 
 
 # ------------------------------------------------------------------------ mixture of experts
@@ -273,7 +273,8 @@ def _moe_grouped(config: ModelConfig, h: jax.Array, experts: jax.Array, weights:
     xs = h[order // k]  # [O,E]: row r is token order[r] // k
     w = [lp[n] for n in ("we_gate", "we_up", "we_down")]
     if slots.shape[0] < Y:  # fewer rows than experts: gather the routed ones, each once
-        w = [jnp.take(a, slots, axis=0, mode="fill", fill_value=0) for a in w]
+        w = [take(a, slots, axis=0) for a in w]
+    w = [dense(a) for a in w]  # quantized experts: the gathered ones dequantized here
     ys = _swiglu_grouped(config, xs, sizes, *w)  # [O,E], sorted by expert
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     ys = ys[back].reshape(N, k, -1)  # token order: [N,k,E]
@@ -285,9 +286,9 @@ def _moe_onehot(config: ModelConfig, h: jax.Array, experts: jax.Array, weights: 
     """The reference: every expert on every token, h [N,E] -> [N,Y,E], summed with the router
     weights of the routed ones (zero elsewhere) -> [N,E]. Reads every expert's weights
     whatever the routing."""
-    gate = jnp.einsum("ne,yef->nyf", h, lp["we_gate"])
-    up = jnp.einsum("ne,yef->nyf", h, lp["we_up"])
-    ys = jnp.einsum("nyf,yfe->nye", _act(config, gate) * up, lp["we_down"])
+    gate = jnp.einsum("ne,yef->nyf", h, dense(lp["we_gate"]))
+    up = jnp.einsum("ne,yef->nyf", h, dense(lp["we_up"]))
+    ys = jnp.einsum("nyf,yfe->nye", _act(config, gate) * up, dense(lp["we_down"]))
     combine = jnp.einsum("nk,nky->ny", weights,
                          jax.nn.one_hot(experts, config.num_experts, dtype=weights.dtype))
     return jnp.einsum("ny,nye->ne", combine, ys)
@@ -329,7 +330,7 @@ def _layer(config: ModelConfig, inv_freq, kernel, x, lp, layer, positions, mask,
                config.sliding_window if window is None else window, live_blocks=live_blocks,
                **_attention_kwargs(config))
     B, T, H, D = a.shape
-    a = a.reshape(B, T, H * D) @ lp["wo"].reshape(H * D, -1)  # packed wo is [H*D, E]
+    a = linear(a.reshape(B, T, H * D), lp["wo"].reshape(H * D, -1))  # packed wo is [H*D, E]
     if config.sandwich_norms:
         a = _norm(config, a, lp["post_attn_norm"])
     x = x + a
@@ -410,7 +411,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     if select is not None:
         x = jnp.take_along_axis(x, select[..., None], axis=1)
     x = _norm(config, x, params["final_norm"])
-    logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+    logits = linear(x, head, out_dtype=jnp.float32)
     return softcap(logits, config.final_softcap), NewKV(k=ks, v=vs)
 
 

@@ -429,7 +429,8 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
     return chosen
 
 
-def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Model:
+def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
+               quantize: Optional[str] = None) -> Model:
     """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory, or
     a mixture of experts' (Qwen3-MoE, Mixtral, OLMoE), or a GGUF file (`.gguf`: llama, qwen2,
     qwen3, phi3, gemma2, gemma3, qwen3moe or olmoe architecture, any tensor type the `gguf`
@@ -441,8 +442,19 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Mo
     also stops at its end-of-turn token by default (`chat.end_of_turn_id`). shardings (HF
     directories): None, or config -> a params-shaped pytree of `jax.sharding.Sharding` to read
     the params straight into, each process reading only its devices' slices
-    (`load_params_sliced`; `sharding.load_sharded` builds it for a mesh).
+    (`load_params_sliced`; `sharding.load_sharded` builds it for a mesh). quantize: None
+    (float weights), "int8" or "int4": every linear weight kept as integer codes with scales
+    (`quant.py`; a GGUF's Q8_0 / Q4_0 / Q4_K / Q6_K blocks as they are stored where they fit,
+    `gguf_quant.py`); dtype is then the activations' and the float leaves'. On a CPU that runs
+    slower than float (XLA:CPU does not fuse the int8 convert into the dot): it is for memory.
     """
+    if quantize is not None:
+        from .quant import bits_of
+
+        bits_of(quantize)  # ValueError naming the parameter
+        if shardings is not None:
+            raise ValueError("quantize: slice-wise reading (shardings) loads float weights; "
+                             "load the model quantized and place it with sharding.shard_model")
     dtype = resolve_dtype(dtype)
     try:
         name = str(jnp.dtype(dtype))
@@ -461,7 +473,7 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Mo
             raise ValueError("shardings: slice-wise reading is for safetensors directories; "
                              f"load {path!r} whole and place it with sharding.shard_model, or "
                              "convert it with checkpoints_tools/gguf_to_hf.py first")
-        return _load_gguf_model(path, jnp.dtype(dtype))
+        return _load_gguf_model(path, jnp.dtype(dtype), quantize)
     if os.path.isfile(path):
         raise ValueError(f"{path!r} is a file but not a GGUF file; give a Hugging Face model "
                          "directory or a .gguf file (here, perhaps the directory "
@@ -470,19 +482,28 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None) -> Mo
     gen = read_generation_config(path)
     params = (load_params(path, config, jnp.dtype(dtype)) if shardings is None
               else load_params_sliced(path, config, jnp.dtype(dtype), shardings(config)))
+    if quantize is not None:
+        from .quant import quantize_loaded
+
+        params = quantize_loaded(params, config, quantize)
     tokenizer = load_tokenizer(path)
     return Model(config=config, params=params, tokenizer=tokenizer, path=path,
                  generation_config=_with_end_of_turn(gen, config, tokenizer))
 
 
-def _load_gguf_model(path: str, dtype) -> Model:
+def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None) -> Model:
     from .config import normalize_eos
     from .gguf import (config_from_gguf, end_of_generation_ids, load_gguf_params,
                        load_gguf_tokenizer, open_gguf)
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, path)
-    params = load_gguf_params(reader, config, path, dtype)
+    from .gguf_quant import keeper
+    from .quant import quantize_loaded
+
+    params = load_gguf_params(reader, config, path, dtype, keep=keeper(config, quantize, dtype))
+    if quantize is not None:  # the leaves not kept as the file's blocks
+        params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)
     gen = {}
     extra = [i for i in end_of_generation_ids(reader, path) if i < config.vocab_size]

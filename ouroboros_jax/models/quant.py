@@ -1,0 +1,357 @@
+"""Weights kept quantized: `QuantArray`, a linear layer's integer codes with their scales, and
+`linear`, the one matmul every linear layer of the forward goes through (plain or quantized).
+
+A linear weight in our layout is [in dims..., out dims...] (`params.Leaf`: wq [E,H,D], wo
+[H,D,E], w_down [F,E], lm_head [E,V]), stacked on a leading L (and Y for experts) axis. Its
+quantized form groups the flattened input side I = prod(in dims) into `ng` groups of G
+consecutive inputs (per-channel: one group, G = I) and keeps
+
+    codes  [lead..., ng, G, out dims...]  int8 (8-bit and GGUF Q6_K's 6-bit codes),
+                                           int4 (4-bit) or uint4 (GGUF Q4_K's 0..15)
+    scale  [lead..., ng, out dims...]     float32
+    offset [lead..., ng, out dims...]     float32 or None (GGUF Q4_K's per-group minimum)
+
+standing for w[..., g*G + j, o] = codes[..., g, j, o] * scale[..., g, o] - offset[..., g, o],
+computed in float32. That is exactly how `gguf` dequantizes Q8_0, Q4_0, Q4_K and Q6_K blocks
+(`d * q`, `(d * sc) * q - dmin * m`, scales formed in float32 from the file's f16 d and integer
+sub-scales), so a GGUF block's codes and scales are kept as they are and dequantize bit for bit
+(tests/test_quant.py). Groups run along the input (contraction) side, as GGUF's blocks do.
+
+The matmul (`linear`): x [..., I] viewed as [N, ng, G] against the codes converted to x's
+dtype (exact: |code| <= 127 fits bf16's mantissa), one `dot_general` with the groups as a batch
+axis and float32 accumulation (`preferred_element_type`), then the scales (and offsets) applied
+per group in float32 and the groups summed: [ng, N, O] -> [N, O]. On GPU and TPU XLA fuses the
+convert into the dot, so the weights are read from memory as codes; XLA:CPU does not (a
+1536x8960 int8 matvec: 44 ms against 3.0 ms in fp32, issue 56), so on a CPU the default stays
+dequantized float and `quantize=` is for memory only.
+
+Why our own container and not qwix's `QArray` (0.1.8, the same design: codes, generic-broadcast
+scales, `dot_general(x, w_int, preferred_element_type=f32)` with tiles as a batch axis): qwix
+represents w as `(q - zero_point) * scale`, which cannot hold Q4_K's `scale * q - min` bit for
+bit (a zero point of min / scale rounds), its QArray is a flax struct whose static shape does not
+follow a `lax.scan` slice of the stacked layers axis the way a params leaf must, and this
+module is the ~350 lines we need with no runtime dependency. Measured side by side on a
+1536x8960 layer (experiments/quant_matmul.py, docs/quantization.md): on this CPU both pay the
+unfused convert (44-72x float32 at T = 1), qwix's dequantize-first order 10-25% less than our
+grouped product; `set_matmul("dequantize")` gives that order here too, and the device script
+times both on a GPU, where the choice is made.
+
+What stays float: the embedding table (a lookup reads B*T rows, not the table, so its bytes cost
+memory but no bandwidth per token; a tied model's LM head reads it too), the MoE router (small,
+and its top-k is where rounding would move a route), norms and biases.
+Letters as in the package glossary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# the quantize= choices: code width in bits
+BITS = {"int8": 8, "int4": 4}
+# int4's default group along the input side (128: 4.25 bits per weight with f32 scales); a
+# leaf whose input side it does not divide is quantized per channel. int8 is per channel.
+INT4_GROUP = 128
+_CODE_DTYPE = {8: jnp.int8, 4: jnp.int4}
+# how `linear` multiplies a QuantArray (read at trace time): "grouped" (the codes into one
+# dot_general, groups as a batch axis, scales on the product) or "dequantize" (the weight
+# dequantized to x's dtype, then a plain matmul: qwix's choice for a float activation, left
+# to XLA to fuse). The device script times both (experiments/device/quantized.py).
+MATMULS = ("grouped", "dequantize")
+_matmul = ["grouped"]
+
+
+def set_matmul(mode: str) -> None:
+    """Chooses `linear`'s product for quantized weights in later traces (A/B benchmarks)."""
+    if mode not in MATMULS:
+        raise ValueError(f"set_matmul: mode must be one of {MATMULS}, got {mode!r}")
+    _matmul[0] = mode
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantArray:
+    """A quantized linear weight standing for a float array of `shape` and `dtype` (see the
+    module docstring for the layout). Children (codes, scale, offset) carry the lead axes, so
+    `lax.scan` over the stacked layers slices them as it slices any params leaf; the static
+    part is the input side's shape, how many trailing dims are the output side, the code width
+    and the float dtype the weight stands for (its matmul's output dtype)."""
+
+    def __init__(self, codes, scale, offset, in_shape: tuple, out_ndim: int, bits: int, dtype):
+        self.codes, self.scale, self.offset = codes, scale, offset
+        self.in_shape, self.out_ndim, self.bits = tuple(in_shape), int(out_ndim), int(bits)
+        self.dtype = jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        return ((self.codes, self.scale, self.offset),
+                (self.in_shape, self.out_ndim, self.bits, self.dtype.name))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    # ------------------------------------------------------------------ array-like
+    @property
+    def lead_ndim(self) -> int:
+        return len(self.codes.shape) - 2 - self.out_ndim
+
+    @property
+    def out_shape(self) -> tuple:
+        return tuple(self.codes.shape[len(self.codes.shape) - self.out_ndim:])
+
+    @property
+    def shape(self) -> tuple:
+        """The float array's shape: lead dims, input dims, output dims."""
+        return tuple(self.codes.shape[:self.lead_ndim]) + self.in_shape + self.out_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.codes.shape[self.lead_ndim + 1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on an accelerator: codes at `bits` per value packed (4-bit codes two to a
+        byte, as XLA stores int4 on GPU and TPU; 6-bit codes in int8), plus scales, offsets."""
+        code_bits = 4 if self.bits == 4 else 8
+        extra = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                    for a in (self.scale, self.offset) if a is not None)
+        return math.prod(self.codes.shape) * code_bits // 8 + extra
+
+    def __getitem__(self, i) -> "QuantArray":
+        """Row i of the first lead axis (a layer of a stacked leaf)."""
+        assert self.lead_ndim >= 1, "index a stacked (lead-axis) QuantArray only"
+        return _map(lambda a: a[i], self)
+
+    def reshape(self, *shape) -> "QuantArray":
+        """A new view of the input and output dims (no lead axis): the first dims whose
+        product is I become the input side, the rest the output side (wo [H,D,E] ->
+        [H*D, E], wq [E,H,D] -> [E, H*D])."""
+        assert self.lead_ndim == 0, "reshape a per-layer QuantArray only"
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        total = self.size
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(total // known if s == -1 else s for s in shape)
+        I = math.prod(self.in_shape)
+        for k in range(1, len(shape) + 1):
+            if math.prod(shape[:k]) == I:
+                break
+        else:
+            raise ValueError(f"QuantArray.reshape: {shape} keeps no input side of {I}")
+        out = shape[k:]
+        if math.prod(out) != total // I:
+            raise ValueError(f"QuantArray.reshape: {shape} does not match {self.shape}")
+        ng, G = self.codes.shape[:2]
+        return QuantArray(self.codes.reshape(ng, G, *out), self.scale.reshape(ng, *out),
+                          None if self.offset is None else self.offset.reshape(ng, *out),
+                          shape[:k], len(out), self.bits, self.dtype)
+
+    def __repr__(self):
+        return (f"QuantArray(shape={self.shape}, bits={self.bits}, group={self.group_size}, "
+                f"dtype={self.dtype.name}{', offset' if self.offset is not None else ''})")
+
+
+def _map(fn, q: QuantArray) -> QuantArray:
+    """fn applied to codes, scale and offset (each with the lead axes first)."""
+    return QuantArray(fn(q.codes), fn(q.scale), None if q.offset is None else fn(q.offset),
+                      q.in_shape, q.out_ndim, q.bits, q.dtype)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantArray)
+
+
+# ------------------------------------------------------------------------------ quantizing
+def group_for(in_size: int, bits: int, group_size: Optional[int] = None) -> int:
+    """The group length G along an input side of in_size: group_size (or int4's INT4_GROUP)
+    when it divides in_size, else in_size (per channel); int8 is per channel unless asked."""
+    g = group_size if group_size is not None else (INT4_GROUP if bits == 4 else None)
+    return g if g is not None and in_size % g == 0 else in_size
+
+
+def quantize(w, in_dims: int, bits: int, lead: int = 0,
+             group_size: Optional[int] = None) -> QuantArray:
+    """Symmetric absmax quantization of a float weight w [lead..., in..., out...] (lead dims,
+    then `in_dims` input dims): per group of G inputs and output channel, scale = max|w| /
+    (2^(bits-1) - 1), codes = round(w / scale). Jittable; scales in float32."""
+    if bits not in _CODE_DTYPE:
+        raise ValueError(f"quantize: bits must be 8 or 4, got {bits!r}")
+    shape = tuple(w.shape)
+    lead_shape, in_shape = shape[:lead], shape[lead:lead + in_dims]
+    out_shape = shape[lead + in_dims:]
+    I = math.prod(in_shape)
+    G = group_for(I, bits, group_size)
+    wf = jnp.asarray(w, jnp.float32).reshape(*lead_shape, I // G, G, *out_shape)
+    qmax = 2 ** (bits - 1) - 1
+    amax = jnp.max(jnp.abs(wf), axis=lead + 1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+    codes = jnp.clip(jnp.round(wf / jnp.expand_dims(scale, lead + 1)), -qmax - 1, qmax)
+    return QuantArray(codes.astype(_CODE_DTYPE[bits]), scale, None, in_shape, len(out_shape),
+                      bits, w.dtype)
+
+
+def dequantize(w) -> jax.Array:
+    """A QuantArray -> the float array it stands for (codes * scale - offset in float32, cast
+    to its dtype); a plain array as it is."""
+    if not is_quantized(w):
+        return w
+    g = w.lead_ndim + 1  # the group-length axis of the codes
+    v = w.codes.astype(jnp.float32) * jnp.expand_dims(w.scale, g)
+    if w.offset is not None:
+        v = v - jnp.expand_dims(w.offset, g)
+    return v.reshape(w.shape).astype(w.dtype)
+
+
+def dense(w) -> jax.Array:
+    """The float weight for an op that has no quantized form (the experts' ragged dot, the
+    one-hot MoE reference): `dequantize`, inside the jitted program."""
+    return dequantize(w)
+
+
+def take(w, idx, axis: int = 0):
+    """jnp.take(w, idx, axis, mode="fill", fill_value=0) on a plain array or on a QuantArray's
+    lead axis (gathering routed experts' codes and scales before they are dequantized)."""
+    fn = lambda a: jnp.take(a, idx, axis=axis, mode="fill", fill_value=0)  # noqa: E731
+    return _map(fn, w) if is_quantized(w) else fn(w)
+
+
+def concat_out(ws: Sequence) -> jax.Array:
+    """Per-layer weights [I, O_k] with one input side joined along their output side -> [I,
+    sum O_k] (the packed layout's fused q/k/v and gate/up). Quantized ones must share their
+    grouping (as they do when quantized alike)."""
+    if not any(is_quantized(w) for w in ws):
+        return jnp.concatenate(ws, -1)
+    if not all(is_quantized(w) and w.out_ndim == 1 and w.lead_ndim == 0 for w in ws) or \
+            len({(w.codes.shape[:2], w.bits, w.offset is None) for w in ws}) != 1:
+        raise ValueError("concat_out: quantized weights of one grouping and code width only")
+    q0 = ws[0]
+    cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], -1)  # noqa: E731
+    return QuantArray(jnp.concatenate([w.codes.astype(q0.codes.dtype) for w in ws], -1),
+                      cat("scale"), None if q0.offset is None else cat("offset"),
+                      q0.in_shape, 1, q0.bits, q0.dtype)
+
+
+# ------------------------------------------------------------------------------ the matmul
+def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
+    """x [..., I] times a weight [in dims..., out dims...] (prod(in dims) = I) -> [..., out
+    dims...] in out_dtype (default x's dtype). A plain w is one matmul over its [I, O] view
+    (with float32 accumulation when out_dtype is given, the LM head); a QuantArray is the
+    grouped integer product of the module docstring."""
+    if not is_quantized(w):
+        in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
+        w2 = w.reshape(math.prod(in_shape), math.prod(out_shape))
+        if out_dtype is None:
+            y = x @ w2
+        else:
+            y = jnp.einsum("...i,io->...o", x, w2, preferred_element_type=out_dtype)
+        return y.reshape(*x.shape[:-1], *out_shape)
+    assert w.lead_ndim == 0, "linear takes one layer's weight"
+    if _matmul[0] == "dequantize":
+        wd = QuantArray(w.codes, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, x.dtype)
+        return linear(x, dequantize(wd), len(w.in_shape), out_dtype)
+    lead, out_shape = x.shape[:-1], w.out_shape
+    ng, G = w.codes.shape[:2]
+    O = math.prod(out_shape)
+    N = math.prod(lead)
+    xg = x.reshape(N, ng, G)
+    codes = w.codes.reshape(ng, G, O).astype(x.dtype)  # fused into the dot on GPU/TPU
+    y = jax.lax.dot_general(xg, codes, (((2,), (1,)), ((1,), (0,))),
+                            preferred_element_type=jnp.float32)  # [ng, N, O]
+    y = jnp.sum(y * w.scale.reshape(ng, 1, O), axis=0)
+    if w.offset is not None:  # sum_j x_j (s q_j - m) = s (x . q) - m sum_j x_j, per group
+        xs = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [N, ng]
+        y = y - xs @ w.offset.reshape(ng, O)
+    return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
+
+
+# ------------------------------------------------------------------------------ params
+def quantizable(leaf) -> bool:
+    """Which params leaves are quantized (`params.Leaf`): every linear weight but the MoE
+    router; the embedding, norms and biases stay float (see the module docstring)."""
+    return leaf.hf_layout == "linear" and leaf.name != "router"
+
+
+def quantize_params(params: dict, config, scheme: str,
+                    group_size: Optional[int] = None) -> dict:
+    """Canonical (stacked) params with every `quantizable` leaf quantized to `quantize`
+    ("int8" or "int4"); leaves already quantized (kept from a GGUF's blocks) stay as they
+    are. Jittable (abstract params give abstract QuantArrays, `jax.eval_shape`)."""
+    from .params import LEAF_BY_NAME
+
+    bits = bits_of(scheme)
+
+    def one(name, w):
+        leaf = LEAF_BY_NAME[name]
+        if is_quantized(w) or not quantizable(leaf):
+            return w
+        return quantize(w, leaf.hf_in_dims, bits, leaf.per_layer + leaf.per_expert,
+                        group_size)
+
+    out = {k: one(k, v) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: one(k, v) for k, v in params["layers"].items()}
+    return out
+
+
+def quantize_loaded(params: dict, config, scheme: str) -> dict:
+    """`quantize_params` for `load_model(quantize=)`, saying once on a CPU that it is slower
+    there (XLA:CPU does not fuse the convert into the dot: for memory, not speed)."""
+    from ..notices import say_once
+
+    if jax.default_backend() == "cpu":
+        say_once("quantize-cpu", f"quantize={scheme!r} on cpu keeps the weights' memory small "
+                 "but runs slower than float32 (XLA:CPU does not fuse the int8 convert into "
+                 "the dot); leave quantize=None for speed")
+    return quantize_params(params, config, scheme)
+
+
+def quantize_model(model, scheme: Optional[str]):
+    """A `Model` with its params quantized (`quantize_loaded`); the model itself for None."""
+    if scheme is None:
+        return model
+    import dataclasses
+
+    return dataclasses.replace(model, params=quantize_loaded(model.params, model.config,
+                                                              scheme))
+
+
+def bits_of(quantize: str) -> int:
+    """"int8" -> 8, "int4" -> 4; ValueError naming the parameter otherwise."""
+    if quantize not in BITS:
+        raise ValueError(f"quantize must be one of {sorted(BITS)} or None, got {quantize!r}")
+    return BITS[quantize]
+
+
+def params_nbytes(params) -> int:
+    """Bytes of a params pytree on an accelerator: quantized leaves by `QuantArray.nbytes`
+    (4-bit codes two to a byte), the rest by their dtype."""
+    return int(sum(x.nbytes if is_quantized(x) else x.size * x.dtype.itemsize
+                   for x in jax.tree.leaves(params, is_leaf=is_quantized)))
+
+
+def is_quantized_params(params: dict) -> bool:
+    """Whether any leaf of a params pytree (either layout) is quantized."""
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def storage_axes(w: QuantArray, axes: tuple) -> tuple:
+    """Logical axes of (codes, scale) for a weight whose float form has logical `axes`
+    (`params.Leaf.axes`): the group axis takes the first input axis's name (groups split
+    where the input side does: groups never straddle a split of a divisible input side), the
+    group-length axis the same name, so that it splits where the groups cannot (one group per
+    channel: int8's) and the input side stays split (`sharding.spec_for` gives a mesh axis to
+    the first dimension it divides, once)."""
+    lead = tuple(axes[:w.lead_ndim])
+    first_in = axes[w.lead_ndim]
+    out = tuple(axes[w.lead_ndim + len(w.in_shape):])
+    return lead + (first_in, first_in) + out, lead + (first_in,) + out
+
