@@ -96,6 +96,11 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     g.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weights kept as int8 or int4 codes with scales (every linear "
                         "layer, target and draft; on a CPU slower than float: for memory)")
+    g.add_argument("--response-format", metavar="JSON|@FILE",
+                   help='constrain the output, as the OpenAI API\'s response_format: '
+                        '\'{"type": "json_object"}\', {"type": "json_schema", "json_schema": '
+                        '{"schema": ...}} or {"type": "regex", "pattern": ...}; @FILE reads it '
+                        "from a file (needs the structured extra: docs/structured.md)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")

@@ -5,6 +5,7 @@ serve's sizing flags checked before any load."""
 
 import json
 import os
+import re
 import types
 
 import pytest
@@ -114,6 +115,31 @@ def test_generate_says_the_cut_and_reports_compile_and_decode_apart(capsys):
     assert stats["decode_tokens_per_second"] == pytest.approx(stats["new_tokens"] / (s - c))
     assert stats["decode_tokens_per_second"] > stats["tokens_per_second"]
     assert "tokens/s" in cap.err and "compiling" in cap.err
+
+
+def test_generate_constrains_the_output_with_response_format(capsys, tmp_path):
+    # the flag's format reaches generate: the text printed matches the pattern in full, and
+    # equals the library's constrained call (the same automaton on the same pair)
+    fmt = {"type": "regex", "pattern": "[a-z ]{3,20}\\."}
+    path = tmp_path / "fmt.json"
+    path.write_text(json.dumps(fmt))
+    cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--method",
+              "vanilla", "--response-format", "@" + str(path)])
+    out = capsys.readouterr().out
+    want = oj.generate(oj.demo_pair()[0], ["def add(a, b):"], max_new_tokens=24,
+                       response_format=fmt)
+    assert out == want.texts[0] + "\n" and re.fullmatch(fmt["pattern"], want.texts[0])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "--response-format is not valid JSON"),
+    ('{"type": "yaml"}', "--response-format.type: must be"),
+    ('{"type": "regex"}', "--response-format.pattern: must be a non-empty string"),
+    ("@/nonexistent/fmt.json", "--response-format: cannot read"),
+])
+def test_a_bad_response_format_names_the_flag_before_loading(no_loading, value, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main(["generate", "--prompt", "x", "--response-format", value])
 
 
 def test_memory_plans_a_model_from_its_config_alone(tiny_pair, capsys, monkeypatch):
