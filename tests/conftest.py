@@ -316,13 +316,14 @@ def ngram_pool(vocab, seqs, n, guesses):
     return insert_many(pool, jnp.asarray(keys, jnp.int32), jnp.asarray(phrases, jnp.int32))
 
 
-def char_tokenizer():
+def char_tokenizer(chars=None):
     """A character-level tokenizer over TINY_VOCAB ids with a chat template, for serving tests
-    on tiny random models: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then newline and ' '..'{'."""
+    on tiny random models: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then `chars` (default: newline and
+    ' '..'{'; TINY_VOCAB - 4 of them)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = ["\n"] + [chr(c) for c in range(32, 124)]
+    chars = ["\n"] + [chr(c) for c in range(32, 124)] if chars is None else list(chars)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab.update({c: 4 + i for i, c in enumerate(chars)})
     assert len(vocab) == TINY_VOCAB

@@ -15,7 +15,7 @@ from ouroboros_jax.constrain import ConstraintError, regex_for, stack_tables, ta
 from ouroboros_jax.constrain import device as cdev
 from ouroboros_jax.constrain.table import from_transitions
 
-from conftest import TINY_VOCAB, make_hf_model
+from conftest import TINY_VOCAB, char_tokenizer, make_hf_model
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("outlines_core")
@@ -34,20 +34,7 @@ PROMPTS = ["hello", "abc def", "x"]
 def json_tokenizer():
     """A character-level tokenizer over TINY_VOCAB ids that can spell JSON: 0 <pad>, 1 <s>,
     2 </s>, 3 <unk>, newline, then printable ASCII but '`', '~', '^'."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`~^"]
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({c: 4 + i for i, c in enumerate(chars)})
-    assert len(vocab) == TINY_VOCAB
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
-    t.decoder = decoders.Fuse()
-    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
-                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>", chat_template=template)
+    return char_tokenizer(["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`~^"])
 
 
 @pytest.fixture(scope="module")
