@@ -129,11 +129,18 @@ def test_each_method_describes_its_own_auto_grid():
     grid = {"gamma": (2, 5), "window": (3,), "ngram": (4,), "suffixes": (1, 4)}
     assert [c.gamma for c in METHODS["speculative"].auto_grid(grid)] == [2, 5]
     assert [(c.window, c.guesses) for c in METHODS["lookahead"].auto_grid(grid)] == [(3, 3)]
-    # Ouroboros' grid comes once with its mechanisms on, then once per switch variant
+    # Ouroboros' grid comes once with its mechanisms on, then once per switch variant, then
+    # the free-drafts variants: the SD step at each threshold, every mechanism at 3 and 6
+    from ouroboros_jax.decoding.ouroboros_config import FREE_THRESHOLDS
+
     og = METHODS["ouroboros"].auto_grid(grid)
-    assert [(c.gamma, c.suffixes) for c in og] == [(2, 1), (5, 1)] * 4
-    assert [(c.phrase_drafting, c.lengthening) for c in og[::2]] == [
+    assert [(c.gamma, c.suffixes) for c in og] == [(2, 1), (5, 1)] * (4 + len(FREE_THRESHOLDS) + 2)
+    assert [(c.phrase_drafting, c.lengthening) for c in og[:8:2]] == [
         (True, True), (False, True), (True, False), (False, False)]
+    free = og[8::2]
+    assert not any(c.free_drafts for c in og[:8]) and all(c.free_drafts for c in free)
+    assert [(c.free_threshold, c.phrase_drafting, c.ngram) for c in free] == [
+        (t, False, 7) for t in FREE_THRESHOLDS] + [(3, True, 7), (6, True, 7)]
     best = choose("speculative", CPU_T, CPU_D, 0.75)
     assert best.predicted_speedup == pytest.approx(
         predicted_rate("speculative", best.config, CPU_T, CPU_D, 0.75)

@@ -18,12 +18,19 @@ def test_demo_runs_and_reports_exactness(capsys):
     out = capsys.readouterr().out
     assert "identical to vanilla: yes" in out
     assert "tokens/s" in out
-    rows = [line.split() for line in out.splitlines()
-            if line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"],
+    rows = [line.split() for line in out.splitlines()  # the table's rows (notes are indented)
+            if not line.startswith(" ") and line.split()[:1] in (["vanilla"], ["speculative"], ["lookahead"], ["ouroboros"],
                                     ["prompt_lookup"])]
     assert [r[0] for r in rows] == ["vanilla", "speculative", "lookahead", "ouroboros",
                                     "prompt_lookup"]
     assert all(r[4] == "yes" for r in rows)  # each method's tokens equal vanilla's
+    # what Ouroboros ran of its own (free drafts, phrases, lengthening, ...) is said in a note
+    ours = summary["methods"]["ouroboros"]
+    said_own = [x for x in out.splitlines()
+                if x.startswith("  ouroboros ran with its own mechanisms: ")]
+    assert len(said_own) == ((ours["auto"] or {}).get("method") == "ouroboros")
+    assert not said_own or said_own[0].endswith(", ".join(ours["mechanisms_on"])
+                                                or "none (its SD step)")
     # every speculative row says what config=auto chose (a config, or off)
     assert all(("Config(" in " ".join(r[5:])) or r[5:6] == ["off:"] for r in rows[1:])
     # the prompt is printed, then its completion, before the table
