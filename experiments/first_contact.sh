@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# First contact with the real pair (docs/real-models.md, "The first answer, process by process"):
+# vanilla and the default, each over a fresh auto store and compile cache, then a second
+# process of each; wall and peak RSS from /usr/bin/time -v, texts compared. Needs the real pair
+# (../shared/scripts/fetch-real-models.sh). Usage: bash experiments/first_contact.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD
+R=~/.cache/ouroboros-real
+T=$R/qwen2.5-coder-1.5b-instruct-q4_k.gguf; D=$R/qwen2.5-coder-0.5b-instruct-q4.gguf
+CHAT="Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
+out=${OUT:-/tmp/first_contact}; rm -rf $out; mkdir -p $out/v $out/d
+run() { # label dir args...
+  local label=$1 dir=$2; shift 2
+  XDG_CACHE_HOME=$dir/cache OUROBOROS_JAX_CACHE=$dir/auto /usr/bin/time -v \
+    python -m ouroboros_jax.cli generate --model $T "$@" --chat "$CHAT" --max-new-tokens 128 --stats \
+    > $out/$label.out 2> $out/$label.err
+  echo "$label wall $(grep 'Elapsed (wall' $out/$label.err | awk '{print $NF}') maxrss_kb $(grep 'Maximum resident' $out/$label.err | awk '{print $NF}')" | tee -a $out/summary.txt
+}
+run vanilla1 $out/v --method vanilla
+run default1 $out/d --draft $D
+run default2 $out/d --draft $D
+run vanilla2 $out/v --method vanilla
+for f in vanilla1 default1 default2 vanilla2; do cmp -s $out/vanilla1.out $out/$f.out && echo "$f text == vanilla1" || echo "$f text DIFFERS"; done | tee -a $out/summary.txt
