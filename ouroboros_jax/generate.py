@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .auto import AutoTuner, default_tuner
+from .auto.free_profile import learn_free_profile
 from .auto.switch import Switcher
 from .constrain.rows import constraint_stats, row_constraints
 from .decoding import METHODS
@@ -142,6 +143,9 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats = summarize_stats(stats, seconds)
     stats.update(constraint_stats(seq, tables))
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
+    if is_leader():  # what free drafts would have kept, replayed from the output (issue 52)
+        learn_free_profile(tuner.agreement, target, draft, seq.tokens, plens, seq.lengths,
+                           stats, greedy)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
         stats["auto"] = _auto_stats(choice, method, tuner.compiles, compiled, compiled_s)

@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from ..decoding import METHODS
-from ..decoding.cost import DepthAgreement, interpolate, vanilla_rate
+from ..decoding.cost import DepthAgreement, FreeProfile, interpolate, vanilla_rate
 from ..decoding.knobs import recipe_of
 from ..decoding.spec import chain_agreement
 from ..distributed import broadcast, model_spans_processes
@@ -213,6 +213,22 @@ def explore_method(choice: Choice, method: str, pool_shape: Optional[tuple]) -> 
         reason=f"exploring: {choice.reason.split(':')[0]} on the prompts' agreement "
         f"(predicted {gain:.2f}x), which is not the pair's on its outputs; this call measures "
         "that, later calls run the choice priced with it")
+
+
+def with_free_profile(a, profile: Optional[FreeProfile], notes: dict):
+    """The agreement a carrying the pair's free profile (`cost.DepthAgreement.free`, what
+    prices Ouroboros' free drafts), said in notes: a by depth gets it; a single number becomes
+    a `DepthAgreement` of that number at every depth (chain_tokens prices it as the number).
+    The profile is learned from any greedy call's output (`free_profile.learn_free_profile`),
+    so it can precede the pair's agreement by depth. a unchanged without a profile."""
+    if profile is None or a is None:
+        return a
+    shares = ", ".join(f"{o:.2f}" for o in profile.offered)
+    notes["measured"].append(f"free proposals by match 0..{len(profile.offered) - 1}: "
+                             f"{shares} of the rounds (the store's free section)")
+    if isinstance(a, DepthAgreement):
+        return a._replace(free=profile)
+    return DepthAgreement((), round(float(a), 3), profile)
 
 
 def _frozen(table: Optional[dict]):
@@ -408,7 +424,8 @@ class Chooser:
             a = DEFAULT_AGREEMENT
             notes["assumed"].append(f"agreement {a} (a prior: the pair was never run here; "
                                     "this call's rounds measure it)")
-        return a, realised
+        return with_free_profile(a, ag.free_profile(target, draft) if use_cache else None,
+                                 notes), realised
 
     def price_factor(self, method, target, draft, B: int, use_cache: bool, notes: dict,
                      timed: bool) -> tuple[float, int]:

@@ -371,26 +371,30 @@ def free_profile(offered, would_accept) -> Optional[FreeProfile]:
                                   for o, w in zip(offered, would_accept)))
 
 
-def free_mix(profile: FreeProfile, threshold: int) -> tuple[float, float]:
+def free_mix(profile: FreeProfile, threshold: int, gamma: Optional[int] = None
+             ) -> tuple[float, float]:
     """(share of rounds that go free, tokens per free round) at a threshold: the rounds whose
-    proposal matched at least `threshold` tokens, each emitting its kept tokens plus the
-    target's own. A match past the profile's longest counts as its longest."""
+    proposal matched at least `threshold` tokens, each emitting its kept tokens (at most
+    gamma, a chain's slots; None: uncapped) plus the target's own. A match past the profile's
+    longest counts as its longest. (The profile keeps a mean per match, so the cap is applied
+    to the mean: a bound, not the exact capped mean.)"""
     top = len(profile.offered) - 1
     rs = range(min(threshold, top), top + 1)
     share = sum(profile.offered[r] for r in rs)
     if share <= 0:
         return 0.0, 1.0
-    return share, 1.0 + sum(profile.offered[r] * profile.kept[r] for r in rs) / share
+    cap = float("inf") if gamma is None else float(gamma)
+    return share, 1.0 + sum(profile.offered[r] * min(profile.kept[r], cap) for r in rs) / share
 
 
 def free_round_model(base: RoundModel, profile: FreeProfile, threshold: int,
-                     catch_up_chunk: int) -> RoundModel:
+                     catch_up_chunk: int, gamma: Optional[int] = None) -> RoundModel:
     """A round model with free drafts: a share f of the rounds (`free_mix`) verifies a free
     chain (its tokens, no draft forward), the rest are `base`'s rounds; each free round's
     tokens are fed to the draft later by catch-up forwards of catch_up_chunk tokens, priced
     as draft forwards (they are wider: on an accelerator the same, on a CPU a little more).
     The verify forward is base's (the same tree); the overhead base's plus FREE_OVERHEAD."""
-    f, free_tokens = free_mix(profile, threshold)
+    f, free_tokens = free_mix(profile, threshold, gamma)
     return RoundModel(tokens=(1 - f) * base.tokens + f * free_tokens,
                       draft_forwards=(1 - f) * base.draft_forwards
                       + f * free_tokens / catch_up_chunk,

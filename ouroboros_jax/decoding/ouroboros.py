@@ -536,7 +536,7 @@ def _free_model(cfg: OuroborosConfig, model: RoundModel, profile: Optional[FreeP
     if not cfg.free_drafts:
         return model
     return free_round_model(model, profile or FREE_PRIOR, cfg.free_threshold,
-                            _catch_up_chunk(cfg))
+                            _catch_up_chunk(cfg), cfg.gamma)
 
 
 def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):
