@@ -86,6 +86,58 @@ def real_prompts(target, n: int) -> list[tuple[str, list[int]]]:
     return out
 
 
+# The Qwen2.5-Coder 1.5B / 0.5B shapes' forwards on one H200, ms by tokens per forward
+# (docs/bench/device-h200.md, sections 1 and 4: bf16, batch 1, 512 cached tokens)
+H200_QWEN_MS = {
+    "target": {1: 7.21, 2: 10.17, 4: 8.52, 8: 8.95, 12: 9.66, 16: 9.03, 24: 8.07, 32: 9.1,
+               48: 8.67, 64: 9.55, 96: 10.06, 128: 9.23, 192: 9.64, 256: 10.48},
+    "draft": {1: 4.70, 2: 7.03, 4: 7.27, 8: 6.32, 12: 7.98, 16: 6.22, 24: 6.35, 32: 7.52,
+              48: 7.71, 64: 6.44, 96: 8.34, 128: 6.8, 192: 7.42, 256: 7.9}}
+
+
+def ran_config(label: str, kw: dict, st: dict):
+    """(method, the config object a call ran): the asked one, or for a METHOD@auto row the
+    one auto chose (its `stats["auto"]` recipe, evaluated back)."""
+    from ouroboros_jax.decoding import METHODS
+
+    method = kw.get("method", "vanilla")
+    auto = st.get("auto")
+    if kw.get("config") != "auto":
+        return method, kw.get("config")
+    if not auto or auto.get("config") is None:
+        return auto.get("method", "vanilla") if auto else "vanilla", None
+    m = auto["method"]
+    t = METHODS[m].config_type
+    return m, eval(auto["config"], {t.__name__: t})  # noqa: S307 (our own recipe string)
+
+
+def projected_seconds(label: str, kw: dict, stats: list[dict], table: dict) -> float:
+    """The counted forwards of a row's calls priced on a device's latency table (ms by
+    tokens, `cost.interpolate`): each call's target forwards at its config's tree size, its
+    draft forwards at the draft step's size and its catch-up forwards at their chunk (a
+    projection: counts from this CPU, latencies from the device)."""
+    from ouroboros_jax.decoding import METHODS
+    from ouroboros_jax.decoding.cost import interpolate
+
+    total = 0.0
+    for st in stats:
+        method, cfg = ran_config(label, kw, st)
+        if cfg is None:
+            total += st["target_calls"] * interpolate(table["target"], 1)
+            continue
+        sizes = METHODS[method].forward_sizes(cfg)
+        total += st["target_calls"] * interpolate(table["target"], sizes[0])
+        catch = st.get("catch_up_forwards", 0)
+        # (speculative counts its batch draft forwards as draft_calls)
+        drafts = st.get("draft_forwards", st.get("draft_calls", 0) if METHODS[method].needs_draft
+                        else 0)
+        total += (drafts - catch) * interpolate(table["draft"], sizes[1])
+        if catch:
+            chunk = 1 + cfg.gamma + (cfg.ngram - 1 if cfg.lengthening else 0)
+            total += catch * interpolate(table["draft"], chunk)
+    return total / 1000.0
+
+
 def worth_by_run(stats: list[dict]) -> list[list]:
     """[[r, rounds, tokens per round]] of the free proposals by match length, summed over calls."""
     off = np.sum([s["free_offered"] for s in stats], axis=0)
@@ -180,7 +232,11 @@ def main(argv=None) -> int:
                     row[k] = sum(s[k] for s in st)
             if "free_offered" in st[0]:
                 row["worth_by_run"] = worth_by_run(st)
+            row["h200_projected_s"] = projected_seconds(m, runs[m], st, H200_QWEN_MS)
             rows[m] = row
+        base = rows["vanilla"]["h200_projected_s"]
+        for row in rows.values():
+            row["h200_x_vanilla"] = round(base / row["h200_projected_s"], 3)
         res["tasks"][task] = rows
     text = json.dumps(res, indent=1)
     print(text)
