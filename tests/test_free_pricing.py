@@ -91,7 +91,10 @@ def test_auto_turns_free_drafts_on_where_the_profile_pays_and_off_where_not():
                        kept=(0, 0, 0.1, 2.5, 4.0, 5.0, 6.0))
     got = choose("ouroboros", TT, TD, DepthAgreement((0.8, 0.9), 0.9, rich))
     assert got.method == "ouroboros" and got.config.free_drafts, got
-    assert got.config.free_threshold == 3  # r = 2 keeps 0.1 tokens: a draft round pays more
+    # at gamma 6 (a free chain keeps at most gamma tokens, so the longest chain prices best)
+    # the r = 2 rounds go free too: drafting one keeps 3.65 tokens more than its free
+    # proposal's 1.1 for 6 draft forwards (18 ms), 0.2 tokens a ms, under the mix's 0.28
+    assert (got.config.gamma, got.config.free_threshold) == (6, 2)
     assert "free_drafts=True" in recipe_of(got.config)
     assert eval(recipe_of(got.config), {"OuroborosConfig": OuroborosConfig}) == got.config
     useless = FreeProfile(offered=(0.5, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05), kept=(0,) * 7)
