@@ -143,9 +143,7 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats = summarize_stats(stats, seconds)
     stats.update(constraint_stats(seq, tables))
     tuner.learn_realised(spec, cfg, stats, greedy, target, draft)
-    if is_leader():  # what free drafts would have kept, replayed from the output (issue 52)
-        learn_free_profile(tuner.agreement, target, draft, seq.tokens, plens, seq.lengths,
-                           stats, greedy)
+    learn_free_profile(tuner.agreement, target, draft, seq, plens, stats, greedy)
     quiet = tuner.compiles.programs == compiled and is_leader() and not multi
     if choice is not None:
         stats["auto"] = _auto_stats(choice, method, tuner.compiles, compiled, compiled_s)

@@ -227,7 +227,7 @@ def with_free_profile(a, profile: Optional[FreeProfile], notes: dict):
     notes["measured"].append(f"free proposals by match 0..{len(profile.offered) - 1}: "
                              f"{shares} of the rounds (the store's free section)")
     if isinstance(a, DepthAgreement):
-        return a._replace(free=profile)
+        return DepthAgreement(a.by_depth, a.beyond, profile)
     return DepthAgreement((), round(float(a), 3), profile)
 
 

@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from ..decoding.ouroboros_config import FREE_THRESHOLDS
+from ..distributed import is_leader
 from .agreement import Agreement
 
 # The proposals replayed: matches of up to 6 tokens (the free variants' ngram 7, M = 6) and
@@ -106,18 +107,20 @@ def replay_call(tokens: np.ndarray, prompt_lens: np.ndarray, lengths: np.ndarray
     return offered, kept
 
 
-def learn_free_profile(agreement: Agreement, target, draft, tokens, prompt_lens, lengths,
-                       stats: dict, greedy: bool) -> Optional[tuple]:
-    """After a call on a pair (draft not None): pools the replayed profile of its output into
-    the store's "free" section (`Agreement.record_free`), unless the call was sampled (not
-    the target's greedy continuation) or counted its free proposals on device itself (a
-    free-drafts call: those counters are exact and already recorded). -> (offered, kept),
-    or None where nothing was recorded."""
-    if not greedy or draft is None or "free_offered" in stats:
+def learn_free_profile(agreement: Agreement, target, draft, seq, prompt_lens, stats: dict,
+                       greedy: bool) -> Optional[tuple]:
+    """After a call on a pair (draft not None), in process 0 (which keeps the shared store):
+    pools the replayed profile of its output (seq: the call's `Sequences`, fetched; tokens
+    int[B,S], lengths int[B]; prompt_lens int[B]) into the store's "free" section
+    (`Agreement.record_free`), unless the call was sampled (not the target's greedy
+    continuation) or counted its free proposals on device itself (a free-drafts call: those
+    counters are exact and already recorded). -> (offered, kept), or None where nothing was
+    recorded."""
+    if not greedy or draft is None or "free_offered" in stats or not is_leader():
         return None
     step = int(round(stats.get("eta") or 1.0))
-    offered, kept = replay_call(np.asarray(tokens), np.asarray(prompt_lens),
-                                np.asarray(lengths), step)
+    offered, kept = replay_call(np.asarray(seq.tokens), np.asarray(prompt_lens),
+                                np.asarray(seq.lengths), step)
     if offered.sum() == 0:
         return None
     agreement.record_free(target, draft, offered.tolist(), kept.tolist())
