@@ -145,6 +145,56 @@ def worth_by_run(stats: list[dict]) -> list[list]:
     return [[r, int(o), round(float(a) / max(o, 1), 3)] for r, (o, a) in enumerate(zip(off, acc))]
 
 
+def tables(res: dict) -> str:
+    """A saved run's rows and per-source counts as markdown (docs/real-pair.md's tables)."""
+    import re
+
+    n = res["max_new_tokens"]
+    per_task = int((re.search(r"--prompts (\d+)", res["command"]) or [0, 6])[1])
+    out = []
+    for task, rows in res["tasks"].items():
+        out += [f"**{task}** ({n} tokens a prompt)", "",
+                "| row | x vanilla (passes) | eta | draft forwards / token | free rounds / rounds "
+                "| H200 projection x vanilla | identical | auto ran |",
+                "|---|---|---:|---:|---:|---:|---|---|"]
+        for m, r in rows.items():
+            free = (f"{r['free_rounds']} / {r['free_rounds'] + r['draft_rounds']}"
+                    if "free_rounds" in r else "-")
+            x = " / ".join(f"{v:.2f}" for v in r["x_vanilla"])
+            out.append(f"| {m} | {x} | {r['eta']:.2f} | {r.get('draft_forwards_per_token', '-')} "
+                       f"| {free} | {r['h200_x_vanilla']:.2f} | {r['identical']} "
+                       f"| {r['auto'] or '-'} |")
+        out.append("")
+        src = [(m, r) for m, r in rows.items() if "accepted_from_draft_chain" in r]
+        if src:
+            out += ["| row | tokens | from the draft chain | from the pool | from the context "
+                    "| the target's own | target forwards: drafted / free rounds "
+                    "| draft forwards: drafting / catch-up |", "|---|---:|---:|---:|---:|---:|---|---|"]
+            for m, r in src:
+                # (runs saved before tokens and forwards were: every call ran n tokens)
+                tok = r.get("tokens", n * per_task)
+                rounds = r.get("target_calls", round(tok / r["eta"]))
+                fr, dr = r.get("free_rounds", 0), r.get("draft_rounds")
+                dfw = r.get("draft_forwards", round(r.get("draft_forwards_per_token", 0) * tok)
+                            if "draft_forwards_per_token" in r else None)
+                cu = r.get("catch_up_forwards", 0)
+                out.append(
+                    f"| {m} | {tok} | {r['accepted_from_draft_chain']} "
+                    f"| {r.get('accepted_from_pool_phrases', 0)} "
+                    f"| {r.get('accepted_from_prompt_lookup', 0)} | {rounds} "
+                    f"| {dr if dr is not None else rounds} / {fr} "
+                    f"| {dfw - cu if dfw is not None else '-'} / {cu} |")
+            out.append("")
+        for m, r in rows.items():
+            if sum(o for _, o, _ in r.get("worth_by_run", [])):
+                out += [f"{m}: free proposals by match length r", "",
+                        "| r | rounds | share | tokens kept per round |", "|---:|---:|---:|---:|"]
+                tot = sum(o for _, o, _ in r["worth_by_run"]) or 1
+                out += [f"| {k} | {o} | {o / tot:.0%} | {w:.2f} |" for k, o, w in r["worth_by_run"]]
+                out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.free_drafts",
                                  description=__doc__.split("\n\n")[0])
@@ -158,7 +208,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated labels to run (vanilla always)")
     ap.add_argument("--gguf-dir", default=os.path.expanduser("~/.cache/ouroboros-real"))
     ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--table", help="print a saved run's JSON as markdown tables, and stop")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(tables(json.load(f)))
+        return 0
 
     from ouroboros_jax.generate import generate
     from ouroboros_jax.auto import wait_for_background
@@ -222,7 +277,9 @@ def main(argv=None) -> int:
                    "eta": round(tokens / max(rounds, 1), 3),
                    "identical": [outs[m][i] for i in idx] == [outs["vanilla"][i] for i in idx],
                    "auto": (st[-1].get("auto") or {}).get("config")}
+            row["tokens"], row["target_calls"] = tokens, rounds
             if "draft_forwards" in st[0]:
+                row["draft_forwards"] = sum(s["draft_forwards"] for s in st)
                 row["draft_forwards_per_token"] = round(
                     sum(s["draft_forwards"] for s in st) / tokens, 3)
             for k in ("accepted_from_draft_chain", "accepted_from_pool_phrases",
