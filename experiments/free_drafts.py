@@ -140,8 +140,10 @@ def projected_seconds(label: str, kw: dict, stats: list[dict], table: dict) -> f
 
 def worth_by_run(stats: list[dict]) -> list[list]:
     """[[r, rounds, tokens per round]] of the free proposals by match length, summed over calls."""
-    off = np.sum([s["free_offered"] for s in stats], axis=0)
-    acc = np.sum([s["free_would_accept"] for s in stats], axis=0)
+    top = max(len(s["free_offered"]) for s in stats)  # (calls of different ngram: padded)
+    pad = lambda x: list(x) + [0] * (top - len(x))  # noqa: E731
+    off = np.sum([pad(s["free_offered"]) for s in stats], axis=0)
+    acc = np.sum([pad(s["free_would_accept"]) for s in stats], axis=0)
     return [[r, int(o), round(float(a) / max(o, 1), 3)] for r, (o, a) in enumerate(zip(off, acc))]
 
 
@@ -276,19 +278,20 @@ def main(argv=None) -> int:
                    "x_vanilla": [round(float(x), 3) for x in van / secs[m][:, idx].sum(axis=1)],
                    "eta": round(tokens / max(rounds, 1), 3),
                    "identical": [outs[m][i] for i in idx] == [outs["vanilla"][i] for i in idx],
-                   "auto": (st[-1].get("auto") or {}).get("config")}
+                   "auto": (st[-1].get("auto") or {}).get("config"),
+                   "auto_per_call": [(s.get("auto") or {}).get("config") for s in st]}
             row["tokens"], row["target_calls"] = tokens, rounds
-            if "draft_forwards" in st[0]:
-                row["draft_forwards"] = sum(s["draft_forwards"] for s in st)
-                row["draft_forwards_per_token"] = round(
-                    sum(s["draft_forwards"] for s in st) / tokens, 3)
+            # (an auto row's calls may run different methods: counters missing count 0)
+            if any("draft_forwards" in s for s in st):
+                row["draft_forwards"] = sum(s.get("draft_forwards", 0) for s in st)
+                row["draft_forwards_per_token"] = round(row["draft_forwards"] / tokens, 3)
             for k in ("accepted_from_draft_chain", "accepted_from_pool_phrases",
                       "accepted_from_prompt_lookup", "free_rounds", "draft_rounds",
                       "free_tokens_accepted", "catch_up_forwards"):
-                if k in st[0]:
-                    row[k] = sum(s[k] for s in st)
-            if "free_offered" in st[0]:
-                row["worth_by_run"] = worth_by_run(st)
+                if any(k in s for s in st):
+                    row[k] = sum(s.get(k, 0) for s in st)
+            if any("free_offered" in s for s in st):
+                row["worth_by_run"] = worth_by_run([s for s in st if "free_offered" in s])
             row["h200_projected_s"] = projected_seconds(m, runs[m], st, H200_QWEN_MS)
             rows[m] = row
         base = rows["vanilla"]["h200_projected_s"]
