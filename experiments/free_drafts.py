@@ -15,7 +15,15 @@ Workloads: `demo` (the shipped pair; prompts: its held-out code prompts, "code",
 copy-style prompts, "edit": a held-out snippet, a comment asking for it again with a change,
 and its first line, which a base model continues by copying), `real` (the Qwen2.5-Coder
 1.5B/0.5B GGUFs from --gguf-dir; "code": code-continuation prompts, "edit": the shipped code
-rewrites in the chat template). Every output is checked against vanilla's.
+rewrites in the chat template). Every output is checked against vanilla's. Each row also
+carries its H200 projection (its counted forwards priced on the Qwen shapes' measured H200
+latencies, `H200_QWEN_MS`: meaningful for the real pair), and
+
+    python -m experiments.free_drafts --table RUN.json
+
+prints a saved run as docs/real-pair.md's tables (rows, tokens by source and the forwards
+they cost, free proposals by match length). Point OUROBOROS_JAX_CACHE at a fresh directory:
+auto's rows learn in that store as a new user's calls would.
 """
 
 from __future__ import annotations

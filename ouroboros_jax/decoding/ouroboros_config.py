@@ -51,8 +51,9 @@ class OuroborosConfig:
     before; when no row drafts, the round runs no draft forward at all (a `lax.cond`). The
     draft catches up on the tokens free rounds committed at its next drafting round. Off by
     default; `config="auto"` turns it on (with a threshold) where the pair's measured free
-    proposals (`free_offered`, `free_would_accept`: what each match length kept) price it
-    faster than drafting (`cost.free_round_model`), first at the longest match only.
+    proposals (`free_offered`, `free_would_accept`: what each match length kept; replayed on
+    the host from any greedy call's output, `auto/free_profile.py`) price it faster than
+    drafting (`cost.free_round_model`).
     free_threshold: the match length a free proposal needs (how many of the row's last tokens,
     the pending one included, the tokens before it repeat; a pool phrase's key counts as
     one), in [1, ngram - 1]. 1 takes any continuation the context or the pool holds for the
