@@ -73,6 +73,10 @@ def _usable(section, v) -> bool:
         return (isinstance(v, list) and bool(v) and all(
             isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) for x in d)
             and 0 <= d[1] <= d[0] for d in v))
+    if section == "free":  # [rounds, tokens kept] per match length of free proposals
+        return (isinstance(v, list) and bool(v) and all(
+            isinstance(d, list) and len(d) == 2 and all(isinstance(x, int) and x >= 0 for x in d)
+            for d in v))
     if not (isinstance(v, list) and len(v) == 2 and num(v[0]) and isinstance(v[1], int)):
         return False
     return 0 <= v[0] <= v[1] and (section == "realised" or isinstance(v[0], int))
@@ -82,7 +86,8 @@ def _file_is_valid(path) -> dict:
     """The cache file on disk parses and every entry of it is usable."""
     data = json.loads(path.read_text())
     assert isinstance(data, dict) and set(data) <= {"latency", "agreement", "realised", "device",
-                                                    "timing", "choice", "anchor", "depth"}, data
+                                                    "timing", "choice", "anchor", "depth",
+                                                    "free"}, data
     for section, entries in data.items():
         assert isinstance(entries, dict), (section, entries)
         assert all(_usable(section, v) for v in entries.values()), (section, entries)
