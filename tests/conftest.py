@@ -180,41 +180,15 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(pytest.mark.slow)
 
 
-# A worker keeps its compiled programs from module to module until it holds this many memory
-# mappings or bytes (below), then drops them all: reading a program back from the persistent
-# cache costs its tracing, lowering and loading again (measured: a tiny pair's Ouroboros and
-# vanilla loops, 54 s cold, 0.6 s in memory, about 20 s back from disk), and most modules
-# compare against the same vanilla loops on the same session fixtures.
-MAX_MAPPINGS_SHARE = 0.5  # of vm.max_map_count
-MAX_RSS_BYTES = 3 << 30
-
-
-def _process_footprint() -> tuple[int, int, int]:
-    """(memory mappings, their limit, resident bytes) of this process; on a system without
-    /proc, numbers that make the fixture below drop the programs after every module."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return maps, limit, rss
-    except (OSError, ValueError):
-        return 1, 0, 0
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drops every compiled program after a test module once the process holds many. XLA:CPU
-    keeps each executable's machine code in memory mappings, and the whole suite in one process
-    compiles enough programs to reach the kernel's per-process limit (vm.max_map_count, 65530
-    by default: measured 64,587 mappings just before a segfault in the last modules). Later
-    modules get dropped programs back from the persistent compilation cache above."""
+    """Drops every compiled program after each test module. XLA:CPU keeps each executable's
+    machine code in memory mappings, and the whole suite in one process compiles enough
+    programs to reach the kernel's per-process limit (vm.max_map_count, 65530 by default:
+    measured 64,587 mappings just before a segfault in the last modules). Later modules get
+    their programs back from the persistent compilation cache above."""
     yield
-    maps, limit, rss = _process_footprint()
-    if maps > MAX_MAPPINGS_SHARE * limit or rss > MAX_RSS_BYTES:
-        jax.clear_caches()
+    jax.clear_caches()
     gc.collect()
 
 

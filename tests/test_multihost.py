@@ -62,15 +62,10 @@ def _worker_xla_flags() -> str:
 
 
 def worker_env(tmp: str) -> dict:
-    """A worker's environment: CPU devices (`_worker_xla_flags`), this checkout's package, the
-    auto cache under tmp, and the suite's compilation cache (tests/conftest.py), so workers
-    started again with the same model read the programs earlier workers compiled."""
-    import jax
-
+    """A worker's environment: CPU devices (`_worker_xla_flags`), this checkout's package, and
+    the auto cache under tmp."""
     return dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1",
                 XLA_FLAGS=_worker_xla_flags(),
-                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 OUROBOROS_JAX_CACHE=os.path.join(tmp, "auto_cache"),
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
