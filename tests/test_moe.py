@@ -98,7 +98,7 @@ METHODS = (("speculative", SpeculativeConfig(gamma=4)),
 # A method meets a family only through `forward`, whose logits and greedy tokens equal
 # transformers' for every family (above), and the MoE layer is one code path for all three: so
 # Ouroboros (the tree verify, every mechanism) runs on every family and each other method on
-# one, every method on an MoE target, each loop compiled once per family instead of four times.
+# one: every method on an MoE target, two method loops compiled per family instead of four.
 FAMILY_METHODS = {"mixtral": ("ouroboros", "prompt_lookup"), "olmoe": ("ouroboros", "lookahead"),
                   "qwen3_moe": ("ouroboros", "speculative")}
 
