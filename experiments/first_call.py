@@ -25,6 +25,23 @@ import numpy as np
 _CHILD = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
+import jax
+# where the first call's seconds go: jax's trace, lowering and backend-compile durations
+# (summed per event, and the longest compiles with their program names from jax_log_compiles)
+events, compiles = {}, []
+def on_duration(name, secs, **kw):
+    n, s = events.get(name, (0, 0.0))
+    events[name] = (n + 1, s + secs)
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+import logging
+class Grab(logging.Handler):
+    def emit(self, r):
+        m = r.getMessage()
+        if m.startswith("Finished"):
+            compiles.append([m.rsplit(" in ", 1)[0], float(m.rsplit(" ", 2)[-2])])
+logging.getLogger("jax._src.dispatch").addHandler(Grab())
+logging.getLogger("jax._src.dispatch").setLevel(logging.DEBUG)
+jax.config.update("jax_log_compiles", True)
 import ouroboros_jax as oj
 method, n, target_dir, draft_dir, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 if target_dir:
@@ -40,7 +57,9 @@ t = time.perf_counter()
 out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
 first = time.perf_counter() - t
 print(json.dumps({"first_call": first, "tokens": out.tokens[0],
-                  "auto": out.stats.get("auto")}))
+                  "auto": out.stats.get("auto"),
+                  "events": {k.rsplit("/", 1)[-1]: [n, round(s, 3)] for k, (n, s) in events.items()},
+                  "compiles": sorted(compiles, key=lambda c: -c[1])[:12]}))
 """
 
 PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n'
