@@ -41,8 +41,7 @@ if target_path:
     target, draft = oj.load_model(target_path), oj.load_model(draft_path)
 else:
     target, draft = oj.demo_pair()
-prompt = [[{"role": "user", "content": chat}]] if chat else [
-    'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n']
+prompt = [[{"role": "user", "content": chat}]] if chat else [sys.argv[6]]
 events.clear()
 t = time.perf_counter()
 out = oj.generate(target, prompt, draft=draft, max_new_tokens=n)
@@ -56,10 +55,13 @@ print(json.dumps({"call_seconds": round(call, 2),
 """
 
 
+PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n'
+
+
 def one(target: str, draft: str, chat: str, n: int, cache: str, store: str) -> dict:
     env = dict(os.environ, OUROBOROS_JAX_CACHE=store, HF_HUB_OFFLINE="1")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    r = subprocess.run([sys.executable, "-c", _CHILD, target, draft, chat, str(n), cache],
+    r = subprocess.run([sys.executable, "-c", _CHILD, target, draft, chat, str(n), cache, PROMPT],
                        env=env, capture_output=True, text=True, check=False)
     if r.returncode:
         raise RuntimeError(f"child failed\n{r.stderr[-2000:]}")
