@@ -53,10 +53,10 @@ kw = {} if method == "vanilla" else {"config": "auto"}
 from ouroboros_jax.decoding import METHODS
 if METHODS[method].needs_draft:
     kw["draft"] = draft
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
-first = time.perf_counter() - t
-print(json.dumps({"first_call": first, "tokens": out.tokens[0],
+first, cpu = time.perf_counter() - t, time.process_time() - c
+print(json.dumps({"first_call": first, "first_call_cpu": cpu, "tokens": out.tokens[0],
                   "auto": out.stats.get("auto"),
                   "events": {k.rsplit("/", 1)[-1]: [n, round(s, 3)] for k, (n, s) in events.items()},
                   "compiles": sorted(compiles, key=lambda c: -c[1])[:12]}))
@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     if "vanilla" not in methods:
         methods = ["vanilla"] + methods
     secs = {m: [] for m in methods}
+    cpus = {m: [] for m in methods}  # the process's CPU seconds in the call: on a loaded
+    # machine (other jobs on its cores) steadier than the wall clock
     same = {m: True for m in methods}
     auto = {}
     for r in range(a.reps):
@@ -99,12 +101,13 @@ def main(argv=None) -> int:
         for m in methods:
             o = first_call(m, a.max_new_tokens, a.target, a.draft)
             secs[m].append(o["first_call"])
+            cpus[m].append(o["first_call_cpu"])
             ref = o["tokens"] if m == "vanilla" else ref
             same[m] &= o["tokens"] == ref
             auto[m] = o["auto"]
-            print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s", file=sys.stderr,
-                  flush=True)
-    van = np.array(secs["vanilla"])
+            print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s "
+                  f"({o['first_call_cpu']:.1f} s CPU)", file=sys.stderr, flush=True)
+    van, van_cpu = np.array(secs["vanilla"]), np.array(cpus["vanilla"])
     res = {"command": "python -m experiments.first_call " + " ".join(
         sys.argv[1:] if argv is None else argv), "methods": {}}
     for m in methods:
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
         res["methods"][m] = {"seconds": [round(x, 2) for x in s], "median": float(np.median(s)),
                              "ratio_to_vanilla": [round(x, 2) for x in s / van],
                              "ratio_median": float(np.median(s / van)),
+                             "cpu_seconds": [round(x, 2) for x in cpus[m]],
+                             "cpu_ratio_median": float(np.median(np.array(cpus[m]) / van_cpu)),
                              "identical": same[m], "auto": auto[m]}
     print(json.dumps(res, indent=1))
     return 0
