@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     cpus = {m: [] for m in methods}  # the process's CPU seconds in the call: on a loaded
     # machine (other jobs on its cores) steadier than the wall clock
     same = {m: True for m in methods}
-    auto = {}
+    auto, where = {}, {}  # where: the last repeat's jax durations and longest compiles
     for r in range(a.reps):
         ref = None
         for m in methods:
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
             ref = o["tokens"] if m == "vanilla" else ref
             same[m] &= o["tokens"] == ref
             auto[m] = o["auto"]
+            where[m] = {"events": o["events"], "longest": o["compiles"][:4]}
             print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s "
                   f"({o['first_call_cpu']:.1f} s CPU)", file=sys.stderr, flush=True)
     van, van_cpu = np.array(secs["vanilla"]), np.array(cpus["vanilla"])
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                              "ratio_median": float(np.median(s / van)),
                              "cpu_seconds": [round(x, 2) for x in cpus[m]],
                              "cpu_ratio_median": float(np.median(np.array(cpus[m]) / van_cpu)),
-                             "identical": same[m], "auto": auto[m]}
+                             "identical": same[m], "auto": auto[m], "jax": where[m]}
     print(json.dumps(res, indent=1))
     return 0
 
