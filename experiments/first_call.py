@@ -25,6 +25,23 @@ import numpy as np
 _CHILD = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
+import jax
+# where the first call's seconds go: jax's trace, lowering and backend-compile durations
+# (summed per event, and the longest compiles with their program names from jax_log_compiles)
+events, compiles = {}, []
+def on_duration(name, secs, **kw):
+    n, s = events.get(name, (0, 0.0))
+    events[name] = (n + 1, s + secs)
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+import logging
+class Grab(logging.Handler):
+    def emit(self, r):
+        m = r.getMessage()
+        if m.startswith("Finished"):
+            compiles.append([m.rsplit(" in ", 1)[0], float(m.rsplit(" ", 2)[-2])])
+logging.getLogger("jax._src.dispatch").addHandler(Grab())
+logging.getLogger("jax._src.dispatch").setLevel(logging.DEBUG)
+jax.config.update("jax_log_compiles", True)
 import ouroboros_jax as oj
 method, n, target_dir, draft_dir, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 if target_dir:
@@ -36,11 +53,13 @@ kw = {} if method == "vanilla" else {"config": "auto"}
 from ouroboros_jax.decoding import METHODS
 if METHODS[method].needs_draft:
     kw["draft"] = draft
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
-first = time.perf_counter() - t
-print(json.dumps({"first_call": first, "tokens": out.tokens[0],
-                  "auto": out.stats.get("auto")}))
+first, cpu = time.perf_counter() - t, time.process_time() - c
+print(json.dumps({"first_call": first, "first_call_cpu": cpu, "tokens": out.tokens[0],
+                  "auto": out.stats.get("auto"),
+                  "events": {k.rsplit("/", 1)[-1]: [n, round(s, 3)] for k, (n, s) in events.items()},
+                  "compiles": sorted(compiles, key=lambda c: -c[1])[:12]}))
 """
 
 PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n'
@@ -73,19 +92,23 @@ def main(argv=None) -> int:
     if "vanilla" not in methods:
         methods = ["vanilla"] + methods
     secs = {m: [] for m in methods}
+    cpus = {m: [] for m in methods}  # the process's CPU seconds in the call: on a loaded
+    # machine (other jobs on its cores) steadier than the wall clock
     same = {m: True for m in methods}
-    auto = {}
+    auto, where = {}, {}  # where: the last repeat's jax durations and longest compiles
     for r in range(a.reps):
         ref = None
         for m in methods:
             o = first_call(m, a.max_new_tokens, a.target, a.draft)
             secs[m].append(o["first_call"])
+            cpus[m].append(o["first_call_cpu"])
             ref = o["tokens"] if m == "vanilla" else ref
             same[m] &= o["tokens"] == ref
             auto[m] = o["auto"]
-            print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s", file=sys.stderr,
-                  flush=True)
-    van = np.array(secs["vanilla"])
+            where[m] = {"events": o["events"], "longest": o["compiles"][:4]}
+            print(f"[first_call] repeat {r + 1}: {m} {o['first_call']:.1f} s "
+                  f"({o['first_call_cpu']:.1f} s CPU)", file=sys.stderr, flush=True)
+    van, van_cpu = np.array(secs["vanilla"]), np.array(cpus["vanilla"])
     res = {"command": "python -m experiments.first_call " + " ".join(
         sys.argv[1:] if argv is None else argv), "methods": {}}
     for m in methods:
@@ -93,7 +116,9 @@ def main(argv=None) -> int:
         res["methods"][m] = {"seconds": [round(x, 2) for x in s], "median": float(np.median(s)),
                              "ratio_to_vanilla": [round(x, 2) for x in s / van],
                              "ratio_median": float(np.median(s / van)),
-                             "identical": same[m], "auto": auto[m]}
+                             "cpu_seconds": [round(x, 2) for x in cpus[m]],
+                             "cpu_ratio_median": float(np.median(np.array(cpus[m]) / van_cpu)),
+                             "identical": same[m], "auto": auto[m], "jax": where[m]}
     print(json.dumps(res, indent=1))
     return 0
 

@@ -89,6 +89,19 @@ def _ancestor_or_self(parents) -> jax.Array:
     return reach > 0.5
 
 
+def _ancestor_or_self_static(parents: np.ndarray) -> np.ndarray:
+    """`_ancestor_or_self` of concrete parents, in numpy: the same closure (reach[i, j] = j is
+    i's ancestor or j == i), by the same repeated squaring, exact on booleans."""
+    parents = parents.astype(np.int64)
+    t = parents.shape[-1]
+    cols = np.arange(t)
+    reach = (parents[..., :, None] == cols) | (cols[:, None] == cols)
+    for _ in range(max(t - 2, 0).bit_length()):
+        reach = np.einsum("...ij,...jk->...ik", reach.astype(np.int64),
+                          reach.astype(np.int64)) > 0
+    return reach
+
+
 def tree_mask(parents, valid=None) -> jax.Array:
     """Attention mask among T new nodes: "ancestor or self".
 
@@ -107,9 +120,10 @@ def tree_mask(parents, valid=None) -> jax.Array:
     _check_static_parents(parents)
     if isinstance(parents, (np.ndarray, list, tuple)):
         # Static layouts: fold the closure into a constant instead of staging log2(T) [T,T]
-        # matmuls that would run at every decoding step (~2.6 ms at T = 240 on CPU).
-        with jax.ensure_compile_time_eval():
-            mask = jnp.asarray(np.asarray(_ancestor_or_self(np.asarray(parents))))
+        # matmuls that would run at every decoding step (~2.6 ms at T = 240 on CPU). In
+        # numpy: run eagerly in jax, each of its ops compiled a small program of its own while
+        # the loop was traced (11 programs, about 1 s of a demo pair's first Ouroboros call).
+        mask = jnp.asarray(_ancestor_or_self_static(np.asarray(parents)))
     else:
         mask = _ancestor_or_self(parents)
     if valid is not None:

@@ -90,11 +90,12 @@ def test_a_changed_mind_never_compiles_inside_a_later_call(tiny_pair, scripted):
     assert fifth.tokens == ref
 
 
-def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
+def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile(monkeypatch, tmp_path):
     """A later call's switch compiles only once the calls made so far (taken as the calls to
     come) would save the compile's seconds: here a first call that compiled for 2 s, later
     calls of 0.3 s, and a rival predicted 1.40x vanilla against 1.30x, which saves
     0.3 * (1 - 1.30 / 1.40) = 0.0214 s a call: 93 calls do not pay, 94 do."""
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path / "store"))
     switch = AutoTuner().switch
     sig = ("p",)
     last, rival = choice(1), choice(4)
@@ -125,7 +126,15 @@ def test_a_switch_waits_until_the_calls_so_far_would_pay_its_compile():
     switch.record(sig, last, 0.3, 0.0)
     ran, own = switch.runnable(sig, rival, warmed.append)
     assert "pays its compile (2.0 s) after 94 calls, 1 so far" in ran.reason
-    switch.compiles.seconds = switch.compiles.longest = 0.0  # all from the persistent cache
+    # one that compiled nothing in this process (all from the persistent cache) prices it at
+    # the compile the store recorded for the signature's loops (the first tuner's 2 s)
+    switch.compiles.seconds = switch.compiles.longest = 0.0
+    ran, own = switch.runnable(sig, rival, warmed.append)
+    assert "pays its compile (2.0 s) after 94 calls, 1 so far" in ran.reason
+    # and where the store recorded nothing either, a switch starts at once
+    monkeypatch.setenv("OUROBOROS_JAX_CACHE", str(tmp_path / "other"))
+    switch = AutoTuner().switch
+    switch.record(sig, last, 0.3, 0.0)
     ran, own = switch.runnable(sig, rival, warmed.append)
     assert "compiles in the background" in ran.reason
     switch.wait_for_background()

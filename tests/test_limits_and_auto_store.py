@@ -64,6 +64,10 @@ def _usable(section, v) -> bool:
         return (isinstance(v, dict) and sorted(v) == ["config", "method"]
                 and isinstance(v["method"], str)
                 and (v["config"] is None or isinstance(v["config"], dict)))
+    if section == "compiled":  # a loop in the compile cache: its choice, its compile seconds
+        return (isinstance(v, dict) and sorted(v) == ["config", "method", "seconds"]
+                and _usable("choice", {"method": v["method"], "config": v["config"]})
+                and num(v["seconds"]) and v["seconds"] >= 0)
     if section == "latency":
         return (isinstance(v, dict) and bool(v) and all(k.isdigit() for k in v)
                 and all(num(t) and t > 0 for t in v.values()))
@@ -87,7 +91,7 @@ def _file_is_valid(path) -> dict:
     data = json.loads(path.read_text())
     assert isinstance(data, dict) and set(data) <= {"latency", "agreement", "realised", "device",
                                                     "timing", "choice", "anchor", "depth",
-                                                    "free"}, data
+                                                    "free", "compiled"}, data
     for section, entries in data.items():
         assert isinstance(entries, dict), (section, entries)
         assert all(_usable(section, v) for v in entries.values()), (section, entries)

@@ -6,14 +6,24 @@ loops (`switch`). Each `AutoTuner` has a `CompileCounter`; jax's listeners, whic
 scoped, are registered once per process when the first counter starts, and dispatch to every
 live counter (`COUNTERS`, a registry of weak references: a dropped tuner stops counting).
 Nothing is registered at import.
+
+A compile also outlives its process where jax keeps a persistent compilation cache: the
+store's "compiled" section (`CompiledLoops`) says which loops are there, and what their
+compile took, so a new process can tell a loop it loads from one it would compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import threading
 import weakref
+from typing import Optional
 
 import jax
+
+from ..decoding import METHODS
+from .keys import device_kind
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -74,3 +84,87 @@ class CounterRegistry:
 # The process's one registry (a registry, not state of its own: it holds weak references to
 # the tuners' counters, and whether jax's listeners are registered yet).
 COUNTERS = CounterRegistry()
+
+
+# ------------------------------------------------------------------ loops compiled on disk
+# The store's section of compiled loops: per persistent compile-cache directory (with jax's
+# version and the device, which key jax's cache too), which loops (a call's signature, its
+# method and config) some process compiled there, and the backend seconds that took. A new
+# process reads it to tell a loop it can load from one it would compile (`switch`).
+SECTION = "compiled"
+
+
+def cache_dir() -> Optional[str]:
+    """The persistent compilation cache directory jax reads and writes now, or None (no
+    persistent cache: nothing compiled outlives the process)."""
+    d = jax.config.jax_compilation_cache_dir
+    return d if d and jax.config.jax_enable_compilation_cache else None
+
+
+def loop_hash(sig: tuple) -> str:
+    """A call signature (`switch.Switch.signature`: plain strings, numbers, None, bools),
+    hashed stably across processes."""
+    return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+def _config_fields(config) -> Optional[dict]:
+    """A config's int and bool fields (what rebuilds it; `choice.Chooser.store_choice` keeps
+    choices the same way), None for vanilla's."""
+    if config is None:
+        return None
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if isinstance(getattr(config, f.name), (int, bool))}
+
+
+class CompiledLoops:
+    """The store's record of loops compiled into persistent compile-cache directories: what
+    `record` wrote there, read back by later processes (`cached`, `price`)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def _prefix(self, sig: tuple) -> Optional[str]:
+        d = cache_dir()
+        if d is None:
+            return None
+        return f"{d}|jax {jax.__version__}|{device_kind()}|{loop_hash(sig)}|"
+
+    def record(self, sig: tuple, method: str, config, seconds: float) -> None:
+        """The loop of (sig, method, config) is in the persistent cache now; it took `seconds`
+        of backend compile (0: it came from the cache, or its compile was not seen: an
+        earlier record's seconds are kept)."""
+        prefix = self._prefix(sig)
+        if prefix is None:
+            return
+        key = prefix + f"{method}|{config!r}"
+        old = self.store.read().get(SECTION, {}).get(key)
+        if old is not None and (seconds <= 0 or old["seconds"] >= seconds):
+            return
+        self.store.put(SECTION, key, {"method": method, "config": _config_fields(config),
+                                      "seconds": round(float(seconds), 3)})
+
+    def cached(self, sig: tuple) -> dict:
+        """{(method, config repr): (config, compile seconds)} of this signature's loops in the
+        persistent cache jax uses now ({} without one): configs rebuilt from the store (one
+        that no longer builds, or builds another loop, is left out)."""
+        prefix = self._prefix(sig)
+        if prefix is None:
+            return {}
+        out = {}
+        for key, hit in self.store.read().get(SECTION, {}).items():
+            if not key.startswith(prefix):
+                continue
+            config = None
+            if hit["config"] is not None:
+                try:
+                    config = METHODS[hit["method"]].config_type(**hit["config"])
+                except (KeyError, AttributeError, TypeError, ValueError):
+                    continue
+            if key == prefix + f"{hit['method']}|{config!r}":
+                out[(hit["method"], repr(config))] = (config, hit["seconds"])
+        return out
+
+    def price(self, sig: tuple) -> float:
+        """What compiling one more loop of this signature is priced at: the longest compile
+        recorded for its loops (in this cache directory), 0 where none was timed."""
+        return max((s for _, s in self.cached(sig).values()), default=0.0)

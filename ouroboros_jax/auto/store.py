@@ -28,7 +28,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None
 
 SECTIONS = ("latency", "agreement", "realised", "device", "timing", "choice", "anchor", "depth",
-            "rounds", "free")
+            "rounds", "free", "compiled")
 # Depths of a draft chain the store counts acceptance at (the "depth" section's bound)
 MAX_DEPTH = 64
 
@@ -56,7 +56,14 @@ def valid_entry(section: str, value) -> bool:
     calls; choice {"method": name, "config": {field: int or bool} or None}; anchor a finite
     ratio > 0; depth 1 to MAX_DEPTH [reached, accepted] counts with accepted <= reached;
     rounds three finite sums >= 0 and a count of calls; free 1 to MAX_DEPTH [rounds, tokens
-    kept] counts (Ouroboros' free proposals by match length, `Agreement.record_free`)."""
+    kept] counts (Ouroboros' free proposals by match length, `Agreement.record_free`);
+    compiled a choice's {"method", "config"} with the finite "seconds" >= 0 its loop's compile
+    took (`compiles.CompiledLoops`)."""
+    if section == "compiled":
+        return (isinstance(value, dict) and set(value) == {"method", "config", "seconds"}
+                and _number(value["seconds"]) and value["seconds"] >= 0
+                and valid_entry("choice", {"method": value["method"],
+                                           "config": value["config"]}))
     if section == "device":
         return (isinstance(value, dict) and set(value) == {"bandwidth", "flops"}
                 and all(_number(v) and v > 0 for v in value.values()))

@@ -21,6 +21,15 @@ have run, and:
   its calls take 0.3 s), so the calls made so far, taken as the calls still to come, must
   save more than the compile of this signature's first call cost.
 
+A process's first call of a signature starts where the persistent compile cache stands
+(`compiles.CompiledLoops`: which loops some process compiled into the cache directory jax uses
+now, and what each compile took). Where auto's choice has no loop there but another choice of
+this signature has, the choice is compiled in the call only where this call's own predicted
+saving pays its compile (`first_runnable`): a CLI `generate` is a one-call user, and on the
+real Qwen pair a second process that switched gamma 4 to 12 compiled 19 s inside the call to
+save about 5 s of decoding (issue 53). A later call of a long-lived process switches by the
+rule above, the compile priced at what the store recorded.
+
 A loop is compiled by running it on the call's own inputs with every row limited to one new
 token (`warm` callables built by `generate`): the same shapes, so the same compiled program,
 and about one round of work. Nothing here touches the phrase pool a call passes, so
@@ -36,8 +45,9 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from ..decoding.cost import vanilla_rate
 from .choice import predicted_speedup
-from .compiles import CompileCounter
+from .compiles import CompiledLoops, CompileCounter
 from .keys import Signatures
 
 
@@ -47,6 +57,15 @@ def pays_off(calls: int, call_seconds: float, compile_seconds: float, keep: floa
     to follow) of call_seconds each, faster by the predicted rates rival over keep, save at
     least one compile of compile_seconds."""
     return calls * call_seconds * max(0.0, 1.0 - keep / rival) >= compile_seconds
+
+
+def call_seconds(choice, speedup: float, tokens: int) -> float:
+    """A call's predicted decoding seconds: `tokens` new tokens per row at `speedup` over
+    vanilla's predicted rate at the prices `choice` was made with (0 where it carries none)."""
+    tt = choice.tables[0]
+    if tt is None or speedup <= 0:
+        return 0.0
+    return tokens / vanilla_rate(tt) / speedup
 
 
 def _key(choice) -> tuple:
@@ -76,8 +95,9 @@ class Switch:
     """The compiled choices of one tuner, per signature, and the background compiles it
     started. Thread-safe: calls and background compiles share it."""
 
-    def __init__(self, signatures: Signatures, compiles: CompileCounter):
-        self.sig, self.compiles = signatures, compiles
+    def __init__(self, signatures: Signatures, compiles: CompileCounter,
+                 loops: Optional[CompiledLoops] = None):
+        self.sig, self.compiles, self.loops = signatures, compiles, loops
         self.pays_off = pays_off  # (tests replace it on an instance)
         self._lock = threading.Lock()
         self._ran: dict = {}  # signature -> {(method, config repr): choice} whose loops ran
@@ -104,11 +124,14 @@ class Switch:
     def _unpaid(self, sig: tuple, last, choice) -> Optional[str]:
         """Why a switch from `last` to `choice` does not pay yet (`pays_off`), or None where it
         does or nothing is known of this signature's calls. The compile is priced at the most
-        seconds one of this signature's calls compiled, or, where none compiled (its first
-        call ran a loop another signature's call had built, e.g. vanilla's), at the longest
-        compile the tuner has counted: 0 where everything came from the persistent cache, and
-        then a switch starts at once."""
+        seconds one of this signature's calls compiled, or, where none compiled, at what the
+        store recorded for this signature's loops (its first call loaded one from the
+        persistent cache), else at the longest compile the tuner has counted: 0 where
+        everything came from the persistent cache unrecorded, and then a switch starts at
+        once."""
         calls, timed, seconds, compile_s = self._calls.get(sig, (0, 0, 0.0, 0.0))
+        if compile_s <= 0 and self.loops is not None:  # its loop came from the disk cache
+            compile_s = self.loops.price(sig)
         if compile_s <= 0:
             compile_s = self.compiles.longest
         if not timed or compile_s <= 0:
@@ -129,7 +152,9 @@ class Switch:
         a later call switches to once it is done, where the switch pays (`pays_off`)."""
         with self._lock:
             ran = self._ran.get(sig)
-            if not ran or _key(choice) in ran:
+            if not ran:
+                return self.first_runnable(sig, choice)
+            if _key(choice) in ran:
                 return choice, True
             last = self._last[sig]
             pending = (sig,) + _key(choice)
@@ -148,9 +173,40 @@ class Switch:
                f"({choice.reason.split(' (')[0]}) compiles in the background")
         return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
 
+    def first_runnable(self, sig: tuple, choice) -> tuple:
+        """A process's first call of `sig`: (auto's `choice`, True) where its loop is in the
+        persistent compile cache, where no other choice's is, or where this call's predicted
+        saving over the best cached choice pays the compile (`pays_off` over one call: the
+        caller may make no other); else (that cached choice, False), said in its reason."""
+        cached = {} if self.loops is None else self.loops.cached(sig)
+        compile_s = max((s for _, s in cached.values()), default=0.0)
+        if not cached or _key(choice) in cached or compile_s <= 0 or choice.tables[0] is None:
+            return choice, True
+        tt, td = choice.tables
+        speed = {k: predicted_speedup(k[0], cfg, tt, td, choice.agreement, choice.price_factor)
+                 for k, (cfg, _) in cached.items()}
+        # (at the same prices: an exploring choice's own speedup is the unexplored config's)
+        rival = predicted_speedup(choice.method, choice.config, tt, td, choice.agreement,
+                                  choice.price_factor)
+        best = max(speed, key=speed.get)
+        keep = speed[best]
+        seconds = call_seconds(choice, keep, sig[5])
+        if rival <= 0 or self.pays_off(1, seconds, compile_s, keep, rival):
+            return choice, True
+        saved = seconds * max(0.0, 1.0 - keep / rival)
+        cfg = cached[best][0]
+        why = (f"{'vanilla' if cfg is None else f'predicted {keep:.2f}x vanilla'} (kept: its "
+               f"loop is in the compile cache; {choice.config or choice.method}, predicted "
+               f"{rival:.2f}x, would save {saved:.1f} s of this call's {seconds:.1f} s, less "
+               f"than its compile, {compile_s:.1f} s)")
+        kept = dataclasses.replace(choice, method=best[0], config=cfg, predicted_speedup=keep,
+                                   reason=why)
+        return kept, False
+
     def _warm_quietly(self, sig: tuple, choice, warm: Callable) -> None:
         """warm(choice) on a background thread; its loop counted as run once it returns. A
         failure leaves the choice uncompiled (calls keep the last choice) and says why once."""
+        before = self.compiles.seconds
         try:
             warm(choice)
         except Exception as e:  # noqa: BLE001 (reported, and the running choice stays)
@@ -160,6 +216,8 @@ class Switch:
             return
         with self._lock:
             self._ran.setdefault(sig, {})[_key(choice)] = choice
+        if self.loops is not None:  # (the counter may count a call's compile too: a bound)
+            self.loops.record(sig, choice.method, choice.config, self.compiles.seconds - before)
 
     def record(self, sig: tuple, choice, seconds: float = 0.0, compile_s: float = 0.0) -> bool:
         """After a call ran `choice`'s loop in `seconds`, compile_s of them compiling: kept as
@@ -173,7 +231,9 @@ class Switch:
             quiet = compile_s <= 0 and seconds > 0  # (0 s: a call not timed, e.g. a cached loop)
             self._calls[sig] = (calls + 1, timed + quiet, total + (seconds if quiet else 0.0),
                                 max(most, compile_s))
-            return first
+        if self.loops is not None:  # what a later process finds in the persistent cache
+            self.loops.record(sig, choice.method, choice.config, compile_s)
+        return first
 
     def wait_for_background(self, timeout: Optional[float] = None) -> None:
         """Joins every background compile started so far (tests; a benchmark's clean state)."""

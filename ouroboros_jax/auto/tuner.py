@@ -22,7 +22,7 @@ from ..distributed import is_leader
 from ..request import cache_slots
 from .agreement import DEFAULT_AGREEMENT, Agreement
 from .choice import Choice, Chooser
-from .compiles import CompileCounter
+from .compiles import CompiledLoops, CompileCounter
 from .keys import Signatures
 from .prices import Prices
 from .store import Store
@@ -50,7 +50,7 @@ class AutoTuner:
         self.prices = Prices(self.store, self.signatures)
         self.agreement = Agreement(self.store, self.signatures)
         self.chooser = Chooser(self.store, self.signatures, self.prices, self.agreement)
-        self.switch = Switch(self.signatures, self.compiles)
+        self.switch = Switch(self.signatures, self.compiles, CompiledLoops(self.store))
 
     def auto_config(self, method: str, target, draft, prompt, plens, slots: int,
                     **kw) -> Choice:

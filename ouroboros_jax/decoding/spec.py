@@ -56,6 +56,8 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
+import jax
+
 from ..pool import pool_bytes
 from . import cost
 from .common import SOURCES, make_pair
@@ -142,8 +144,8 @@ class MethodSpec:
 
     def _summarized(self, stats, **extra):
         """stats with the accepted draft tokens by source, and extra, in its summary."""
-        by = {f"accepted_from_{n}": stats.by_source[:, SOURCES.index(n)].sum()
-              for n in self.sources}
+        sums = _source_sums(stats.by_source, tuple(SOURCES.index(n) for n in self.sources))
+        by = {f"accepted_from_{n}": s for n, s in zip(self.sources, sums)}
         return stats.replace(summary={**(stats.summary or {}), **by, **extra})
 
     @property
@@ -189,3 +191,11 @@ class NoConfig:
 def _default_grid(config_type) -> tuple:
     """`MethodSpec.auto_grid()` at the knobs' own values (configs are frozen: shared safely)."""
     return tuple(config_type.KNOBS.auto_grid(config_type))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _source_sums(by_source, columns: tuple) -> tuple:
+    """by_source int32[B, n_sources] -> each of `columns`' sum over the rows, as one program: run
+    eagerly, each column's slice and sum compiled a small program of its own in a process's
+    first call."""
+    return tuple(by_source[:, c].sum() for c in columns)
