@@ -16,9 +16,10 @@ timed calls, x constrained vanilla (side by side in one process), forced tokens 
 vanilla's. Also: the largest schema's table (MiB) and its build time (first build; later calls
 read the cache).
 
-No peer row here: transformers cannot load these GGUF files without torch-side dequantisation
-of every tensor (minutes per model on this CPU); the exactness test runs transformers with the
-same automaton as a logits mask instead (tests/test_structured.py).
+Peer row (`--peer`): transformers' greedy `generate` with `constrain.peer.TableLogitsProcessor`
+(the same table, host state per row), the model loaded by transformers from the same GGUF
+(dequantised to float32 by transformers; practical for SmolLM2, minutes and ~4x the memory for
+the real pair). Its tokens are compared with constrained vanilla's too.
 
 Prints one JSON object (rows and the table figures) and a table.
 """
@@ -104,6 +105,45 @@ def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
     return outs, seconds, tokens
 
 
+def run_peer(target_path, target, tasks, max_new):
+    """transformers + the table's LogitsProcessor, greedy, B = 1: (per task: tokens, text,
+    stats), seconds and tokens of the timed (second) calls."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from ouroboros_jax.chat import apply_chat
+    from ouroboros_jax.constrain import table_for
+    from ouroboros_jax.constrain.peer import TableLogitsProcessor
+    from ouroboros_jax.request import default_eos_ids
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    path = os.path.expanduser(target_path)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path),
+                                              torch_dtype=torch.float32).eval()
+    eos = default_eos_ids(target)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    outs, seconds, tokens = [], 0.0, 0
+    for text, schema in tasks:
+        table = table_for(fmt(schema), target.tokenizer, target.config.vocab_size, eos)
+        ids = torch.tensor([apply_chat(target.tokenizer, messages(text, schema))])
+        for call in range(2):  # call 1 warms up, as the other rows
+            proc = TableLogitsProcessor(table, ids.shape[1])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, max_new_tokens=max_new, do_sample=False,
+                                  logits_processor=LogitsProcessorList([proc]),
+                                  eos_token_id=eos, pad_token_id=eos[0])
+            dt = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        seconds += dt
+        tokens += len(new)
+        outs.append((new, target.tokenizer.decode(new, skip_special_tokens=True), {}))
+    return outs, seconds, tokens
+
+
 def valid(text: str, schema: dict) -> bool:
     import jsonschema
 
@@ -125,6 +165,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--config", default="none", choices=["none", "auto"],
                     help="none: each method's paper recipe (default); auto: config='auto'")
+    ap.add_argument("--peer", action="store_true",
+                    help="add the transformers + table LogitsProcessor row")
     args = ap.parse_args(argv)
 
     import ouroboros_jax as oj
@@ -148,16 +190,26 @@ def main(argv=None) -> dict:
     rows = []
     ref = None
     plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    if args.peer:
+        plan.append(("transformers+processor", True))
     for method, constrained in plan:
-        outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
-                                   args.max_new_tokens, config)
+        if method == "transformers+processor":
+            outs, secs, toks = run_peer(args.target, target, tasks, args.max_new_tokens)
+        else:
+            outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
+                                       args.max_new_tokens, config)
         if method == "vanilla" and constrained:
             ref = outs
         row = dict(method=method, constrained=constrained,
                    validity=sum(valid(o[1], s) for o, (_, s) in zip(outs, tasks)) / len(tasks),
                    tok_s=toks / secs, tokens=toks, seconds=secs,
                    forced_per_answer=(sum(o[2].get("forced_tokens", 0) for o in outs)
-                                      / len(tasks)))
+                                      / len(tasks)),
+                   forced_proposed_per_answer=(sum(o[2].get("forced_tokens_proposed", 0)
+                                                   for o in outs) / len(tasks)),
+                   tokens_per_answer=toks / len(tasks),
+                   eta=(sum(o[2].get("new_tokens", 0) for o in outs)
+                        / max(1, sum(o[2].get("target_calls", 0) for o in outs))))
         if constrained and ref is not None:
             row["equals_constrained_vanilla"] = all(a[0] == b[0] for a, b in zip(outs, ref))
         rows.append(row)
@@ -170,12 +222,14 @@ def main(argv=None) -> dict:
                   target=args.target, draft=args.draft, rows=rows, largest_table=largest,
                   tables=builds)
     print(json.dumps(result, indent=1))
-    print(f"\n{'row':28s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} {'==c-van':>7s}")
+    print(f"\n{'row':36s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} "
+          f"{'f-prop':>7s} {'tok/ans':>7s} {'eta':>5s} {'==c-van':>7s}")
     for r in rows:
         name = ("constrained " if r["constrained"] else "unconstrained ") + r["method"]
-        print(f"{name:28s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
+        print(f"{name:36s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
               f"{r['x_constrained_vanilla']:8.2f} {r['forced_per_answer']:7.1f} "
-              f"{str(r.get('equals_constrained_vanilla', '-')):>7s}")
+              f"{r['forced_proposed_per_answer']:7.1f} {r['tokens_per_answer']:7.1f} "
+              f"{r['eta']:5.2f} {str(r.get('equals_constrained_vanilla', '-')):>7s}")
     print(f"largest table: {largest['mib']:.2f} MiB ({largest['states']} states x "
           f"{largest['classes']} classes), built in {largest['build_s']:.2f} s")
     return result
