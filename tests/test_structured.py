@@ -340,13 +340,15 @@ def test_ouroboros_proposes_forced_runs_free_and_equals_constrained_vanilla(json
                             else t) for t in got.texts)
 
 
-def test_the_masked_draft_proposes_the_constrained_chain(json_model):
-    """The draft is the target itself: masked by the constraint along its own chain it drafts
-    the target's constrained greedy tokens, so every drafted token is accepted. Unmasked, its
-    first token past a format boundary leaves the language and its chain is cut."""
+@pytest.mark.parametrize("phrases", [False, True], ids=["token_drafting", "phrase_drafting"])
+def test_the_masked_draft_proposes_the_constrained_chain(json_model, phrases):
+    """The draft is the target itself: masked by the constraint along its own chain (token by
+    token, or its Jacobi phrases) it drafts the target's constrained greedy tokens, so every
+    drafted token is accepted. Unmasked, it drafts the unconstrained ones, which leave the
+    language, and fewer are accepted than match."""
     model, _ = json_model
     cfg = oj.OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2,
-                             phrase_drafting=False, lengthening=False, recycling=False)
+                             phrase_drafting=phrases, lengthening=False, recycling=False)
     got = oj.generate(model, PROMPTS[:1], draft=model, method="ouroboros", max_new_tokens=60,
                       response_format=JSON_FORMAT, config=cfg)
     s = got.stats
