@@ -378,3 +378,43 @@ def test_transformers_with_the_table_processor_equals_constrained_vanilla(json_m
                                        logits_processor=LogitsProcessorList([proc]),
                                        eos_token_id=EOS, pad_token_id=0)
         assert out[0, len(ids):].tolist() == toks
+
+
+def test_constrained_ouroboros_sampling_after_a_forced_run_is_lossless(json_model, json_draft):
+    """512 rows sample "ab[a-h]+" with Ouroboros (an unrelated draft, masked): the first round
+    verifies the forced run "ab" as a free draft and draws the next token; its counts against
+    the exact constrained distribution after "ab" (chi-square). The same counts against the
+    distribution one position earlier (what a forced run verified at the wrong position, or a
+    bonus drawn from the wrong node, would give) are rejected: the test can tell."""
+    from scipy.stats import chisquare
+    import torch
+
+    model, torch_model = json_model
+    fmt = {"type": "regex", "pattern": "ab[a-h]+"}
+    table = table_for(fmt, model.tokenizer, TINY_VOCAB, [EOS])
+    ids = model.tokenizer("hello")["input_ids"]
+    ab = model.tokenizer("ab", add_special_tokens=False)["input_ids"]
+    B = 512
+    out = oj.generate(model, [ids] * B, draft=json_draft, method="ouroboros", max_new_tokens=3,
+                      temperature=2.0, seed=7, response_format=fmt,
+                      config=oj.OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
+                                                suffixes=2))
+    assert all(t[:2] == ab for t in out.tokens)
+    assert out.stats["forced_tokens_proposed"] == 2 * B
+    drawn = np.array([t[2] for t in out.tokens])
+    s = table.next_state[0, table.class_of[ab[0]]]
+    s = table.next_state[s, table.class_of[ab[1]]]
+    allowed = table.next_state[s][table.class_of] >= 0
+    support = np.flatnonzero(allowed)
+
+    def pvalue(context):
+        with torch.no_grad():
+            logits = torch_model(torch.tensor([context])).logits[0, -1].double().numpy() / 2.0
+        p = np.exp(np.where(allowed, logits, -np.inf) - logits[allowed].max())
+        p /= p.sum()
+        counts = np.array([(drawn == t).sum() for t in support])
+        assert counts.sum() == B  # every draw is in the language
+        return chisquare(counts, p[support] * B).pvalue
+
+    assert pvalue(ids + ab) > 1e-3
+    assert pvalue(ids + ab[:1]) < 1e-3
