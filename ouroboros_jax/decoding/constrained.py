@@ -158,17 +158,13 @@ def forced_run(limits, seq, gamma: int, live: jax.Array) -> Optional[ForcedRun]:
 
 
 def take_forced(prop, free: jax.Array, run: ForcedRun):
-    """A free-drafts choice (prop a `free_drafts.FreeDraft` or None, free bool[B]) with every
-    row that has a forced run taking it instead: -> (the proposal, free bool[B]). A forced
-    run goes first: its tokens are certain, so the round keeps all of them plus the target's
-    own next token with no draft forward (a drafted round keeps eta for γ/c of them)."""
-    from .free_drafts import FreeDraft
-
+    """A free-drafts choice (prop a `free_drafts.FreeDraft`, or None: free drafts off; free
+    bool[B]) with every row that has a forced run taking it instead -> (the proposal, its
+    .tokens and .count read; free bool[B]). A forced run goes first: its tokens are certain,
+    so the round keeps all of them plus the target's own next token with no draft forward."""
     forced = run.count > 0
     if prop is None:
-        B = run.count.shape[0]
-        prop = FreeDraft(tokens=run.tokens, count=run.count, run=jnp.zeros((B,), jnp.int32),
-                         from_context=jnp.zeros((B,), bool))
+        return run, free | forced
     return prop.replace(tokens=jnp.where(forced[:, None], run.tokens, prop.tokens),
                         count=jnp.where(forced, run.count, prop.count)), free | forced
 
