@@ -92,8 +92,9 @@ def fmt(schema: dict) -> dict:
 def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
     """(per task: tokens, text, stats) of the timed call, and the seconds and tokens of all."""
     outs, seconds, tokens = [], 0.0, 0
-    for text, schema in tasks:
-        kw = dict(method=method, max_new_tokens=max_new, config=config,
+    for i, (text, schema) in enumerate(tasks):
+        kw = dict(method=method, config=config,
+                  max_new_tokens=max_new[i] if isinstance(max_new, list) else max_new,
                   draft=draft if method in ("speculative", "ouroboros") else None,
                   response_format=fmt(schema) if constrained else None)
         oj.generate(target, [messages(text, schema)], **kw)  # call 1: compiles
@@ -189,12 +190,18 @@ def main(argv=None) -> dict:
                            mib=t.nbytes / 2**20, build_s=time.perf_counter() - t0))
     rows = []
     ref = None
-    plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    # "vanilla, same lengths": unconstrained, each task's max_new_tokens its constrained
+    # answer's length, so the constraint's cost is read at equal tokens (and prefill share)
+    plan = [("vanilla", False), ("vanilla", True), ("vanilla, same lengths", False)] \
+        + [(m, True) for m in methods]
     if args.peer:
         plan.append(("transformers+processor", True))
     for method, constrained in plan:
         if method == "transformers+processor":
             outs, secs, toks = run_peer(args.target, target, tasks, args.max_new_tokens)
+        elif method == "vanilla, same lengths":
+            outs, secs, toks = run_row(oj, target, draft, "vanilla", False, tasks,
+                                       [len(o[0]) for o in ref], config)
         else:
             outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
                                        args.max_new_tokens, config)
