@@ -16,9 +16,10 @@ timed calls, x constrained vanilla (side by side in one process), forced tokens 
 vanilla's. Also: the largest schema's table (MiB) and its build time (first build; later calls
 read the cache).
 
-No peer row here: transformers cannot load these GGUF files without torch-side dequantisation
-of every tensor (minutes per model on this CPU); the exactness test runs transformers with the
-same automaton as a logits mask instead (tests/test_structured.py).
+Peer row (`--peer`): transformers' greedy `generate` with `constrain.peer.TableLogitsProcessor`
+(the same table, host state per row), the model loaded by transformers from the same GGUF
+(dequantised to float32 by transformers; practical for SmolLM2, minutes and ~4x the memory for
+the real pair). Its tokens are compared with constrained vanilla's too.
 
 Prints one JSON object (rows and the table figures) and a table.
 """
@@ -91,8 +92,9 @@ def fmt(schema: dict) -> dict:
 def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
     """(per task: tokens, text, stats) of the timed call, and the seconds and tokens of all."""
     outs, seconds, tokens = [], 0.0, 0
-    for text, schema in tasks:
-        kw = dict(method=method, max_new_tokens=max_new, config=config,
+    for i, (text, schema) in enumerate(tasks):
+        kw = dict(method=method, config=config,
+                  max_new_tokens=max_new[i] if isinstance(max_new, list) else max_new,
                   draft=draft if method in ("speculative", "ouroboros") else None,
                   response_format=fmt(schema) if constrained else None)
         oj.generate(target, [messages(text, schema)], **kw)  # call 1: compiles
@@ -102,6 +104,68 @@ def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
         tokens += len(out.tokens[0])
         outs.append((out.tokens[0], out.texts[0], out.stats))
     return outs, seconds, tokens
+
+
+def run_peer(target_path, target, tasks, max_new):
+    """transformers + the table's LogitsProcessor, greedy, B = 1: (per task: tokens, text,
+    stats), seconds and tokens of the timed (second) calls."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    from ouroboros_jax.chat import apply_chat
+    from ouroboros_jax.constrain import table_for
+    from ouroboros_jax.constrain.peer import TableLogitsProcessor
+    from ouroboros_jax.request import default_eos_ids
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    path = os.path.expanduser(target_path)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path),
+                                              torch_dtype=torch.float32).eval()
+    eos = default_eos_ids(target)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    outs, seconds, tokens = [], 0.0, 0
+    for text, schema in tasks:
+        table = table_for(fmt(schema), target.tokenizer, target.config.vocab_size, eos)
+        ids = torch.tensor([apply_chat(target.tokenizer, messages(text, schema))])
+        for call in range(2):  # call 1 warms up, as the other rows
+            proc = TableLogitsProcessor(table, ids.shape[1])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, max_new_tokens=max_new, do_sample=False,
+                                  logits_processor=LogitsProcessorList([proc]),
+                                  eos_token_id=eos, pad_token_id=eos[0])
+            dt = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        seconds += dt
+        tokens += len(new)
+        outs.append((new, target.tokenizer.decode(new, skip_special_tokens=True), {}))
+    return outs, seconds, tokens
+
+
+def constraint_cost(oj, target, tasks, lengths, config, reps: int = 2) -> dict:
+    """The constraint's cost to vanilla at equal tokens, paired: per task, constrained vanilla
+    and unconstrained vanilla with max_new_tokens = the constrained answer's length (its
+    tokens and prefill share alike), timed alternately `reps` times (both compiled already),
+    so load changes on a shared machine hit both alike."""
+    secs = {True: 0.0, False: 0.0}
+    toks = {True: 0, False: 0}
+    for (text, schema), n in zip(tasks, lengths):
+        for _ in range(reps):
+            for c in (True, False):
+                kw = dict(method="vanilla", max_new_tokens=n, config=config,
+                          response_format=fmt(schema) if c else None)
+                if c is False and _ == 0:
+                    oj.generate(target, [messages(text, schema)], **kw)  # compile this length
+                t0 = time.perf_counter()
+                out = oj.generate(target, [messages(text, schema)], **kw)
+                secs[c] += time.perf_counter() - t0
+                toks[c] += len(out.tokens[0])
+    rate = {c: toks[c] / secs[c] for c in secs}
+    return dict(constraint_cost=1 - rate[True] / rate[False], constrained_tok_s=rate[True],
+                unconstrained_same_lengths_tok_s=rate[False], reps=reps)
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -125,6 +189,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--config", default="none", choices=["none", "auto"],
                     help="none: each method's paper recipe (default); auto: config='auto'")
+    ap.add_argument("--peer", action="store_true",
+                    help="add the transformers + table LogitsProcessor row")
     args = ap.parse_args(argv)
 
     import ouroboros_jax as oj
@@ -146,36 +212,54 @@ def main(argv=None) -> dict:
         builds.append(dict(states=int(t.next_state.shape[0]), classes=int(t.next_state.shape[1]),
                            mib=t.nbytes / 2**20, build_s=time.perf_counter() - t0))
     rows = []
-    ref = None
+    ref = cost = None
     plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    if args.peer:
+        plan.append(("transformers+processor", True))
     for method, constrained in plan:
-        outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
-                                   args.max_new_tokens, config)
+        if method == "transformers+processor":
+            outs, secs, toks = run_peer(args.target, target, tasks, args.max_new_tokens)
+        else:
+            outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
+                                       args.max_new_tokens, config)
         if method == "vanilla" and constrained:
             ref = outs
         row = dict(method=method, constrained=constrained,
                    validity=sum(valid(o[1], s) for o, (_, s) in zip(outs, tasks)) / len(tasks),
                    tok_s=toks / secs, tokens=toks, seconds=secs,
                    forced_per_answer=(sum(o[2].get("forced_tokens", 0) for o in outs)
-                                      / len(tasks)))
+                                      / len(tasks)),
+                   forced_proposed_per_answer=(sum(o[2].get("forced_tokens_proposed", 0)
+                                                   for o in outs) / len(tasks)),
+                   tokens_per_answer=toks / len(tasks),
+                   eta=(sum(o[2].get("new_tokens", 0) for o in outs)
+                        / max(1, sum(o[2].get("target_calls", 0) for o in outs))))
         if constrained and ref is not None:
             row["equals_constrained_vanilla"] = all(a[0] == b[0] for a, b in zip(outs, ref))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if method == "vanilla" and constrained:
+            cost = constraint_cost(oj, target, tasks, [len(o[0]) for o in ref], config)
+            print(json.dumps(cost), flush=True)
     base = next(r["tok_s"] for r in rows if r["method"] == "vanilla" and r["constrained"])
     for r in rows:
         r["x_constrained_vanilla"] = r["tok_s"] / base
     largest = max(builds, key=lambda b: b["mib"])
     result = dict(command="python -m experiments.json_extract " + " ".join(argv or []),
                   target=args.target, draft=args.draft, rows=rows, largest_table=largest,
+                  constraint_cost=cost,
                   tables=builds)
     print(json.dumps(result, indent=1))
-    print(f"\n{'row':28s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} {'==c-van':>7s}")
+    print(f"\n{'row':36s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} "
+          f"{'f-prop':>7s} {'tok/ans':>7s} {'eta':>5s} {'==c-van':>7s}")
     for r in rows:
         name = ("constrained " if r["constrained"] else "unconstrained ") + r["method"]
-        print(f"{name:28s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
+        print(f"{name:36s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
               f"{r['x_constrained_vanilla']:8.2f} {r['forced_per_answer']:7.1f} "
-              f"{str(r.get('equals_constrained_vanilla', '-')):>7s}")
+              f"{r['forced_proposed_per_answer']:7.1f} {r['tokens_per_answer']:7.1f} "
+              f"{r['eta']:5.2f} {str(r.get('equals_constrained_vanilla', '-')):>7s}")
+    print(f"the constraint's cost to vanilla at equal tokens (paired): "
+          f"{cost['constraint_cost']:.1%}")
     print(f"largest table: {largest['mib']:.2f} MiB ({largest['states']} states x "
           f"{largest['classes']} classes), built in {largest['build_s']:.2f} s")
     return result

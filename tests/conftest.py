@@ -166,6 +166,9 @@ SLOW_TESTS = frozenset({
     "test_structured.py::test_constrained_sampling_is_lossless_and_a_wrong_rule_is_caught",
     "test_structured.py::test_constrained_tree_methods_equal_constrained_vanilla",
     "test_structured.py::test_constrained_vanilla_equals_transformers_with_the_automaton_as_a_mask",
+    "test_structured.py::test_ouroboros_proposes_forced_runs_free_and_equals_constrained_vanilla",
+    "test_structured.py::test_the_masked_draft_proposes_the_constrained_chain",
+    "test_structured.py::test_constrained_ouroboros_sampling_after_a_forced_run_is_lossless",
     # test_vanilla.py
     "test_vanilla.py::test_mesh_gives_same_tokens",
 })

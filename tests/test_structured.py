@@ -307,3 +307,114 @@ def test_generate_refuses_a_bad_format_before_running(json_model):
     with pytest.raises(ConstraintError, match="EOS"):
         oj.generate(model, PROMPTS, max_new_tokens=4, eos_token_id=-1,
                     response_format=REGEX_FORMAT)
+
+
+# ------------------------------------------- forced runs, the masked draft, the peer (issue 55)
+
+FORCED_FORMAT = {"type": "regex", "pattern": "abc[a-h]{1,12}de"}  # "abc", "de" forced
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(phrase_drafting=False, lengthening=False),
+                                dict(free_drafts=True)],
+                         ids=["paper", "token_drafting", "free_drafts"])
+def test_ouroboros_proposes_forced_runs_free_and_equals_constrained_vanilla(json_model,
+                                                                           json_draft, kw):
+    """Forced runs ride the free-draft path (no draft forward) in every Ouroboros variant; an
+    unrelated draft, masked along its own chain: the tokens stay constrained vanilla's."""
+    model, _ = json_model
+    cfg = oj.OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2, **kw)
+    for fmt in (JSON_FORMAT, FORCED_FORMAT):
+        want = oj.generate(model, PROMPTS, method="vanilla", max_new_tokens=60,
+                           response_format=fmt, config=None)
+        got = oj.generate(model, PROMPTS, draft=json_draft, method="ouroboros",
+                          max_new_tokens=60, response_format=fmt, config=cfg)
+        assert got.tokens == want.tokens
+        assert got.stats["forced_tokens"] == want.stats["forced_tokens"] > 0
+        # forced runs at a round's start were offered as free drafts (one met mid-chain is
+        # drafted, or is the target's bonus token, and is counted as forced only)
+        assert 0 < got.stats["forced_tokens_proposed"] <= got.stats["forced_tokens"]
+        assert want.stats["forced_tokens_proposed"] == 0
+    import re
+
+    assert all(re.fullmatch(FORCED_FORMAT["pattern"], t[:-len("</s>")] if t.endswith("</s>")
+                            else t) for t in got.texts)
+
+
+@pytest.mark.parametrize("phrases", [False, True], ids=["token_drafting", "phrase_drafting"])
+def test_the_masked_draft_proposes_the_constrained_chain(json_model, phrases):
+    """The draft is the target itself: masked by the constraint along its own chain (token by
+    token, or its Jacobi phrases) it drafts the target's constrained greedy tokens, so every
+    drafted token is accepted. Unmasked, it drafts the unconstrained ones, which leave the
+    language, and fewer are accepted than match."""
+    model, _ = json_model
+    cfg = oj.OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4, suffixes=2,
+                             phrase_drafting=phrases, lengthening=False, recycling=False)
+    got = oj.generate(model, PROMPTS[:1], draft=model, method="ouroboros", max_new_tokens=60,
+                      response_format=JSON_FORMAT, config=cfg)
+    s = got.stats
+    assert s["draft_matches"] == s["draft_accepted"] > 0  # every draft token the target's
+    free = oj.generate(model, PROMPTS[:1], draft=model, method="ouroboros", max_new_tokens=60,
+                       config=cfg)  # unconstrained: the same pair agrees everywhere too
+    assert free.stats["draft_matches"] == free.stats["draft_accepted"]
+
+
+def test_transformers_with_the_table_processor_equals_constrained_vanilla(json_model):
+    """The peer row's processor (`constrain.peer`): transformers' greedy generate masked by the
+    same table, host state per row, gives constrained vanilla's tokens."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from ouroboros_jax.constrain.peer import TableLogitsProcessor
+
+    model, torch_model = json_model
+    table = table_for(JSON_FORMAT, model.tokenizer, TINY_VOCAB, [EOS])
+    want = oj.generate(model, PROMPTS, method="vanilla", max_new_tokens=60,
+                       response_format=JSON_FORMAT, config=None)
+    for p, toks in zip(PROMPTS, want.tokens):
+        ids = model.tokenizer(p)["input_ids"]
+        proc = TableLogitsProcessor(table, len(ids))
+        with torch.no_grad():
+            out = torch_model.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
+                                       logits_processor=LogitsProcessorList([proc]),
+                                       eos_token_id=EOS, pad_token_id=0)
+        assert out[0, len(ids):].tolist() == toks
+
+
+def test_constrained_ouroboros_sampling_after_a_forced_run_is_lossless(json_model, json_draft):
+    """512 rows sample "ab[a-h]+" with Ouroboros (an unrelated draft, masked): the first round
+    verifies the forced run "ab" as a free draft and draws the next token; its counts against
+    the exact constrained distribution after "ab" (chi-square). The same counts against the
+    distribution one position earlier (what a forced run verified at the wrong position, or a
+    bonus drawn from the wrong node, would give) are rejected: the test can tell."""
+    from scipy.stats import chisquare
+    import torch
+
+    model, torch_model = json_model
+    fmt = {"type": "regex", "pattern": "ab[a-h]+"}
+    table = table_for(fmt, model.tokenizer, TINY_VOCAB, [EOS])
+    ids = model.tokenizer("hello")["input_ids"]
+    ab = model.tokenizer("ab", add_special_tokens=False)["input_ids"]
+    B = 512
+    out = oj.generate(model, [ids] * B, draft=json_draft, method="ouroboros", max_new_tokens=3,
+                      temperature=2.0, seed=7, response_format=fmt,
+                      config=oj.OuroborosConfig(gamma=4, window=4, ngram=4, guesses=4,
+                                                suffixes=2))
+    assert all(t[:2] == ab for t in out.tokens)
+    assert out.stats["forced_tokens_proposed"] == 2 * B
+    drawn = np.array([t[2] for t in out.tokens])
+    s = table.next_state[0, table.class_of[ab[0]]]
+    s = table.next_state[s, table.class_of[ab[1]]]
+    allowed = table.next_state[s][table.class_of] >= 0
+    support = np.flatnonzero(allowed)
+
+    def pvalue(context):
+        with torch.no_grad():
+            logits = torch_model(torch.tensor([context])).logits[0, -1].double().numpy() / 2.0
+        p = np.exp(np.where(allowed, logits, -np.inf) - logits[allowed].max())
+        p /= p.sum()
+        counts = np.array([(drawn == t).sum() for t in support])
+        assert counts.sum() == B  # every draw is in the language
+        return chisquare(counts, p[support] * B).pvalue
+
+    assert pvalue(ids + ab) > 1e-3
+    assert pvalue(ids + ab[:1]) < 1e-3

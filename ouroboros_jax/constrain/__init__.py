@@ -11,7 +11,9 @@ Modules, one job each:
   (format, tokenizer, EOS ids);
 - `device.py`: the batch's tables stacked into `RowConstraints` (a jit argument) and the pure
   device functions the loop calls: the allowed-token mask of a state, states along a tree of
-  proposed tokens, the advance over emitted tokens.
+  proposed tokens, the advance over emitted tokens, the run of tokens a state forces;
+- `peer.py`: the same table as a transformers `LogitsProcessor` (host state per row), the
+  bench's peer row.
 
 outlines-core is an optional dependency (`pip install "ouroboros-jax[structured]"`): the library
 imports without it; only building a table needs it.

@@ -161,3 +161,38 @@ def advance(rc: RowConstraints, state: jax.Array, tokens: jax.Array, count: jax.
         return jnp.where(on, nxt, s), forced
 
     return jax.lax.fori_loop(0, A, body, (state, jnp.zeros_like(state)))
+
+
+def forced_token(rc: RowConstraints, states: jax.Array) -> jax.Array:
+    """states int32[B] local -> int32[B]: the one token each state allows, -1 where it allows
+    several (or none, or the state is refused). Read off the table's row (no extra table on
+    the device, so the engine's packed regions need nothing new): a [B, V] mask per call."""
+    g, dead = _rows(rc, states)
+    forced = (rc.n_allowed[g] == 1) & ~dead
+    tok = jnp.argmax(allowed_mask(rc, states[:, None])[:, 0], axis=-1).astype(jnp.int32)
+    return jnp.where(forced, tok, -1)
+
+
+def forced_run(rc: RowConstraints, states: jax.Array, length: int, stop: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """The tokens the automaton forces from each row's state on: states int32[B] local,
+    length (static) the most to follow, stop bool[B] rows that follow none -> (tokens
+    int32[B, length] (0 past count), count int32[B]). A run ends at the first state that
+    allows more than one token, or after a token leading back to its own state (an accepting
+    state's only token is EOS, which loops: the run ends with it)."""
+    B = states.shape[0]
+
+    def body(i, c):
+        s, going, toks, count = c
+        t = forced_token(rc, s)
+        take = going & (t >= 0)
+        nxt = step(rc, s[:, None], jnp.maximum(t, 0)[:, None])[:, 0]
+        toks = toks.at[:, i].set(jnp.where(take, t, 0))
+        # the only token of an accepting state is EOS and loops: the run ends with it
+        going = take & (nxt != s)
+        return jnp.where(take, nxt, s), going, toks, count + take.astype(jnp.int32)
+
+    _, _, toks, count = jax.lax.fori_loop(
+        0, length, body, (states, ~stop, jnp.zeros((B, length), jnp.int32),
+                          jnp.zeros((B,), jnp.int32)))
+    return toks, count

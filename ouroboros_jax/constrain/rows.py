@@ -47,16 +47,18 @@ def row_constraints(response_format, rows: int, tokenizer, vocab_size: int,
 
 
 def constraint_stats(seq, tables: list[Optional[TokenTable]]) -> dict:
-    """A constrained call's measures: forced_tokens (tokens that were the only one their state
-    allowed, all rows; per row), and the largest table's bytes and build seconds (0 when read
-    from the cache is not told apart: the build time is the first build's)."""
+    """A constrained call's measures: forced_tokens (generated tokens that were the only one
+    their state allowed, all rows; per row), forced_tokens_proposed (those proposed as free
+    drafts with no draft forward, by the methods that do: Ouroboros), and the largest
+    table's bytes and build seconds (the first build's: a cached table keeps its figure)."""
     import numpy as np
 
     built = [t for t in tables if t is not None]
     if not built or seq.forced is None:
         return {}
-    forced = np.asarray(seq.forced)
-    return {"forced_tokens": int(forced.sum()),
-            "forced_tokens_per_row": [int(x) for x in forced],
+    forced = np.asarray(seq.forced).reshape(len(tables), -1)
+    return {"forced_tokens": int(forced[:, 0].sum()),
+            "forced_tokens_per_row": [int(x) for x in forced[:, 0]],
+            "forced_tokens_proposed": int(forced[:, 1:].sum()),
             "constraint_table_bytes": max([t.nbytes for t in built], default=0),
             "constraint_build_seconds": max([t.build_seconds for t in built], default=0.0)}

@@ -30,12 +30,18 @@ from ..constrain import device as cdev
 
 
 def with_buffers(seq, rc):
-    """seq with zeroed automaton buffers (fsm, forced int32[B]) when rc (a
+    """seq with zeroed automaton buffers (fsm int32[B], forced int32[B,2]) when rc (a
     `constrain.RowConstraints`) is given, as is otherwise."""
     if rc is None:
         return seq
-    B = seq.tokens.shape[0]
-    return seq.replace(fsm=jnp.zeros((B,), jnp.int32), forced=jnp.zeros((B,), jnp.int32))
+    return zero_buffers(seq, seq.tokens.shape[0])
+
+
+def zero_buffers(seq, rows: int):
+    """seq with zeroed automaton buffers over `rows` rows: fsm int32[R] (every automaton at
+    its start) and forced int32[R,2] (column 0: emitted tokens their state allowed alone;
+    column 1: forced tokens proposed as free drafts, no draft forward)."""
+    return seq.replace(fsm=jnp.zeros((rows,), jnp.int32), forced=jnp.zeros((rows, 2), jnp.int32))
 
 
 def buffers_like(seq, fresh):
@@ -43,8 +49,7 @@ def buffers_like(seq, fresh):
     every automaton starts at its local state 0)."""
     if seq.fsm is None:
         return fresh
-    R = fresh.tokens.shape[0]
-    return fresh.replace(fsm=jnp.zeros((R,), jnp.int32), forced=jnp.zeros((R,), jnp.int32))
+    return zero_buffers(fresh, fresh.tokens.shape[0])
 
 
 def root_states(limits, seq) -> Optional[jax.Array]:
@@ -80,7 +85,7 @@ def advance_rows(rc, seq, new: jax.Array, kept: jax.Array):
     if rc is None:
         return seq
     fsm, forced = cdev.advance(rc, seq.fsm, new, kept)
-    return seq.replace(fsm=fsm, forced=seq.forced + forced)
+    return seq.replace(fsm=fsm, forced=seq.forced.at[:, 0].add(forced))
 
 
 def tree_mask_fn(limits, seq):
@@ -101,12 +106,18 @@ class DraftGuard(NamedTuple):
     """What a draft model's own loop needs to draft inside the rows' constraints.
 
     root: int32[B], each row's state at its pending token; mask(logits [B,1,V], state [B]) ->
-    logits with refused tokens at -inf; advance(state [B], token [B]) -> the state after it.
+    logits with refused tokens at -inf; advance(state [B], token [B]) -> the state after it;
+    tree(root [B], tokens int32[B,Q], parents int[Q], logits [B,Q,V]) -> logits masked by the
+    state at each node of a tree hanging off a root in state root (a `jacobi_step` hook once
+    bound to the root); follow(state [B], tokens int32[B,A], count [B]) -> the state after
+    tokens[b, :count[b]].
     """
 
     root: jax.Array
     mask: object
     advance: object
+    tree: object
+    follow: object
 
 
 def draft_guard(limits, seq) -> Optional[DraftGuard]:
@@ -114,6 +125,53 @@ def draft_guard(limits, seq) -> Optional[DraftGuard]:
     rc = limits.constraint
     if rc is None:
         return None
+
+    def tree(root, tokens, parents, logits):
+        return cdev.mask_logits(rc, cdev.tree_states(rc, root, parents, tokens), logits)
+
     return DraftGuard(root=seq.fsm,
                       mask=lambda logits, state: cdev.mask_logits(rc, state[:, None], logits),
-                      advance=lambda state, tok: cdev.step(rc, state, tok))
+                      advance=lambda state, tok: cdev.step(rc, state, tok),
+                      tree=tree,
+                      follow=lambda state, tokens, count: cdev.advance(rc, state, tokens,
+                                                                       count)[0])
+
+
+class ForcedRun(NamedTuple):
+    """Each row's run of tokens the automaton forces from its state (`forced_run`): certain,
+    so they are proposed with no draft forward. tokens int32[B,γ] (0 past count), count
+    int32[B] (0: the row's state allows several tokens, or the row does not propose)."""
+
+    tokens: jax.Array
+    count: jax.Array
+
+
+def forced_run(limits, seq, gamma: int, live: jax.Array) -> Optional[ForcedRun]:
+    """Each live row's forced run from its state, up to gamma (static) tokens; rows that may
+    not speculate (`Limits.speculate`) offer none. None without a constraint."""
+    rc = limits.constraint
+    if rc is None:
+        return None
+    stop = ~live if limits.speculate is None else ~(live & limits.speculate)
+    tokens, count = cdev.forced_run(rc, seq.fsm, gamma, stop)
+    return ForcedRun(tokens, count)
+
+
+def take_forced(prop, free: jax.Array, run: ForcedRun):
+    """A free-drafts choice (prop a `free_drafts.FreeDraft`, or None: free drafts off; free
+    bool[B]) with every row that has a forced run taking it instead -> (the proposal, its
+    .tokens and .count read; free bool[B]). A forced run goes first: its tokens are certain,
+    so the round keeps all of them plus the target's own next token with no draft forward."""
+    forced = run.count > 0
+    if prop is None:
+        return run, free | forced
+    return prop.replace(tokens=jnp.where(forced[:, None], run.tokens, prop.tokens),
+                        count=jnp.where(forced, run.count, prop.count)), free | forced
+
+
+def count_proposed(seq, run: Optional[ForcedRun], taken: jax.Array):
+    """seq with the forced tokens rows proposed this round (taken bool[B]: the rows whose
+    chain was their forced run) added to its count (`Sequences.forced[:, 1]`)."""
+    if run is None:
+        return seq
+    return seq.replace(forced=seq.forced.at[:, 1].add(jnp.where(taken, run.count, 0)))

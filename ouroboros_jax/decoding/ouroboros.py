@@ -51,6 +51,7 @@ G guesses, X suffixes (`x` in code), U prefix slot, T tree nodes.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import jax
@@ -83,7 +84,8 @@ def _greedy(logits, positions):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
+def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
+                  guard=None):
     """Token-by-token drafting (phrase drafting off): speculative decoding's own draft loop
     (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: one forward
     catching up on the tokens the draft has not processed (at most N after a branch was
@@ -93,7 +95,8 @@ def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState,
     U = _prefix_slot(cfg)
     d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
                                                     None, state.seq, state.dcache,
-                                                    cfg.confidence, catch_up=U + 1)
+                                                    cfg.confidence, catch_up=U + 1,
+                                                    guard=guard)
     rows = jnp.sum(jnp.where(live, drafted, 0), dtype=jnp.int32)  # row forwards = row tokens
     stats = state.stats
     stats = stats.replace(draft_calls=stats.draft_calls + rows,
@@ -149,7 +152,7 @@ def _catch_up(dparams, dconfig, cfg: OuroborosConfig, seq: Sequences, dcache: KV
 
 
 def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: OuroborosState,
-                   live) -> tuple:
+                   live, run=None) -> tuple:
     """Free drafts' choice per row: rows whose free proposal (`free_drafts.free_proposal`)
     matches at least `free_threshold` tokens take it as their chain; the others draft as
     usual (`_draft_phase` over them alone: free rows are inactive there), after `_catch_up`
@@ -162,15 +165,21 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
     as `_draft_phase`, plus which rows took the free path."""
     seq = state.seq
     B = seq.tokens.shape[0]
-    prop = free_proposal(seq, state.pool, cfg.gamma, state.key_offset)
-    free = live & proposing(limits, (prop.run >= cfg.free_threshold) & (prop.count > 0))
+    if cfg.free_drafts:
+        prop = free_proposal(seq, state.pool, cfg.gamma, state.key_offset)
+        free = live & proposing(limits, (prop.run >= cfg.free_threshold) & (prop.count > 0))
+    else:  # a constraint's forced runs (run) alone take the free path
+        prop, free = None, jnp.zeros((B,), bool)
+    if run is not None:  # issue 55: a row's forced run is certain, it goes first
+        prop, free = constrained.take_forced(prop, free, run)
     need = live & ~free
 
     def drafting(_):
         dcache, stats = _catch_up(pair.dparams, pair.dconfig, cfg, seq, state.dcache, live,
                                   state.stats)
         return _draft_phase(pair.dparams, pair.dconfig, cfg,
-                            state.replace(dcache=dcache, stats=stats), need)
+                            state.replace(dcache=dcache, stats=stats), need,
+                            constrained.draft_guard(limits, seq))
 
     def skipping(_):
         return (jnp.zeros((B, cfg.gamma), jnp.int32), jnp.zeros((B,), jnp.int32), state.dcache,
@@ -180,14 +189,17 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
                                                            None)
     d = jnp.where(free[:, None], prop.tokens, d)
     drafted = jnp.where(free, prop.count, drafted)
-    return d, drafted, dcache, window, pool, stats, free, prop
+    return d, drafted, dcache, window, pool, stats, free, prop if cfg.free_drafts else None
 
 
-def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live):
+def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
+                 guard=None):
     """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
-    row earlier; slots past it hold garbage), dcache, window, pool, stats)."""
+    row earlier; slots past it hold garbage), dcache, window, pool, stats). guard
+    (`constrained.DraftGuard`, None: none): the draft's choices are masked by the rows'
+    constraints along its own chain, so its phrases stay in the language."""
     if not cfg.phrase_drafting:
-        return _draft_tokens(dparams, dconfig, cfg, state, live)
+        return _draft_tokens(dparams, dconfig, cfg, state, live, guard)
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
@@ -202,11 +214,12 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
     adaptive = cfg.confidence > 0
 
     def step(carry, first: bool):
-        dcache, window, pool, dbuf, nd, last, going, stats = carry
+        dcache, window, pool, dbuf, nd, last, going, stats, fsm = carry
         active = live & (nd < gamma) & going
         res = jacobi_step(dparams, dconfig, layout, dcache, window, pool, last, active, _greedy,
                           prefix=prefix if first else None, prefix_count=pc if first else None,
-                          with_confidence=adaptive, key_offset=state.key_offset)
+                          with_confidence=adaptive, key_offset=state.key_offset,
+                          constrain=None if guard is None else partial(guard.tree, fsm))
         acc, window, pool, conf = res.acc, res.window, res.pool, res.confidence
         cnt = jnp.where(active, acc.count, 0)
         if conf is not None:  # adaptive: keep up to the first token below the threshold
@@ -226,14 +239,16 @@ def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, 
             draft_calls=stats.draft_calls + jnp.sum(active, dtype=jnp.int32),
             draft_tokens=stats.draft_tokens + jnp.sum(jnp.minimum(cnt, gamma - nd)),
             own=stats.own.replace(draft_forwards=stats.own.draft_forwards + 1))
-        return dcache, window, pool, dbuf, nd + cnt, last, going, stats
+        fsm = fsm if guard is None else guard.follow(fsm, acc.tokens, cnt)
+        return dcache, window, pool, dbuf, nd + cnt, last, going, stats, fsm
 
     carry = (dcache, state.window, state.pool, jnp.zeros((B, buf), jnp.int32),
-             jnp.zeros((B,), jnp.int32), seq.last, jnp.ones((B,), bool), state.stats)
+             jnp.zeros((B,), jnp.int32), seq.last, jnp.ones((B,), bool), state.stats,
+             jnp.zeros((B,), jnp.int32) if guard is None else guard.root)
     carry = step(carry, True)
     carry = jax.lax.while_loop(lambda c: jnp.any(live & (c[4] < gamma) & c[6]),
                                lambda c: step(c, False), carry)
-    dcache, window, pool, dbuf, nd, _, _, stats = carry
+    dcache, window, pool, dbuf, nd, _, _, stats, _ = carry
     return dbuf[:, :gamma], jnp.minimum(nd, gamma), dcache, window, pool, stats
 
 
@@ -310,9 +325,10 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
     live = ~seq.done
     L = seq.lengths
 
-    if cfg.free_drafts:
+    run = constrained.forced_run(limits, seq, gamma, live)  # None without a constraint
+    if cfg.free_drafts or run is not None:
         d, drafted, dcache, window, pool, stats, free, prop = _draft_or_free(pair, cfg, limits,
-                                                                            state, live)
+                                                                            state, live, run)
     else:
         d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg,
                                                                state, live)
@@ -348,6 +364,7 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
     seq, kept = emit(seq, acc.tokens, acc.count, limits,
                      walk_logprobs(logits, acc.path, acc.tokens, sp, greedy))
     tcache = commit_path(tcache, new, acc, kept)
+    seq = constrained.count_proposed(seq, run, free)
 
     # -- the draft keeps only what the target confirmed (rollback = a length); a free row's
     # accepted chain is not the draft's, which keeps at most the pending token

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..decoding import logprobs as lpm
+from ..decoding import constrained, logprobs as lpm
 from ..decoding.common import SOURCES, Limits, read_emitted, run_rounds, set_rows
 from ..distributed import local
 from ..models.kv_cache import KVCache
@@ -76,7 +76,7 @@ def engine_state(state, structured: bool = False):
     request asks for logprobs, and (structured) automaton-state buffers."""
     seq = lpm.with_buffers(state.seq, MAX_TOP_LOGPROBS)
     if structured:
-        seq = seq.replace(fsm=jnp.zeros_like(seq.lengths), forced=jnp.zeros_like(seq.lengths))
+        seq = constrained.zero_buffers(seq, seq.lengths.shape[0])
     return state.replace(seq=seq)
 
 
