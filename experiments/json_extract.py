@@ -91,6 +91,8 @@ def fmt(schema: dict) -> dict:
 
 def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
     """(per task: tokens, text, stats) of the timed call, and the seconds and tokens of all."""
+    from ouroboros_jax.auto import wait_for_background
+
     outs, seconds, tokens = [], 0.0, 0
     for i, (text, schema) in enumerate(tasks):
         kw = dict(method=method, config=config,
@@ -98,6 +100,9 @@ def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
                   draft=draft if method in ("speculative", "ouroboros") else None,
                   response_format=fmt(schema) if constrained else None)
         oj.generate(target, [messages(text, schema)], **kw)  # call 1: compiles
+        # auto may switch after call 1 and compile the new loop on a background thread: wait
+        # for it, or the timed call shares the cores with that compile
+        wait_for_background()
         t0 = time.perf_counter()
         out = oj.generate(target, [messages(text, schema)], **kw)
         seconds += time.perf_counter() - t0
