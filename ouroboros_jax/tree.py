@@ -68,38 +68,27 @@ def _check_static_parents(parents) -> None:
         )
 
 
-def _ancestor_or_self(parents) -> jax.Array:
+def _ancestor_or_self(parents, xp=jnp):
     """int[..., T] parents -> bool[..., T, T] reach[i, j] = j is i's ancestor or j == i.
 
     One-hot parent matrix, then transitive closure by repeated squaring: after s squarings
     (A | I) covers paths of length <= 2**s, and the longest path in T topological nodes is T-1,
     so ceil(log2(T-1)) static steps suffice. A matmul per step (not a scan over nodes) keeps
-    it O(log T) sequential depth and works on traced, batched parents.
+    it O(log T) sequential depth and works on traced, batched parents. xp: jnp (traced
+    parents) or np (concrete ones: run eagerly in jax, each op would compile a small program
+    of its own while the loop is traced).
     """
-    parents = jnp.asarray(parents, dtype=jnp.int32)
+    parents = xp.asarray(parents, dtype=xp.int32)
     t = parents.shape[-1]
-    cols = jnp.arange(t, dtype=jnp.int32)
+    cols = xp.arange(t, dtype=xp.int32)
     # parents == -1 matches no column, so roots get no edge.
     step = (parents[..., :, None] == cols) | (cols[:, None] == cols)  # [..., T, T]
     # float matmul: entries are 0/1 and any positive count means "reachable", so even bf16 /
     # tf32 matmul precision cannot flip the > 0.5 test.
-    reach = step.astype(jnp.float32)
+    reach = step.astype(xp.float32)
     for _ in range(max(t - 2, 0).bit_length()):
-        reach = (jnp.einsum("...ij,...jk->...ik", reach, reach) > 0.5).astype(jnp.float32)
+        reach = (xp.einsum("...ij,...jk->...ik", reach, reach) > 0.5).astype(xp.float32)
     return reach > 0.5
-
-
-def _ancestor_or_self_static(parents: np.ndarray) -> np.ndarray:
-    """`_ancestor_or_self` of concrete parents, in numpy: the same closure (reach[i, j] = j is
-    i's ancestor or j == i), by the same repeated squaring, exact on booleans."""
-    parents = parents.astype(np.int64)
-    t = parents.shape[-1]
-    cols = np.arange(t)
-    reach = (parents[..., :, None] == cols) | (cols[:, None] == cols)
-    for _ in range(max(t - 2, 0).bit_length()):
-        reach = np.einsum("...ij,...jk->...ik", reach.astype(np.int64),
-                          reach.astype(np.int64)) > 0
-    return reach
 
 
 def tree_mask(parents, valid=None) -> jax.Array:
@@ -123,7 +112,7 @@ def tree_mask(parents, valid=None) -> jax.Array:
         # matmuls that would run at every decoding step (~2.6 ms at T = 240 on CPU). In
         # numpy: run eagerly in jax, each of its ops compiled a small program of its own while
         # the loop was traced (11 programs, about 1 s of a demo pair's first Ouroboros call).
-        mask = jnp.asarray(_ancestor_or_self_static(np.asarray(parents)))
+        mask = jnp.asarray(_ancestor_or_self(np.asarray(parents), xp=np))
     else:
         mask = _ancestor_or_self(parents)
     if valid is not None:
