@@ -30,6 +30,8 @@ import argparse
 import json
 import time
 
+import numpy as np
+
 TASKS = [
     ("Maria Lopez, 34, moved from Lisbon to Berlin last spring to work as a nurse.",
      {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -89,26 +91,59 @@ def fmt(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "extract", "schema": schema}}
 
 
-def run_row(oj, target, draft, method, constrained, tasks, max_new, config):
-    """(per task: tokens, text, stats) of the timed call, and the seconds and tokens of all."""
+def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
+    return dict(method=method, config=config, max_new_tokens=max_new,
+                draft=draft if method in ("speculative", "ouroboros") else None,
+                response_format=fmt(schema) if constrained else None)
+
+
+def run_rows(oj, target, draft, plan, tasks, max_new, config, reps: int = 1):
+    """Every (method, constrained) row of `plan` over every task, B = 1: first each row's
+    call 1 per task (compiles; auto may explore, then switch and compile in the background,
+    which is waited out), then `reps` timed passes interleaved task by task and row by row, so
+    that a load change on a shared machine falls on every row alike. Returns per row: (per
+    task: tokens, text, stats of the last timed call), seconds and tokens of the timed calls,
+    and per task the median timed seconds."""
     from ouroboros_jax.auto import wait_for_background
 
-    outs, seconds, tokens = [], 0.0, 0
-    for i, (text, schema) in enumerate(tasks):
-        kw = dict(method=method, config=config,
-                  max_new_tokens=max_new[i] if isinstance(max_new, list) else max_new,
-                  draft=draft if method in ("speculative", "ouroboros") else None,
-                  response_format=fmt(schema) if constrained else None)
-        oj.generate(target, [messages(text, schema)], **kw)  # call 1: compiles
-        # auto may switch after call 1 and compile the new loop on a background thread: wait
-        # for it, or the timed call shares the cores with that compile
-        wait_for_background()
-        t0 = time.perf_counter()
-        out = oj.generate(target, [messages(text, schema)], **kw)
-        seconds += time.perf_counter() - t0
-        tokens += len(out.tokens[0])
-        outs.append((out.tokens[0], out.texts[0], out.stats))
-    return outs, seconds, tokens
+    for method, constrained in plan:
+        for text, schema in tasks:
+            oj.generate(target, [messages(text, schema)],
+                        **row_kwargs(method, constrained, draft, schema, max_new, config))
+            wait_for_background()
+    res = {row: dict(outs=[None] * len(tasks), secs=[[] for _ in tasks]) for row in plan}
+    for _ in range(reps):
+        for i, (text, schema) in enumerate(tasks):
+            for row in plan:
+                kw = row_kwargs(*row, draft, schema, max_new, config)
+                t0 = time.perf_counter()
+                out = oj.generate(target, [messages(text, schema)], **kw)
+                res[row]["secs"][i].append(time.perf_counter() - t0)
+                res[row]["outs"][i] = (out.tokens[0], out.texts[0], out.stats)
+                wait_for_background()
+    return {row: (r["outs"], sum(float(np.median(x)) for x in r["secs"]),
+                  sum(len(o[0]) for o in r["outs"]), [float(np.median(x)) for x in r["secs"]])
+            for row, r in res.items()}
+
+
+def prefill_seconds(oj, target, draft, plan, tasks, config) -> dict:
+    """Per row, the median seconds of a call that emits one token (its prompt's prefill, the
+    loop's set-up and one round), summed over the tasks: the floor of that row's calls on
+    this workload, however fast its rounds (calls 2 onward; each row's call 1 compiles)."""
+    out = {}
+    for row in plan:
+        tot = 0.0
+        for text, schema in tasks:
+            kw = row_kwargs(*row, draft, schema, 1, config)
+            oj.generate(target, [messages(text, schema)], **kw)
+            ts = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                oj.generate(target, [messages(text, schema)], **kw)
+                ts.append(time.perf_counter() - t0)
+            tot += min(ts)
+        out[row] = tot
+    return out
 
 
 def run_peer(target_path, target, tasks, max_new):
@@ -194,6 +229,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--config", default="none", choices=["none", "auto"],
                     help="none: each method's paper recipe (default); auto: config='auto'")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="timed passes (interleaved); each task's median is summed")
+    ap.add_argument("--floors", action="store_true",
+                    help="also time each constrained row's one-token calls (prefill and set-up)")
     ap.add_argument("--peer", action="store_true",
                     help="add the transformers + table LogitsProcessor row")
     args = ap.parse_args(argv)
@@ -219,33 +258,35 @@ def main(argv=None) -> dict:
     rows = []
     ref = cost = None
     plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    timed = run_rows(oj, target, draft, plan, tasks, args.max_new_tokens, config, args.reps)
+    floors = (prefill_seconds(oj, target, draft, plan[1:], tasks, config)
+              if args.floors else {})
     if args.peer:
         plan.append(("transformers+processor", True))
+        timed[plan[-1]] = run_peer(args.target, target, tasks, args.max_new_tokens) + (None,)
     for method, constrained in plan:
-        if method == "transformers+processor":
-            outs, secs, toks = run_peer(args.target, target, tasks, args.max_new_tokens)
-        else:
-            outs, secs, toks = run_row(oj, target, draft, method, constrained, tasks,
-                                       args.max_new_tokens, config)
+        outs, secs, toks, per_task = timed[(method, constrained)]
         if method == "vanilla" and constrained:
             ref = outs
         row = dict(method=method, constrained=constrained,
                    validity=sum(valid(o[1], s) for o, (_, s) in zip(outs, tasks)) / len(tasks),
-                   tok_s=toks / secs, tokens=toks, seconds=secs,
+                   tok_s=toks / secs, tokens=toks, seconds=secs, seconds_per_task=per_task,
                    forced_per_answer=(sum(o[2].get("forced_tokens", 0) for o in outs)
                                       / len(tasks)),
                    forced_proposed_per_answer=(sum(o[2].get("forced_tokens_proposed", 0)
                                                    for o in outs) / len(tasks)),
                    tokens_per_answer=toks / len(tasks),
                    eta=(sum(o[2].get("new_tokens", 0) for o in outs)
-                        / max(1, sum(o[2].get("target_calls", 0) for o in outs))))
+                        / max(1, sum(o[2].get("target_calls", 0) for o in outs))),
+                   auto=[(o[2].get("auto") or {}).get("config") for o in outs])
+        if (method, constrained) in floors:
+            row["one_token_call_seconds"] = floors[(method, constrained)]
         if constrained and ref is not None:
             row["equals_constrained_vanilla"] = all(a[0] == b[0] for a, b in zip(outs, ref))
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if method == "vanilla" and constrained:
-            cost = constraint_cost(oj, target, tasks, [len(o[0]) for o in ref], config)
-            print(json.dumps(cost), flush=True)
+    cost = constraint_cost(oj, target, tasks, [len(o[0]) for o in ref], config)
+    print(json.dumps(cost), flush=True)
     base = next(r["tok_s"] for r in rows if r["method"] == "vanilla" and r["constrained"])
     for r in rows:
         r["x_constrained_vanilla"] = r["tok_s"] / base
