@@ -117,7 +117,7 @@ def test_explore_drafts_deeper_once(tiny_pair, tuner):
     short = Choice("speculative", SpeculativeConfig(gamma=1), 1.3, 0.6, "predicted")
     out = tuner.chooser.explore(short, target, draft)
     assert out.config == SpeculativeConfig(gamma=EXPLORE_DEPTH) and "exploring" in out.reason
-    long = Choice("speculative", SpeculativeConfig(gamma=6), 1.3, 0.6, "predicted")
+    long = Choice("speculative", SpeculativeConfig(gamma=EXPLORE_DEPTH), 1.3, 0.6, "predicted")
     off = Choice("vanilla", None, 1.0, 0.2, "off")
     ouro = Choice("ouroboros", OuroborosConfig(gamma=1), 1.3, 0.6, "predicted")
     for c in (long, off, ouro):  # already deep, nothing to draft, or a round that learns nothing
@@ -147,13 +147,14 @@ def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, tu
     monkeypatch.setattr(tuner.chooser, "current", lambda *a, **k: Choice(
         "speculative", SpeculativeConfig(gamma=1), 1.3, 0.3, "predicted", (CPU_T, CPU_D)))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
+    N = 8 * (EXPLORE_DEPTH + 1)  # whole rounds, 8 a row: past MIN_DEPTH_ROUNDS at 2 rows
+    ref = oj.generate(t, prompts, max_new_tokens=N, eos_token_id=-1)
     # a sampled call teaches auto nothing (`MethodSpec.learn` is greedy only): no exploring
     sampled = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=8,
                           temperature=1.0, seed=3, tuner=tuner)
     assert sampled.stats["auto"]["config"] == "SpeculativeConfig(gamma=1)"
     assert "exploring" not in sampled.stats["auto"]["reason"]
-    first = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=40,
+    first = oj.generate(t, prompts, draft=t, method="speculative", max_new_tokens=N,
                         eos_token_id=-1, tuner=tuner)
     assert first.tokens == ref.tokens
     assert first.stats["auto"]["config"] == f"SpeculativeConfig(gamma={EXPLORE_DEPTH})"
@@ -161,7 +162,7 @@ def test_a_greedy_call_explores_then_runs_the_choice(tiny_target, fresh_auto, tu
     counts = list(json.loads((fresh_auto / "auto.json").read_text())["depth"].values())[0]
     assert len(counts) == EXPLORE_DEPTH and all(r == a > 0 for r, a in counts)
     assert counts[0][0] == sum(first.stats["acceptance_histogram"])  # every round reached 1
-    again = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1, tuner=tuner)
+    again = dict(draft=t, method="speculative", max_new_tokens=N, eos_token_id=-1, tuner=tuner)
     second = oj.generate(t, prompts, **again)
     assert second.tokens == ref.tokens
     assert second.stats["auto"]["config"] == f"SpeculativeConfig(gamma={EXPLORE_DEPTH})"
@@ -191,8 +192,9 @@ def test_a_pair_never_measured_on_its_outputs_is_explored_not_turned_off(tiny_ta
     assert out.config.gamma >= EXPLORE_DEPTH and out.reason.startswith("exploring")
     assert tuner.chooser.explore(off, t, t) is off  # the asked method unknown: nothing to explore
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    ref = oj.generate(t, prompts, max_new_tokens=40, eos_token_id=-1)
-    kw = dict(draft=t, method="speculative", max_new_tokens=40, eos_token_id=-1, tuner=tuner)
+    N = 8 * (EXPLORE_DEPTH + 1)  # whole rounds, 8 a row: past MIN_DEPTH_ROUNDS at 2 rows
+    ref = oj.generate(t, prompts, max_new_tokens=N, eos_token_id=-1)
+    kw = dict(draft=t, method="speculative", max_new_tokens=N, eos_token_id=-1, tuner=tuner)
     sampled = oj.generate(t, prompts, temperature=1.0, seed=3, **kw)
     assert sampled.stats["auto"]["method"] == "vanilla"
     first = oj.generate(t, prompts, **kw)

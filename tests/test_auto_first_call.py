@@ -16,6 +16,7 @@ import pytest
 import ouroboros_jax as oj
 from ouroboros_jax.auto import AutoTuner, prices
 from ouroboros_jax.auto.agreement import DEFAULT_AGREEMENT
+from ouroboros_jax.auto.choice import EXPLORE_DEPTH
 from ouroboros_jax.decoding.knobs import recipe_of
 
 
@@ -97,7 +98,9 @@ def test_the_store_fills_from_the_first_calls_own_rounds(tiny_target, empty_stor
     nothing; the calls after the first, which compile nothing, teach the loop's prices."""
     t = tiny_target  # its own draft: every token agrees, so the agreement learned is 1
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    kw = dict(draft=t, method="speculative", max_new_tokens=48, eos_token_id=-1)
+    # whole rounds of the explored chain, 8 a row: the depths pass MIN_DEPTH_ROUNDS
+    kw = dict(draft=t, method="speculative", max_new_tokens=8 * (EXPLORE_DEPTH + 1),
+              eos_token_id=-1)
     first = oj.generate(t, prompts, tuner=AutoTuner(), **kw)
     store = json.loads((empty_store / "auto.json").read_text())
     assert "device" not in store and "anchor" not in store and "agreement" not in store

@@ -63,8 +63,14 @@ STICKY_GAIN = 1.10
 # have not been measured, drafts this deep instead (`Chooser.explore`): a 1-token chain
 # measures the first token's agreement only, which on pairs whose agreement comes in runs
 # underprices every longer chain. Not past EXPLORE_ROUNDS rounds of the pair (a pair that
-# rarely passes its first token is not explored for ever).
-EXPLORE_DEPTH = 4
+# rarely passes its first token is not explored for ever). 8, not 4: the explored loop is
+# the one the persistent compile cache holds, and a later process keeps it unless its own
+# call's saving pays a new compile (`Switch.first_runnable`). Explored at 4, the real Qwen
+# pair (agreement 0.96-1.0 at every depth) ran every later CLI process at gamma 4 (decoding
+# 0.67x vanilla's time; gamma 12 reads 0.47x, and 8 sits near 12, whose extra depths a
+# strong pair's draft forwards mostly pay for anyway). A weak pair pays the deeper chain in
+# its first call only.
+EXPLORE_DEPTH = 8
 EXPLORE_ROUNDS = 128
 # Grid searches remembered per tuner (`Chooser.choose_memo`)
 MEMO_SIZE = 256
