@@ -311,3 +311,27 @@ def test_tokenizer_imports_no_torch(smollm2_gguf_path):
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == "[19556, 905]"
+
+
+def test_files_with_one_vocabulary_share_its_build_not_their_templates(tmp_path):
+    """A draft and its target usually carry the same vocabulary, often with chat templates
+    that differ (the real Qwen pair's by two bytes): the second file's tokenizer reuses the
+    first's build (same backend) and carries its own template; the first keeps its own; a
+    file whose vocabulary differs gets a build of its own."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    keys = byte_level_keys("qwen2", specials)
+    a = _write(tmp_path / "a.gguf", "qwen2", keys)
+    other = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    b = _write(tmp_path / "b.gguf", "qwen2", {**keys, "tokenizer.chat_template": ("string", other)})
+    ta = load_gguf_tokenizer(open_gguf(a), a)
+    tb = load_gguf_tokenizer(open_gguf(b), b)
+    assert tb is not ta and tb.backend_tokenizer is ta.backend_tokenizer
+    assert ta.chat_template == TEMPLATE and tb.chat_template == other
+    assert tb.apply_chat_template(CHAT, tokenize=False) == "".join(m["content"] + "|" for m in CHAT)
+    assert_same_tokenizer(tb, _reference(b))
+    text = " the theme thesis"
+    assert tb(text)["input_ids"] == ta(text)["input_ids"]
+    c = _write(tmp_path / "c.gguf", "qwen2", byte_level_keys("qwen2", specials[:2]))
+    tc = load_gguf_tokenizer(open_gguf(c), c)
+    assert tc.backend_tokenizer is not ta.backend_tokenizer
+    assert tc.convert_tokens_to_ids("<|im_end|>") != ta.convert_tokens_to_ids("<|im_end|>")

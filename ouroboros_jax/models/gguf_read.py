@@ -91,13 +91,16 @@ class GGUFFile:
         n_tensors, n_kv = struct.unpack_from(order + "QQ", mm, 8)
         pos = 24
         self.fields: dict[str, Field] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # key -> its entry's bytes [start, end)
         for _ in range(n_kv):
+            start = pos
             key, pos = self._string(pos)
             (kind,) = struct.unpack_from(order + "I", mm, pos)
             field, pos = self._field(key, kind, pos + 4, GGUFValueType)
             if key in self.fields:
                 raise ValueError(f"duplicate metadata key {key!r}")
             self.fields[key] = field
+            self.spans[key] = (start, pos)
         infos = []
         for _ in range(n_tensors):
             name, pos = self._string(pos)
@@ -116,6 +119,19 @@ class GGUFFile:
             self.alignment = a
         self.data_offset = -(-pos // self.alignment) * self.alignment
         self.tensors = [self._tensor(*info, size) for info in infos]
+
+    def digest(self, keys) -> str:
+        """A hash of the raw bytes of the metadata entries `keys` (those present, in file
+        order): equal for two files whose entries are byte for byte the same, without decoding
+        them (a 150k-token vocabulary decodes in ~0.5 s; its bytes hash in milliseconds)."""
+        import hashlib
+
+        h = hashlib.sha256(self.byte_order.encode())
+        for key in self.fields:
+            if key in keys:
+                a, b = self.spans[key]
+                h.update(self._mm[a:b])
+        return h.hexdigest()
 
     # ---------------------------------------------------------------- parsing
     def _string(self, pos: int) -> tuple[str, int]:
