@@ -91,6 +91,12 @@ def fmt(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "extract", "schema": schema}}
 
 
+def log(msg: str) -> None:
+    import sys
+
+    print(f"[json_extract] {msg}", file=sys.stderr, flush=True)
+
+
 def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
     return dict(method=method, config=config, max_new_tokens=max_new,
                 draft=draft if method in ("speculative", "ouroboros") else None,
@@ -111,6 +117,7 @@ def run_rows(oj, target, draft, plan, tasks, max_new, config, reps: int = 1):
             oj.generate(target, [messages(text, schema)],
                         **row_kwargs(method, constrained, draft, schema, max_new, config))
             wait_for_background()
+        log(f"first calls done: {method}{' constrained' if constrained else ''}")
     res = {row: dict(outs=[None] * len(tasks), secs=[[] for _ in tasks]) for row in plan}
     for _ in range(reps):
         for i, (text, schema) in enumerate(tasks):
@@ -121,6 +128,7 @@ def run_rows(oj, target, draft, plan, tasks, max_new, config, reps: int = 1):
                 res[row]["secs"][i].append(time.perf_counter() - t0)
                 res[row]["outs"][i] = (out.tokens[0], out.texts[0], out.stats)
                 wait_for_background()
+            log(f"timed pass {_ + 1}/{reps}: task {i + 1}/{len(tasks)}")
     return {row: (r["outs"], sum(float(np.median(x)) for x in r["secs"]),
                   sum(len(o[0]) for o in r["outs"]), [float(np.median(x)) for x in r["secs"]])
             for row, r in res.items()}
