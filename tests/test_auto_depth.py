@@ -318,3 +318,25 @@ def test_the_drafts_own_scale_waits_for_three_calls_that_ran_it(tiny_pair, tuner
     tuner.store.add("timing", pair, tuple(more), (0.0,) * 5 + (0,))
     s_t, s_s, calls, separated = tuner.prices.learned_scales(target, draft, 1)
     assert calls == 14 and separated and s_s > s_t
+
+
+def test_ouroboros_with_its_mechanisms_off_runs_as_speculative():
+    """`as_run`: Ouroboros' SD step (every own mechanism off) is speculative decoding's round
+    and runs as its loop, chain and confidence kept; any own mechanism on, or a pool the call
+    passes (whose shape the call returns), keeps Ouroboros."""
+    from ouroboros_jax.auto.choice import OWN_MECHANISMS, as_run
+
+    sd = OuroborosConfig(gamma=6, window=2, suffixes=1, phrase_drafting=False,
+                         lengthening=False, recycling=False, context_phrases=False,
+                         confidence=0.3)
+    out = as_run(Choice("ouroboros", sd, 1.4, 0.8, "predicted"), None)
+    assert (out.method, out.config) == ("speculative", SpeculativeConfig(gamma=6,
+                                                                         confidence=0.3))
+    assert out.reason.startswith("predicted") and "speculative" in out.reason
+    for m in OWN_MECHANISMS:
+        on = Choice("ouroboros", dataclasses.replace(sd, **{m: True}), 1.4, 0.8, "p")
+        assert as_run(on, None) is on, m
+    sd_choice = Choice("ouroboros", sd, 1.4, 0.8, "p")
+    assert as_run(sd_choice, (2, 2)) is sd_choice
+    off = Choice("vanilla", None, 1.0, 0.2, "off")
+    assert as_run(off, None) is off

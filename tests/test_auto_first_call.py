@@ -56,6 +56,7 @@ def _first_call_builds_only_its_loop(tiny_pair, method):
     none: no timer, no agreement forward, no second loop (the old end-of-call `settle`), and
     nothing is left compiling behind it."""
     target, draft, _ = tiny_pair
+    jax.clear_caches()  # as a fresh process (Ouroboros' choice may run speculative's loop)
     prompts = [[5, 6, 7, 8, 9, 10]]
     kw = dict(draft=draft, method=method, max_new_tokens=12, eos_token_id=-1)
     ref = oj.generate(target, prompts, max_new_tokens=12, eos_token_id=-1).tokens

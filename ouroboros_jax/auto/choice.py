@@ -221,6 +221,31 @@ def explore_method(choice: Choice, method: str, pool_shape: Optional[tuple]) -> 
         "that, later calls run the choice priced with it")
 
 
+# Ouroboros' own mechanisms: a config with all of them off drafts one chain and verifies it,
+# which is speculative decoding's round (`as_run`)
+OWN_MECHANISMS = ("phrase_drafting", "lengthening", "recycling", "context_phrases",
+                  "free_drafts")
+
+
+def as_run(choice: Choice, pool_shape: Optional[tuple]) -> Choice:
+    """The choice as it runs: an Ouroboros config with every one of its own mechanisms off
+    (its SD step, which auto chooses where they do not pay and explores a pair with) runs as
+    `SpeculativeConfig` of the same chain: the same tokens (greedy) and the same lossless rule
+    (sampled) from a loop without Ouroboros' window, pool and free-draft machinery, which
+    compiles in less time (the demo pair's first call: 4.4 s against 6.6 s of backend
+    compile, `python -m experiments.first_call`). Not where the call passes a pool (its
+    shape is kept: the call returns it); every other choice unchanged."""
+    cfg = choice.config
+    if (choice.method != "ouroboros" or cfg is None or pool_shape is not None
+            or any(getattr(cfg, m, False) for m in OWN_MECHANISMS)):
+        return choice
+    spec = METHODS["speculative"].config_type(gamma=cfg.gamma, confidence=cfg.confidence)
+    return dataclasses.replace(
+        choice, method="speculative", config=spec,
+        reason=choice.reason + " (Ouroboros with its own mechanisms off is speculative "
+        "decoding's round: run as speculative's loop)")
+
+
 def with_free_profile(a, profile: Optional[FreeProfile], notes: dict):
     """The agreement a carrying the pair's free profile (`cost.DepthAgreement.free`, what
     prices Ouroboros' free drafts), said in notes: a by depth gets it; a single number becomes
@@ -308,8 +333,8 @@ class Chooser:
         key = stored_key + "|" + str(cache_path())
         if model_spans_processes(target):
             return self._auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape)
-        new = self.current(method, target, draft, prompt, plens, slots, use_cache, pool_shape,
-                           timed)
+        new = as_run(self.current(method, target, draft, prompt, plens, slots, use_cache,
+                                  pool_shape, timed), pool_shape)
         old = self._choices.get(key)
         if old is None and use_cache:
             old = self.stored_choice(stored_key)
@@ -318,7 +343,7 @@ class Chooser:
                 fits_pool(old.config, pool_shape)):
             out = _kept_unless_better(old, new, switch_gain)
         if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
-            out = self.explore(out, target, draft, method, pool_shape)
+            out = as_run(self.explore(out, target, draft, method, pool_shape), pool_shape)
         if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
             self.store_choice(stored_key, out)
         self._choices[key] = out
