@@ -102,6 +102,13 @@ def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]
     if auto.get("method") == "vanilla" and method != "vanilla":
         reason = auto.get("reason", "").split(" (a priori")[0]
         return f"{method} (ran vanilla)", f"{method}: {reason}"
+    if method == "ouroboros" and auto.get("method") == "speculative":  # `choice.as_run`
+        gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
+        g = f"γ{gamma.group(1)}" if gamma else ""
+        return (f"ouroboros (as speculative {g}: mechanisms off on this device)",
+                f"{method}: auto turned off all its own mechanisms and ran speculative's loop: "
+                f"the cost model predicts this device runs it faster without them "
+                f"({auto.get('reason', '').split(' (a priori')[0]})")
     off = switches_off(auto.get("config"))
     if not off:
         if method == "ouroboros" and "free drafts" in mechanisms_on(auto.get("config")):

@@ -109,6 +109,11 @@ def test_fastest_label_names_only_the_mechanisms_that_ran():
     assert describe_run("ouroboros", {"method": "ouroboros", "config": on,
                                       "reason": "predicted 2.0x vanilla"}) == ("ouroboros", None)
     assert describe_run("vanilla", None) == ("vanilla", None)
+    # the SD step run as speculative's loop (`choice.as_run`) is named as such, with the reason
+    label, why = describe_run("ouroboros", {"method": "speculative", "reason": "predicted 1.3x",
+                                            "config": "SpeculativeConfig(gamma=6)"})
+    assert label == "ouroboros (as speculative γ6: mechanisms off on this device)"
+    assert "predicted 1.3x" in why and "speculative's loop" in why
     # free drafts are named: over the SD step, beside other switches, alone
     sd_free = OU_SD.replace(")", ", free_drafts=True, free_threshold=3)")
     label, _ = describe_run("ouroboros", {"method": "ouroboros", "config": sd_free,
