@@ -97,7 +97,20 @@ def log(msg: str) -> None:
     print(f"[json_extract] {msg}", file=sys.stderr, flush=True)
 
 
+FREE_ROW = "ouroboros+free"
+
+
 def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
+    """generate's keywords for a row; a method named `ouroboros+freeN` is an explicit config:
+    Ouroboros' SD step (γ 10, the chain auto ran here) with free drafts at matches >= N."""
+    if method.startswith(FREE_ROW):
+        from ouroboros_jax.decoding.ouroboros_config import OuroborosConfig
+
+        config = OuroborosConfig(gamma=10, window=2, ngram=3, guesses=2, suffixes=1,
+                                 phrase_drafting=False, lengthening=False, recycling=False,
+                                 context_phrases=False, free_drafts=True,
+                                 free_threshold=int(method[len(FREE_ROW):]))
+        method = "ouroboros"
     return dict(method=method, config=config, max_new_tokens=max_new,
                 draft=draft if method in ("speculative", "ouroboros") else None,
                 response_format=fmt(schema) if constrained else None)
