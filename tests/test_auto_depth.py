@@ -98,14 +98,15 @@ def tuner(fresh_auto):
 def test_the_store_pools_depths_and_drops_bad_entries(tiny_pair, fresh_auto, tuner):
     target, draft, _ = tiny_pair
     assert tuner.agreement.depth_agreement(target, draft) is None
-    tuner.agreement.record_realised(target, draft, 0.6, 10, [[10, 6]])
-    assert tuner.agreement.depth_agreement(target, draft) is None  # 10 rounds < MIN_DEPTH_ROUNDS
-    tuner.agreement.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [9, 8]])
+    tuner.agreement.record_realised(target, draft, 0.6, 5, [[5, 3]])
+    assert tuner.agreement.depth_agreement(target, draft) is None  # 5 rounds < MIN_DEPTH_ROUNDS
+    tuner.agreement.record_realised(target, draft, 0.6, 20, [[20, 12], [12, 9], [6, 5]])
     store = json.loads((fresh_auto / "auto.json").read_text())
-    assert list(store["depth"].values()) == [[[30, 18], [12, 9], [9, 8]]]
+    assert list(store["depth"].values()) == [[[25, 15], [12, 9], [6, 5]]]
     a = tuner.agreement.depth_agreement(target, draft)
-    # depth 1 measured (30 rounds); depth 2 (12) not on its own; past it the pooled 17/21
-    assert a == DepthAgreement((0.6,), round(17 / 21, 2))
+    # depths 1 (25 rounds) and 2 (12) measured; depth 3 (6) not on its own; past the first
+    # the pooled 14/18
+    assert a == DepthAgreement((0.6, 0.75), round(14 / 18, 2))
     assert tuner.agreement.known_agreement(target, draft) == a
     assert valid_entry("depth", [[30, 18], [12, 9]])
     for bad in ([[3, 4]], [], [[1, 1, 1]], [[-1, 0]], [[2.5, 1]], {"1": 2}):

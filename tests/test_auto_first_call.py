@@ -57,13 +57,13 @@ def _first_call_builds_only_its_loop(tiny_pair, method):
     nothing is left compiling behind it."""
     target, draft, _ = tiny_pair
     jax.clear_caches()  # as a fresh process (Ouroboros' choice may run speculative's loop)
-    prompts = [[5, 6, 7, 8, 9, 10]]
-    kw = dict(draft=draft, method=method, max_new_tokens=12, eos_token_id=-1)
-    ref = oj.generate(target, prompts, max_new_tokens=12, eos_token_id=-1).tokens
+    prompts = [[5, 6, 7, 8, 9, 10]]  # 6 new tokens: fewer rounds than teach a depth
+    kw = dict(draft=draft, method=method, max_new_tokens=6, eos_token_id=-1)
+    ref = oj.generate(target, prompts, max_new_tokens=6, eos_token_id=-1).tokens
     tuner = AutoTuner()
     prompt_j, plens_j = jnp.asarray(prompts, jnp.int32), jnp.asarray([6], jnp.int32)
     before = tuner.compiles.programs
-    choice, _ = AutoTuner().call_choice(method, target, draft, prompt_j, plens_j, 12, None,
+    choice, _ = AutoTuner().call_choice(method, target, draft, prompt_j, plens_j, 6, None,
                                         None, True)
     assert tuner.compiles.programs == before  # chosen from the store and priors alone
     cfg = choice.config

@@ -33,8 +33,11 @@ SETTLED_AGREEMENT_TOKENS = 2048
 # gamma <= 1 realises 32 or more, so the end of a first call can plan with it (`switch`)
 MIN_REALISED_ROUNDS = 32
 # A depth of the chain is planned with its own measured agreement once this many rounds have
-# reached it; deeper ones with the pooled agreement of every depth past the first.
-MIN_DEPTH_ROUNDS = 16
+# reached it; deeper ones with the pooled agreement of every depth past the first. 8, not 16:
+# a strong pair's exploring call (a chain of 8, `choice.EXPLORE_DEPTH`) over 128 tokens runs
+# 14-15 rounds, and at 16 the real Qwen pair's first CLI process (15 rounds at 0.96-1.0) left
+# the second to price with the prior 0.5, which ran gamma 1 and compiled it (0.78 s/token).
+MIN_DEPTH_ROUNDS = 8
 
 
 @partial(jax.jit, static_argnums=(1, 3))
