@@ -335,3 +335,14 @@ def test_files_with_one_vocabulary_share_its_build_not_their_templates(tmp_path)
     tc = load_gguf_tokenizer(open_gguf(c), c)
     assert tc.backend_tokenizer is not ta.backend_tokenizer
     assert tc.convert_tokens_to_ids("<|im_end|>") != ta.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_the_tokenizer_class_table_is_transformers_mapping():
+    """`TOKENIZER_CLASSES` (one module imported, not transformers' whole tokenizer mapping)
+    names, for every model type we load, the class transformers' own mapping gives."""
+    from ouroboros_jax.models.gguf_tokenizer import (TOKENIZER_CLASSES, TOKENIZER_MODEL_TYPES,
+                                                     _tokenizer_class, auto_tokenizer_class)
+
+    assert set(TOKENIZER_CLASSES) == set(TOKENIZER_MODEL_TYPES.values())
+    for arch, model_type in TOKENIZER_MODEL_TYPES.items():
+        assert _tokenizer_class(arch) is auto_tokenizer_class(model_type), arch

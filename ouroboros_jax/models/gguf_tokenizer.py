@@ -397,14 +397,41 @@ def _bos_eos_template(kwargs: dict, backend):
         (t, backend.token_to_id(t)) for t in dict.fromkeys(used)])
 
 
+# model type -> (module, class) AutoTokenizer gives it in transformers 5 (`auto_tokenizer_class`,
+# compared in tests/test_gguf_tokenizer.py): importing that one module takes ~0.3 s, where
+# transformers' tokenizer mapping imports every tokenizer module it names (~1.3 s a process)
+TOKENIZER_CLASSES = {
+    "llama": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    "qwen2": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+    "qwen3": ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer"),
+    "phi3": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    "gemma2": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
+    "gemma3": ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer"),
+}
+
+
 def _tokenizer_class(arch: Optional[str]):
-    """The class AutoTokenizer gives a file of this architecture (transformers 5:
-    `TOKENIZER_MAPPING.get(config class, TokenizersBackend)` for a config with no tokenizer
-    class), else transformers' PreTrainedTokenizerFast. Chosen from the architecture alone: asking
-    AutoTokenizer would read the file again, with a reader that imports torch."""
-    from transformers import PreTrainedTokenizerFast
+    """The class AutoTokenizer gives a file of this architecture (`TOKENIZER_CLASSES`, else
+    `auto_tokenizer_class`), else transformers' PreTrainedTokenizerFast. Chosen from the
+    architecture alone: asking AutoTokenizer would read the file again, with a reader that
+    imports torch."""
+    import importlib
 
     model_type = TOKENIZER_MODEL_TYPES.get(arch)
+    if model_type in TOKENIZER_CLASSES:
+        module, name = TOKENIZER_CLASSES[model_type]
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # another transformers: ask its mapping
+            pass
+    return auto_tokenizer_class(model_type)
+
+
+def auto_tokenizer_class(model_type: Optional[str]):
+    """transformers' own answer (5: `TOKENIZER_MAPPING.get(config class, TokenizersBackend)`
+    for a config with no tokenizer class; 4, or no model type: PreTrainedTokenizerFast)."""
+    from transformers import PreTrainedTokenizerFast
+
     if model_type is None:
         return PreTrainedTokenizerFast
     try:
