@@ -116,20 +116,21 @@ def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
                 response_format=fmt(schema) if constrained else None)
 
 
-def run_rows(oj, target, draft, plan, tasks, max_new, config, reps: int = 1):
-    """Every (method, constrained) row of `plan` over every task, B = 1: first each row's
-    call 1 per task (compiles; auto may explore, then switch and compile in the background,
-    which is waited out), then `reps` timed passes interleaved task by task and row by row, so
+def run_rows(oj, target, draft, plan, tasks, max_new, config, reps: int = 1, warm: int = 1):
+    """Every (method, constrained) row of `plan` over every task, B = 1: first `warm` passes of
+    each row's calls per task (compiles; auto may explore, then switch and compile in the
+    background, which is waited out, per prompt bucket), then `reps` timed passes interleaved task by task and row by row, so
     that a load change on a shared machine falls on every row alike. Returns per row: (per
     task: tokens, text, stats of the last timed call), seconds and tokens of the timed calls,
     and per task the median timed seconds."""
     from ouroboros_jax.auto import wait_for_background
 
     for method, constrained in plan:
-        for text, schema in tasks:
-            oj.generate(target, [messages(text, schema)],
-                        **row_kwargs(method, constrained, draft, schema, max_new, config))
-            wait_for_background()
+        for _ in range(warm):  # auto's first call explores, and a switch compiles per bucket
+            for text, schema in tasks:
+                oj.generate(target, [messages(text, schema)],
+                            **row_kwargs(method, constrained, draft, schema, max_new, config))
+                wait_for_background()
         log(f"first calls done: {method}{' constrained' if constrained else ''}")
     res = {row: dict(outs=[None] * len(tasks), secs=[[] for _ in tasks]) for row in plan}
     for _ in range(reps):
@@ -252,6 +253,9 @@ def main(argv=None) -> dict:
                     help="none: each method's paper recipe (default); auto: config='auto'")
     ap.add_argument("--reps", type=int, default=1,
                     help="timed passes (interleaved); each task's median is summed")
+    ap.add_argument("--warm", type=int, default=1,
+                    help="untimed passes per row before the timed ones (2: auto's switch "
+                         "compiles every prompt bucket's loop before the timings)")
     ap.add_argument("--floors", action="store_true",
                     help="also time each constrained row's one-token calls (prefill and set-up)")
     ap.add_argument("--peer", action="store_true",
@@ -279,7 +283,8 @@ def main(argv=None) -> dict:
     rows = []
     ref = cost = None
     plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
-    timed = run_rows(oj, target, draft, plan, tasks, args.max_new_tokens, config, args.reps)
+    timed = run_rows(oj, target, draft, plan, tasks, args.max_new_tokens, config, args.reps,
+                     args.warm)
     floors = (prefill_seconds(oj, target, draft, plan[1:], tasks, config)
               if args.floors else {})
     if args.peer:
