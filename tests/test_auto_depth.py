@@ -8,6 +8,7 @@ measured."""
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -341,3 +342,22 @@ def test_ouroboros_with_its_mechanisms_off_runs_as_speculative():
     assert as_run(sd_choice, (2, 2)) is sd_choice
     off = Choice("vanilla", None, 1.0, 0.2, "off")
     assert as_run(off, None) is off
+
+
+def test_a_server_keeps_ouroboros_sd_step_as_ouroboros(tiny_pair, tuner, monkeypatch):
+    """`generate` runs Ouroboros' SD step as speculative's loop; a server's engine runs the
+    asked method's loop only (`keep_method`, what `scheduler.auto_levels` asks), so there the
+    choice stays Ouroboros' (else the level would turn speculation off)."""
+    target, draft, _ = tiny_pair
+    sd = OuroborosConfig(gamma=4, window=2, suffixes=1, phrase_drafting=False,
+                         lengthening=False, recycling=False, context_phrases=False)
+    server = AutoTuner()  # another process's tuner (a tuner keeps its own choices)
+    for t in (tuner, server):
+        monkeypatch.setattr(t.chooser, "current", lambda *a, **k: Choice(
+            "ouroboros", sd, 1.3, 0.8, "predicted", (CPU_T, CPU_D)))
+    prompt, plens = jnp.asarray([[5, 6, 7]], jnp.int32), jnp.asarray([3], jnp.int32)
+    ran = tuner.auto_config("ouroboros", target, draft, prompt, plens, 64, use_cache=False)
+    assert (ran.method, ran.config) == ("speculative", SpeculativeConfig(gamma=4))
+    served = server.auto_config("ouroboros", target, draft, prompt, plens, 64, use_cache=False,
+                                keep_method=True)
+    assert (served.method, served.config) == ("ouroboros", sd)

@@ -318,7 +318,7 @@ class Chooser:
     def auto_config(self, method: str, target, draft, prompt, plens, slots: int,
                     use_cache: bool = True, pool_shape: Optional[tuple] = None,
                     explore_depth: bool = False, switch_gain: float = STICKY_GAIN,
-                    timed: bool = False) -> Choice:
+                    timed: bool = False, keep_method: bool = False) -> Choice:
         """Price (`Prices.latency_tables`) and recall the pair's agreement, then `choose`,
         keeping the earlier choice for the same shapes (this tuner's, else the store's) unless
         the new one is predicted switch_gain faster (STICKY_GAIN). pool_shape: (phrases per key, tokens per
@@ -326,15 +326,18 @@ class Chooser:
         explore_depth: the call is greedy and teaches auto, so it may draft deeper once
         (`explore`). timed: the call's loop will be timed and teach its method's factor
         (`generate`'s calls, `Prices.record_call`), so a method fewer than TRY_CALLS calls have
-        timed is tried from UNTIMED_GAIN (`current`)."""
+        timed is tried from UNTIMED_GAIN (`current`). keep_method: the caller runs the asked
+        method's loop only (a server's engine): Ouroboros' SD step stays an Ouroboros config
+        rather than running as speculative's (`as_run`)."""
+        run = (lambda c: c) if keep_method else (lambda c: as_run(c, pool_shape))
         t0 = time.perf_counter()
         B = int(prompt.shape[0])
         stored_key = self.choice_key(method, target, draft, B, slots, pool_shape)
         key = stored_key + "|" + str(cache_path())
         if model_spans_processes(target):
             return self._auto_spmd(key, method, target, draft, prompt, plens, slots, pool_shape)
-        new = as_run(self.current(method, target, draft, prompt, plens, slots, use_cache,
-                                  pool_shape, timed), pool_shape)
+        new = run(self.current(method, target, draft, prompt, plens, slots, use_cache,
+                               pool_shape, timed))
         old = self._choices.get(key)
         if old is None and use_cache:
             old = self.stored_choice(stored_key)
@@ -343,7 +346,7 @@ class Chooser:
                 fits_pool(old.config, pool_shape)):
             out = _kept_unless_better(old, new, switch_gain)
         if explore_depth and use_cache:  # past the sticky rule: exploring is once, on purpose
-            out = as_run(self.explore(out, target, draft, method, pool_shape), pool_shape)
+            out = run(self.explore(out, target, draft, method, pool_shape))
         if use_cache and (old is None or (old.method, old.config) != (out.method, out.config)):
             self.store_choice(stored_key, out)
         self._choices[key] = out

@@ -72,7 +72,7 @@ def auto_levels(tuner, method: str, spec, target, draft, slots: int, limit: int)
         prompt = jnp.asarray([probe] * n, jnp.int32)
         plens = jnp.full((n,), len(probe), jnp.int32)
         ch = tuner.auto_config(method, target, draft, prompt, plens,
-                               cache_slots(0, 0, 0, limit))
+                               cache_slots(0, 0, 0, limit), keep_method=True)
         c = OFF if ch.config is None or ch.method != method else ch.config
         if c is not OFF:
             if first is None:
