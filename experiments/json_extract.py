@@ -253,6 +253,10 @@ def main(argv=None) -> dict:
                     help="none: each method's paper recipe (default); auto: config='auto'")
     ap.add_argument("--reps", type=int, default=1,
                     help="timed passes (interleaved); each task's median is summed")
+    ap.add_argument("--no-unconstrained", dest="unconstrained", action="store_false",
+                    help="leave out the unconstrained vanilla row")
+    ap.add_argument("--no-cost", dest="cost", action="store_false",
+                    help="leave out the constraint's cost to vanilla (paired calls)")
     ap.add_argument("--warm", type=int, default=1,
                     help="untimed passes per row before the timed ones (2: auto's switch "
                          "compiles every prompt bucket's loop before the timings)")
@@ -282,7 +286,8 @@ def main(argv=None) -> dict:
                            mib=t.nbytes / 2**20, build_s=time.perf_counter() - t0))
     rows = []
     ref = cost = None
-    plan = [("vanilla", False), ("vanilla", True)] + [(m, True) for m in methods]
+    plan = ([("vanilla", False)] if args.unconstrained else []) + [("vanilla", True)] + [
+        (m, True) for m in methods]
     timed = run_rows(oj, target, draft, plan, tasks, args.max_new_tokens, config, args.reps,
                      args.warm)
     floors = (prefill_seconds(oj, target, draft, plan[1:], tasks, config)
@@ -311,8 +316,9 @@ def main(argv=None) -> dict:
             row["equals_constrained_vanilla"] = all(a[0] == b[0] for a, b in zip(outs, ref))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    cost = constraint_cost(oj, target, tasks, [len(o[0]) for o in ref], config)
-    print(json.dumps(cost), flush=True)
+    if args.cost:
+        cost = constraint_cost(oj, target, tasks, [len(o[0]) for o in ref], config)
+        print(json.dumps(cost), flush=True)
     base = next(r["tok_s"] for r in rows if r["method"] == "vanilla" and r["constrained"])
     for r in rows:
         r["x_constrained_vanilla"] = r["tok_s"] / base
@@ -330,8 +336,9 @@ def main(argv=None) -> dict:
               f"{r['x_constrained_vanilla']:8.2f} {r['forced_per_answer']:7.1f} "
               f"{r['forced_proposed_per_answer']:7.1f} {r['tokens_per_answer']:7.1f} "
               f"{r['eta']:5.2f} {str(r.get('equals_constrained_vanilla', '-')):>7s}")
-    print(f"the constraint's cost to vanilla at equal tokens (paired): "
-          f"{cost['constraint_cost']:.1%}")
+    if cost is not None:
+        print(f"the constraint's cost to vanilla at equal tokens (paired): "
+              f"{cost['constraint_cost']:.1%}")
     print(f"largest table: {largest['mib']:.2f} MiB ({largest['states']} states x "
           f"{largest['classes']} classes), built in {largest['build_s']:.2f} s")
     return result
