@@ -53,9 +53,10 @@ def _docstrings(tree) -> set:
 # architecture -> the transformers model type whose tokenizer class AutoTokenizer picks, and ->
 # its files' SentencePiece spelling (transformers keys both by architecture: a file does not
 # say); llama.cpp's own tokenizer names, which share families' names ("llama" is its
-# SentencePiece kind for every model, "qwen2" a tokenizer.ggml.pre split regex)
+# SentencePiece kind for every model, "qwen2" a tokenizer.ggml.pre split regex); and the
+# tokenizer class transformers maps each of those model types to (keyed by the model type)
 TOKENIZER_TABLES = ("TOKENIZER_MODEL_TYPES", "SENTENCEPIECE_VARIANTS", "TOKENIZER_KINDS",
-                    "PRE_TOKENIZER_SPLITS")
+                    "PRE_TOKENIZER_SPLITS", "TOKENIZER_CLASSES")
 
 
 def _tokenizer_table(tree) -> list:
