@@ -92,6 +92,12 @@ def mechanisms_on(config: Optional[str]) -> list[str]:
             if (field in on if field == "free_drafts" else field not in off)]
 
 
+def _gamma(auto: dict) -> str:
+    """"γN" from the chain length in auto's config string ("" when it names none)."""
+    gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
+    return f"γ{gamma.group(1)}" if gamma else ""
+
+
 def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]:
     """(label, why) for a method's row, from its `stats["auto"]`: the label names only the
     mechanisms that ran ("ouroboros (as speculative γ2: mechanisms off on this device)",
@@ -103,9 +109,7 @@ def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]
         reason = auto.get("reason", "").split(" (a priori")[0]
         return f"{method} (ran vanilla)", f"{method}: {reason}"
     if method == "ouroboros" and auto.get("method") == "speculative":  # `choice.as_run`
-        gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
-        g = f"γ{gamma.group(1)}" if gamma else ""
-        return (f"ouroboros (as speculative {g}: mechanisms off on this device)",
+        return (f"ouroboros (as speculative {_gamma(auto)}: mechanisms off on this device)",
                 f"{method}: auto turned off all its own mechanisms and ran speculative's loop: "
                 f"the cost model predicts this device runs it faster without them "
                 f"({auto.get('reason', '').split(' (a priori')[0]})")
@@ -118,8 +122,7 @@ def describe_run(method: str, auto: Optional[dict]) -> tuple[str, Optional[str]]
            f"runs it faster without them ({auto.get('reason', '').split(' (a priori')[0]})")
     free = method == "ouroboros" and "free drafts" in mechanisms_on(auto.get("config"))
     if method == "ouroboros" and all(s in off for s in SD_SWITCHES):
-        gamma = re.search(r"gamma=(\d+)", auto.get("config") or "")
-        g = f"γ{gamma.group(1)}" if gamma else ""
+        g = _gamma(auto)
         if free:
             t = re.search(r"free_threshold=(\d+)", auto.get("config") or "")
             return (f"ouroboros (free drafts at matches of {t.group(1) if t else 2}+ tokens, "
