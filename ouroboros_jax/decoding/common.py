@@ -218,6 +218,29 @@ def read_emitted(seq: Sequences, since: jax.Array, width: int
     return jnp.take_along_axis(seq.tokens, idx, 1), jnp.minimum(seq.lengths - since, width)
 
 
+def end_ids(limits: Limits, tokens: jax.Array) -> jax.Array:
+    """bool, tokens' shape int32[B,A]: which tokens are one of their row's end-of-sequence ids
+    (`Limits.eos_token_id`, shared or per row)."""
+    eos = jnp.atleast_1d(limits.eos_token_id)
+    eos = eos[:, None, :] if eos.ndim == 2 else eos  # per row: [B, 1, n_eos]
+    return jnp.any(tokens[..., None] == eos, axis=-1)
+
+
+def chain_may_grow(limits: Optional[Limits], seq: Sequences, last: jax.Array,
+                   drafted: jax.Array) -> jax.Array:
+    """bool[B]: rows whose draft chain of `drafted` tokens (int32[B]), the last of them `last`
+    (int32[B]), is worth another draft forward. Not after an end-of-sequence id (nothing past it
+    is ever emitted), nor once the chain holds every token but one that the row may still
+    receive (`max_new_tokens` less those generated): the round's own target token is the last;
+    nor in a finished row (a batch's draft forwards end once its live rows stop). Each stop
+    depends only on the chain and the limits, so a sampled round stays lossless as with
+    adaptive drafting (the accept rule reads `drafted`). limits None: always."""
+    if limits is None:
+        return jnp.ones(drafted.shape, bool)
+    room = limits.max_new_tokens - seq.generated
+    return (drafted < room - 1) & ~end_ids(limits, last[:, None])[:, 0] & ~seq.done
+
+
 def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits,
          lp: Optional[logprobs.TokenLogprobs] = None) -> tuple[Sequences, jax.Array]:
     """Appends new[b, :counts[b]] to each live row, cut after an EOS and at max_new_tokens.
@@ -230,9 +253,7 @@ def emit(seq: Sequences, new: jax.Array, counts: jax.Array, limits: Limits,
     a = jnp.arange(A, dtype=jnp.int32)[None, :]
     room = limits.max_new_tokens - seq.generated
     valid = (a < counts[:, None]) & (a < room[:, None]) & ~seq.done[:, None]
-    eos = jnp.atleast_1d(limits.eos_token_id)
-    eos = eos[:, None, :] if eos.ndim == 2 else eos  # per row: [B, 1, n_eos]
-    is_eos = jnp.any(new[..., None] == eos, axis=-1) & valid
+    is_eos = end_ids(limits, new) & valid
     first_eos = jnp.min(jnp.where(is_eos, a, A), axis=1)
     valid = valid & (a <= first_eos[:, None])
     kept = jnp.sum(valid, axis=1).astype(jnp.int32)

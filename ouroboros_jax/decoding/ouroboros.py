@@ -85,7 +85,7 @@ def _greedy(logits, positions):
 
 
 def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
-                  guard=None):
+                  guard=None, limits=None):
     """Token-by-token drafting (phrase drafting off): speculative decoding's own draft loop
     (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: one forward
     catching up on the tokens the draft has not processed (at most N after a branch was
@@ -96,7 +96,7 @@ def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState,
     d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
                                                     None, state.seq, state.dcache,
                                                     cfg.confidence, catch_up=U + 1,
-                                                    guard=guard)
+                                                    guard=guard, limits=limits)
     rows = jnp.sum(jnp.where(live, drafted, 0), dtype=jnp.int32)  # row forwards = row tokens
     stats = state.stats
     stats = stats.replace(draft_calls=stats.draft_calls + rows,
@@ -179,7 +179,7 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
                                   state.stats)
         return _draft_phase(pair.dparams, pair.dconfig, cfg,
                             state.replace(dcache=dcache, stats=stats), need,
-                            constrained.draft_guard(limits, seq))
+                            constrained.draft_guard(limits, seq), limits)
 
     def skipping(_):
         return (jnp.zeros((B, cfg.gamma), jnp.int32), jnp.zeros((B,), jnp.int32), state.dcache,
@@ -193,13 +193,13 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
 
 
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
-                 guard=None):
+                 guard=None, limits=None):
     """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
     row earlier; slots past it hold garbage), dcache, window, pool, stats). guard
     (`constrained.DraftGuard`, None: none): the draft's choices are masked by the rows'
     constraints along its own chain, so its phrases stay in the language."""
     if not cfg.phrase_drafting:
-        return _draft_tokens(dparams, dconfig, cfg, state, live, guard)
+        return _draft_tokens(dparams, dconfig, cfg, state, live, guard, limits)
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
@@ -331,7 +331,7 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                                                                             state, live, run)
     else:
         d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg,
-                                                               state, live)
+                                                               state, live, None, limits)
         free, prop = jnp.zeros((B,), bool), None
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)

@@ -49,8 +49,8 @@ from ..models.kv_cache import KVCache, commit_prefix, rollback, settle
 from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys,
                         token_probability)
 from ..tree import chain_parents, tree_depths, tree_mask
-from .common import (Limits, Pair, Sequences, Stats, check_fraction, check_int, count_round,
-                     counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
+from .common import (Limits, Pair, Sequences, Stats, chain_may_grow, check_fraction, check_int,
+                     count_round, counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
                      init_stats, insert_sequences, make_runner, plain_step, proposing,
                      prefill_rows, source_labels)
 from . import constrained
@@ -148,14 +148,16 @@ def _confidence(logits: jax.Array, drafts: jax.Array, logq, greedy: bool,
 
 def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingParams,
                   keys, seq: Sequences, cache: KVCache, confidence: float = 0.0,
-                  catch_up: int = 2, guard=None):
+                  catch_up: int = 2, guard=None, limits=None):
     """Up to γ draft forwards -> (drafts int32[B,γ], logq f32[B,γ,V] or None, drafted int32[B],
     forwards int32[], cache).
 
     keys [B,≥γ]: the round's token keys for positions n .. n+γ-1 (None when greedy).
     drafted[b]: tokens row b proposes (γ unless `confidence` stopped it earlier: the first
-    token whose draft probability is below `confidence` is the row's last); forwards: draft
-    forwards run, which end when every row has stopped. Slots past `drafted` hold garbage.
+    token whose draft probability is below `confidence` is the row's last; or `limits` did:
+    `common.chain_may_grow`, an end-of-sequence token is the last, and no more than the row
+    can still receive); forwards: draft forwards run, which end when every row has stopped.
+    Slots past `drafted` hold garbage.
 
     On return the cache holds every token the draft processed: positions < lengths - 1 +
     forwards, the draft's own chain (rolled back by the caller to what was accepted).
@@ -183,10 +185,10 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     V = logits.shape[-1]
     drafts = jnp.zeros((B, gamma), jnp.int32).at[:, 0].set(d[:, 0])
     logqs = None if greedy else jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(logq[:, 0])
-    active = jnp.ones((B,), bool)
-    if confidence > 0:
-        active = _confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence
     drafted = jnp.ones((B,), jnp.int32)
+    active = chain_may_grow(limits, seq, d[:, 0], drafted)
+    if confidence > 0:
+        active = active & (_confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence)
 
     def cond(c):
         i, _, _, _, active, _, _ = c
@@ -208,6 +210,7 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
         if not greedy:
             logqs = jax.lax.dynamic_update_slice_in_dim(logqs, logq, i, axis=1)
         drafted = drafted + active.astype(jnp.int32)
+        active = active & chain_may_grow(limits, seq, d[:, 0], drafted)
         if confidence > 0:
             active = active & (_confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence)
         return i + 1, drafts, logqs, cache, active, drafted, state
@@ -291,7 +294,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     keys = None if greedy else token_keys(sp, positions + 1)
     drafts, logq, drafted, forwards, dcache = draft_propose(
         pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence,
-        guard=constrained.draft_guard(limits, seq))
+        guard=constrained.draft_guard(limits, seq), limits=limits)
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     chain = jnp.concatenate([seq.last[:, None], drafts], axis=1)
     states = constrained.tree_states(limits, seq, parents, chain)
@@ -311,10 +314,8 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     if greedy:
         acc = walk()
     else:
-        if confidence > 0 or limits.speculate is not None or states is not None:
-            acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
-        else:
-            acc = accept_rule(process_logits(logits, sp), logq, drafts, keys)
+        # drafted: the chain may end before γ (EOS, the row's budget, confidence, a constraint)
+        acc = accept_rule(process_logits(logits, sp), logq, drafts, keys, drafted)
         if sp.greedy_rows is not None:  # greedy rows of a mixed batch: the greedy walk
             g = walk()
             acc = jax.tree_util.tree_map(lambda a, b: greedy_where(sp, a, b), g, acc)
