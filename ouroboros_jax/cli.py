@@ -136,15 +136,17 @@ def _cmd_generate(a):
     shape = _parse_mesh(a.mesh) if a.mesh else None
     q = getattr(a, "quantize", None)
     response_format = _response_format(a.response_format)
+    wc = _weights_cache(a)
     if a.model:
-        target = load_model(a.model, dtype=a.dtype, quantize=q)
-        draft = load_model(a.draft, dtype=a.dtype, quantize=q) if a.draft else None
+        target = load_model(a.model, dtype=a.dtype, quantize=q, weights_cache=wc)
+        draft = (load_model(a.draft, dtype=a.dtype, quantize=q, weights_cache=wc) if a.draft
+                 else None)
     else:  # the shipped pair, as `demo` uses it
         from .demo_assets import demo_pair
 
         target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
         if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype, quantize=q)
+            draft = load_model(a.draft, dtype=a.dtype, quantize=q, weights_cache=wc)
     mesh = None
     if shape:
         from .sharding import make_mesh
@@ -160,6 +162,18 @@ def _cmd_generate(a):
     _note_cut(out, default_eos_ids(target), a.max_new_tokens)
     if a.stats:
         _print_stats(out.stats, compile_s)
+
+
+def _weights_cache(a) -> Optional[str]:
+    """--weights-cache resolved (`models.weights_cache.resolve`): a directory, or None (off);
+    checked before anything loads."""
+    from .models import weights_cache
+
+    path = weights_cache.resolve(getattr(a, "weights_cache", None))
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--weights-cache: {path!r} is not a directory; pass a directory or "
+                         "--weights-cache off")
+    return path
 
 
 def _processes(a) -> Optional[tuple]:
@@ -208,13 +222,15 @@ def _serve_models(a, mesh):
     from .models import load_model
 
     q = getattr(a, "quantize", None)
+    wc = _weights_cache(a)
 
     def one(path):
         if mesh is not None and os.path.isdir(path) and q is None:
             from .sharding import load_sharded
 
             return load_sharded(path, mesh, dtype=a.dtype)
-        return load_model(path, dtype=a.dtype, quantize=q)  # quantized: placed by the engine
+        # quantized: placed by the engine
+        return load_model(path, dtype=a.dtype, quantize=q, weights_cache=wc)
 
     if a.model:
         target = one(a.model)

@@ -45,6 +45,15 @@ def add_compile_cache_arg(p) -> None:
                         "~/.cache/ouroboros-jax/xla)")
 
 
+def add_weights_cache_arg(p) -> None:
+    """--weights-cache, for the commands that load GGUF files (generate, serve)."""
+    p.add_argument("--weights-cache", metavar="DIR",
+                   help="keep a GGUF's dequantized weights here after its first load, so the "
+                        "next load maps them instead of dequantizing; 'off' keeps none "
+                        "(default: $OUROBOROS_JAX_WEIGHTS_CACHE, else "
+                        "~/.cache/ouroboros-jax/weights)")
+
+
 def add_serve_gate_args(s) -> None:
     """serve's limit and access flags (`cli._serve_gate` reads them; serving/guard.py enforces)."""
     s.add_argument("--max-body-bytes", type=int, default=8 * 2 ** 20,
@@ -105,6 +114,7 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                    help="parameter and cache dtype")
     g.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8")
     add_compile_cache_arg(g)
+    add_weights_cache_arg(g)
     g.add_argument("--stats", action="store_true", help="print compile time, decode speed and "
                                                         "every stat (JSON) on stderr")
     g.set_defaults(fn=handlers["generate"])
@@ -146,6 +156,7 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                         "they are cancelled (default: %(default)s)")
     add_serve_gate_args(s)
     add_compile_cache_arg(s)
+    add_weights_cache_arg(s)
     s.add_argument("--mesh", help="DATAxMODEL device mesh, e.g. 1x8 (default: none on one "
                                   "process; processes x local devices over several)")
     s.add_argument("--coordinator", help="multi-process: HOST:PORT of process 0, the same on "

@@ -24,6 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OUROBOROS_JAX_CACHE", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), ".jax_cache", "ouroboros_jax"))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the CLI's weights cache (models/weights_cache.py) writes nothing from the suite's CLI calls;
+# tests/test_weights_cache.py gives it directories of its own
+os.environ.setdefault("OUROBOROS_JAX_WEIGHTS_CACHE", "off")
 
 import jax  # noqa: E402
 

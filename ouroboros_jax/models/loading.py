@@ -430,7 +430,7 @@ def resolve_dtype(dtype, backend: Optional[str] = None):
 
 
 def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
-               quantize: Optional[str] = None) -> Model:
+               quantize: Optional[str] = None, weights_cache: Optional[str] = None) -> Model:
     """Loads a local Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 2/Gemma 3 directory, or
     a mixture of experts' (Qwen3-MoE, Mixtral, OLMoE), or a GGUF file (`.gguf`: llama, qwen2,
     qwen3, phi3, gemma2, gemma3, qwen3moe or olmoe architecture, any tensor type the `gguf`
@@ -447,6 +447,9 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
     (`quant.py`; a GGUF's Q8_0 / Q4_0 / Q4_K / Q6_K blocks as they are stored where they fit,
     `gguf_quant.py`); dtype is then the activations' and the float leaves'. On a CPU that runs
     slower than float (XLA:CPU does not fuse the int8 convert into the dot): it is for memory.
+    weights_cache (GGUF files, float weights): None, or a directory where a GGUF's dequantized
+    weights are kept after the first load and mapped by later ones (`weights_cache.py`; the
+    CLI's `--weights-cache`). The library writes nothing unless given one.
     """
     if quantize is not None:
         from .quant import bits_of
@@ -473,7 +476,7 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
             raise ValueError("shardings: slice-wise reading is for safetensors directories; "
                              f"load {path!r} whole and place it with sharding.shard_model, or "
                              "convert it with checkpoints_tools/gguf_to_hf.py first")
-        return _load_gguf_model(path, jnp.dtype(dtype), quantize)
+        return _load_gguf_model(path, jnp.dtype(dtype), quantize, weights_cache)
     if os.path.isfile(path):
         raise ValueError(f"{path!r} is a file but not a GGUF file; give a Hugging Face model "
                          "directory or a .gguf file (here, perhaps the directory "
@@ -491,7 +494,8 @@ def load_model(path: str, dtype: str | jnp.dtype = "auto", shardings=None,
                  generation_config=_with_end_of_turn(gen, config, tokenizer))
 
 
-def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None) -> Model:
+def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
+                     weights_cache: Optional[str] = None) -> Model:
     from .config import normalize_eos
     from .gguf import (config_from_gguf, end_of_generation_ids, load_gguf_params,
                        load_gguf_tokenizer, open_gguf)
@@ -500,8 +504,15 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None) -> Model:
     config = config_from_gguf(reader, path)
     from .gguf_quant import keeper
     from .quant import quantize_loaded
+    from .weights_cache import read as weights_cache_read, write as weights_cache_write
 
-    params = load_gguf_params(reader, config, path, dtype, keep=keeper(config, quantize, dtype))
+    cached = weights_cache is not None and quantize is None
+    params = weights_cache_read(weights_cache, path, config, dtype) if cached else None
+    if params is None:
+        params = load_gguf_params(reader, config, path, dtype,
+                                  keep=keeper(config, quantize, dtype))
+        if cached:
+            weights_cache_write(weights_cache, path, config, params, dtype)
     if quantize is not None:  # the leaves not kept as the file's blocks
         params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)
