@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # First contact with the real pair (docs/real-models.md, "The first answer, process by process"):
-# vanilla and the default, each over a fresh auto store and compile cache, then a second
-# process of each; wall and peak RSS from /usr/bin/time -v, texts compared. Needs the real pair
+# vanilla and the default, each over a fresh auto store, compile cache and weights cache, then a
+# second process of each; wall and peak RSS from /usr/bin/time -v, texts compared. Needs the real pair
 # (../shared/scripts/fetch-real-models.sh). Usage: bash experiments/first_contact.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -17,8 +17,12 @@ run() { # label dir args...
     > $out/$label.out 2> $out/$label.err
   echo "$label wall $(grep 'Elapsed (wall' $out/$label.err | awk '{print $NF}') maxrss_kb $(grep 'Maximum resident' $out/$label.err | awk '{print $NF}')" | tee -a $out/summary.txt
 }
+# a second process of a user re-running a command finds the weights cache its first one wrote
+# in the page cache; the other run's entries (both on this 24 GB machine) may have pushed them
+# out, so each second process starts with its own entries read once (as a re-run would)
+warm() { cat $1/cache/ouroboros-jax/weights/*.bin > /dev/null 2>&1 || true; }
 run vanilla1 $out/v --method vanilla
 run default1 $out/d --draft $D
-run default2 $out/d --draft $D
-run vanilla2 $out/v --method vanilla
+warm $out/d; run default2 $out/d --draft $D
+warm $out/v; run vanilla2 $out/v --method vanilla
 for f in vanilla1 default1 default2 vanilla2; do cmp -s $out/vanilla1.out $out/$f.out && echo "$f text == vanilla1" || echo "$f text DIFFERS"; done | tee -a $out/summary.txt

@@ -26,6 +26,13 @@ def q8_gguf(tmp_path_factory):
     return write_gguf(d / "tiny_q8.gguf", hf, qtype=T.Q8_0)
 
 
+def load(path, dtype, directory=None):
+    """load_model, then the weights cache's writes finished (they run on a thread)."""
+    m = oj.load_model(path, dtype=dtype, weights_cache=directory)
+    weights_cache.wait()
+    return m
+
+
 def leaves(model) -> dict:
     out = {}
     for leaf in leaves_of(model.config):
@@ -63,12 +70,13 @@ def test_second_load_maps_the_same_weights_without_dequantizing(q8_gguf, tmp_pat
                                                                 monkeypatch, capsys):
     calls = counting_dequantizer(monkeypatch)
     plain = oj.load_model(q8_gguf, dtype="float32")
-    first = oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    first = load(q8_gguf, "float32", str(tmp_path))
+    weights_cache.wait()  # written behind the load, on a thread
     assert "keeping the float32 weights of tiny_q8.gguf" in capsys.readouterr().err
     assert len(calls) == 2  # no entry yet: dequantized, then written
     entries = sorted(os.listdir(tmp_path))
     assert [e.rsplit(".", 1)[1] for e in entries] == ["bin", "json"]
-    second = oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    second = load(q8_gguf, "float32", str(tmp_path))
     assert len(calls) == 2 and capsys.readouterr().err == ""  # mapped, nothing written
     want = leaves(plain)
     for name, got in leaves(second).items():
@@ -85,14 +93,14 @@ def test_second_load_maps_the_same_weights_without_dequantizing(q8_gguf, tmp_pat
 
 
 def test_a_changed_file_or_dtype_is_a_miss(q8_gguf, tmp_path, monkeypatch):
-    oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    load(q8_gguf, "float32", str(tmp_path))
     calls = counting_dequantizer(monkeypatch)
-    oj.load_model(q8_gguf, dtype="bfloat16", weights_cache=str(tmp_path))
+    load(q8_gguf, "bfloat16", str(tmp_path))
     assert len(calls) == 1  # another dtype: its own entry
     st = os.stat(q8_gguf)
     os.utime(q8_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # the file changed
     try:
-        oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+        load(q8_gguf, "float32", str(tmp_path))
         assert len(calls) == 2
     finally:
         os.utime(q8_gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -100,7 +108,7 @@ def test_a_changed_file_or_dtype_is_a_miss(q8_gguf, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong shape", "manifest garbage"])
 def test_a_damaged_entry_is_ignored_and_written_again(q8_gguf, tmp_path, monkeypatch, damage):
-    want = leaves(oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path)))
+    want = leaves(load(q8_gguf, "float32", str(tmp_path)))
     name = weights_cache.entry_name(q8_gguf, np.float32)
     data, manifest = (os.path.join(tmp_path, name + ext) for ext in (".bin", ".json"))
     if damage == "truncated":
@@ -112,11 +120,11 @@ def test_a_damaged_entry_is_ignored_and_written_again(q8_gguf, tmp_path, monkeyp
     else:
         open(manifest, "w").write("{not json")
     calls = counting_dequantizer(monkeypatch)
-    got = leaves(oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path)))
+    got = leaves(load(q8_gguf, "float32", str(tmp_path)))
     assert len(calls) == 1  # dequantized again, never read from the damaged entry
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    load(q8_gguf, "float32", str(tmp_path))
     assert len(calls) == 1  # and the entry written again is whole
 
 
@@ -125,7 +133,7 @@ def test_no_room_writes_nothing_and_says_so(q8_gguf, tmp_path, monkeypatch, caps
         free = weights_cache.FREE_MARGIN  # less than the margin plus the entry
 
     monkeypatch.setattr(weights_cache.shutil, "disk_usage", lambda d: Usage)
-    m = oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    m = load(q8_gguf, "float32", str(tmp_path))
     assert m.params is not None
     assert "not caching the float32 weights of tiny_q8.gguf" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
@@ -151,3 +159,19 @@ def test_cli_flag_naming_a_file_is_refused_before_loading(q8_gguf, tmp_path):
         cli.main(["generate", "--model", q8_gguf, "--prompt", "hi", "--weights-cache", str(f)])
     assert "--weights-cache" in str(e.value.code) and "not a directory" in str(e.value.code)
     assert f.read_text() == "x"
+
+
+def test_a_load_during_the_write_waits_for_it(q8_gguf, tmp_path, monkeypatch):
+    calls = counting_dequantizer(monkeypatch)
+    oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))  # writes on a thread
+    oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))  # no wait() between
+    assert len(calls) == 1  # mapped the entry the first load wrote, not dequantized again
+
+
+def test_a_killed_writers_temporary_file_is_removed(q8_gguf, tmp_path):
+    data = os.path.join(tmp_path, weights_cache.entry_name(q8_gguf, np.float32) + ".bin")
+    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
+    stale = f"{data}.{dead}.tmp"
+    open(stale, "wb").write(b"partial")
+    load(q8_gguf, "float32", str(tmp_path))
+    assert not os.path.exists(stale) and os.path.exists(data)

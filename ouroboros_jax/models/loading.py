@@ -504,7 +504,8 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
     config = config_from_gguf(reader, path)
     from .gguf_quant import keeper
     from .quant import quantize_loaded
-    from .weights_cache import read as weights_cache_read, write as weights_cache_write
+    from .weights_cache import read as weights_cache_read
+    from .weights_cache import write_behind as weights_cache_write
 
     cached = weights_cache is not None and quantize is None
     params = weights_cache_read(weights_cache, path, config, dtype) if cached else None
@@ -512,7 +513,7 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
         params = load_gguf_params(reader, config, path, dtype,
                                   keep=keeper(config, quantize, dtype))
         if cached:
-            weights_cache_write(weights_cache, path, config, params, dtype)
+            weights_cache_write(weights_cache, path, config, params, dtype)  # a thread
     if quantize is not None:  # the leaves not kept as the file's blocks
         params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)

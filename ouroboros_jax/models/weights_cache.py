@@ -15,7 +15,9 @@ weights_cache=DIR)` uses one, and the CLI passes the resolved directory.
 An entry is one file of every leaf's bytes at page-aligned offsets and a JSON manifest beside
 it, named by a digest of the GGUF's resolved path, size and modification time, the dtype and
 FORMAT (so a changed file, another dtype or a changed loader is a miss, never stale weights).
-It is written to a temporary name and renamed, so a reader sees a whole entry or none; an entry
+It is written behind the caller's back (`write_behind`: a thread, while the process decodes;
+the process waits for it at exit), to a temporary name then renamed, so a reader sees a whole
+entry or none (a killed writer's temporary file is removed by the next writer); an entry
 whose file size or leaves disagree with its manifest is ignored (and written again). An entry
 is written only where the disk keeps `FREE_MARGIN` free beside it; the first load says on stderr
 what it writes, where, and how to turn it off.
@@ -23,12 +25,14 @@ what it writes, where, and how to turn it off.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import mmap
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -83,6 +87,9 @@ def read(directory: str, path: str, config: ModelConfig, dtype) -> Optional[dict
     from .gguf_read import to_device
 
     data, manifest = _paths(directory, entry_name(path, dtype))
+    writing = _PENDING.pop(data, None)
+    if writing is not None:
+        writing.join()
     try:
         with open(manifest) as f:
             meta = json.load(f)
@@ -107,6 +114,45 @@ def read(directory: str, path: str, config: ModelConfig, dtype) -> Optional[dict
         return to_device(whole[offset:offset + n].view(dt).reshape(shape))
 
     return nest(config, leaf_array)
+
+
+def write_behind(directory: str, path: str, config: ModelConfig, params: dict, dtype,
+                 say=None) -> threading.Thread:
+    """`write` on a thread of its own, started now: the caller goes on (the file writes wait
+    on the disk, not on the cores its decoding uses). Not a daemon: the interpreter waits for
+    it at exit, so a process never leaves a partial entry behind, and its wall clock includes
+    whatever of the write the decoding did not cover."""
+    t = threading.Thread(target=write, args=(directory, path, config, params, dtype, say),
+                         name="ouroboros-jax weights cache", daemon=False)
+    _PENDING[_paths(directory, entry_name(path, dtype))[0]] = t
+    t.start()
+    return t
+
+
+# entry file -> the thread writing it in this process: a load of the same entry waits for it
+# (it would otherwise dequantize the file again beside the write)
+_PENDING: dict = {}
+
+
+def wait() -> None:
+    """Waits for every write this process started (`write_behind`)."""
+    while _PENDING:
+        _PENDING.pop(next(iter(_PENDING))).join()
+
+
+def _drop_stale(data: str) -> None:
+    """Removes temporary files of this entry left by processes that no longer run (a process
+    killed while writing)."""
+    for tmp in glob.glob(glob.escape(data) + ".*.tmp"):
+        try:
+            os.kill(int(tmp.rsplit(".", 2)[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):
+            pass
 
 
 def write(directory: str, path: str, config: ModelConfig, params: dict, dtype,
@@ -136,9 +182,10 @@ def write(directory: str, path: str, config: ModelConfig, params: dict, dtype,
             f" {free / 1e9:.1f} GB free in {directory}")
         return None
     say(f"ouroboros-jax: keeping the {dt.name} weights of {name} ({offset / 1e9:.1f} GB) in "
-        f"{directory}, so the next load maps them instead of dequantizing (--weights-cache "
-        f"off, or {ENV}=off, turns this off)")
+        f"{directory}, so the next load maps them instead of dequantizing; written while this "
+        f"process runs (--weights-cache off, or {ENV}=off, turns this off)")
     t0 = time.perf_counter()
+    _drop_stale(data)
     tmp = f"{data}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
