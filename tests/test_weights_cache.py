@@ -54,78 +54,84 @@ def mapped_from(path: str, address: int) -> bool:
 
 
 def counting_dequantizer(monkeypatch) -> list:
-    """Counts `load_gguf_params` calls (the dequantizing path) from here on."""
+    """Counts dequantized tensor pieces (`gguf_read.fill_tensor` calls) from here on."""
+    from ouroboros_jax.models import gguf_read
+
     calls = []
-    real = gguf.load_gguf_params
+    real = gguf_read.fill_tensor
 
     def counted(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(gguf, "load_gguf_params", counted)
+    monkeypatch.setattr(gguf_read, "fill_tensor", counted)
     return calls
+
+
+def entry(q8_gguf, directory, dtype=np.float32) -> str:
+    return weights_cache.entry_dir(str(directory), q8_gguf, dtype)
 
 
 def test_second_load_maps_the_same_weights_without_dequantizing(q8_gguf, tmp_path,
                                                                 monkeypatch, capsys):
-    calls = counting_dequantizer(monkeypatch)
     plain = oj.load_model(q8_gguf, dtype="float32")
-    first = load(q8_gguf, "float32", str(tmp_path))
-    weights_cache.wait()  # written behind the load, on a thread
+    calls = counting_dequantizer(monkeypatch)
+    load(q8_gguf, "float32", str(tmp_path))
     assert "keeping the float32 weights of tiny_q8.gguf" in capsys.readouterr().err
-    assert len(calls) == 2  # no entry yet: dequantized, then written
-    entries = sorted(os.listdir(tmp_path))
-    assert [e.rsplit(".", 1)[1] for e in entries] == ["bin", "json"]
-    second = load(q8_gguf, "float32", str(tmp_path))
-    assert len(calls) == 2 and capsys.readouterr().err == ""  # mapped, nothing written
+    assert calls  # no entry yet: dequantized, then written
     want = leaves(plain)
+    files = sorted(os.listdir(entry(q8_gguf, tmp_path)))
+    assert files == sorted(name + ".bin" for name in want)  # every leaf whole, no temp file
+    del calls[:]
+    second = load(q8_gguf, "float32", str(tmp_path))
+    assert not calls and capsys.readouterr().err == ""  # mapped, nothing dequantized or written
     for name, got in leaves(second).items():
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, want[name], err_msg=name)
     # the arrays are the entry's pages, not a copy of them
-    data = os.path.join(tmp_path, entries[0])
-    assert mapped_from(data, second.params["embed"].unsafe_buffer_pointer())
-    assert not mapped_from(data, plain.params["embed"].unsafe_buffer_pointer())
+    embed = os.path.join(entry(q8_gguf, tmp_path), "embed.bin")
+    assert mapped_from(embed, second.params["embed"].unsafe_buffer_pointer())
+    assert not mapped_from(embed, plain.params["embed"].unsafe_buffer_pointer())
     prompt = [5, 17, 33, 42, 61, 7]
     kw = dict(max_new_tokens=6, eos_token_id=-1)
     assert oj.generate(second, [prompt], **kw).tokens == oj.generate(plain, [prompt], **kw).tokens
-    assert os.path.getsize(data) % weights_cache.PAGE == 0
 
 
 def test_a_changed_file_or_dtype_is_a_miss(q8_gguf, tmp_path, monkeypatch):
     load(q8_gguf, "float32", str(tmp_path))
     calls = counting_dequantizer(monkeypatch)
     load(q8_gguf, "bfloat16", str(tmp_path))
-    assert len(calls) == 1  # another dtype: its own entry
+    assert calls  # another dtype: its own entry
+    del calls[:]
     st = os.stat(q8_gguf)
     os.utime(q8_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # the file changed
     try:
         load(q8_gguf, "float32", str(tmp_path))
-        assert len(calls) == 2
+        assert calls
     finally:
         os.utime(q8_gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "wrong shape", "manifest garbage"])
-def test_a_damaged_entry_is_ignored_and_written_again(q8_gguf, tmp_path, monkeypatch, damage):
-    want = leaves(load(q8_gguf, "float32", str(tmp_path)))
-    name = weights_cache.entry_name(q8_gguf, np.float32)
-    data, manifest = (os.path.join(tmp_path, name + ext) for ext in (".bin", ".json"))
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_or_partial_entry_maps_the_rest(q8_gguf, tmp_path, monkeypatch, damage):
+    want = leaves(oj.load_model(q8_gguf, dtype="float32"))
+    load(q8_gguf, "float32", str(tmp_path))
+    d = entry(q8_gguf, tmp_path)
+    wq = os.path.join(d, "wq.bin")
     if damage == "truncated":
-        os.truncate(data, os.path.getsize(data) - weights_cache.PAGE)
-    elif damage == "wrong shape":
-        meta = json.load(open(manifest))
-        meta["leaves"]["embed"][1][0] += 1
-        json.dump(meta, open(manifest, "w"))
-    else:
-        open(manifest, "w").write("{not json")
+        os.truncate(wq, os.path.getsize(wq) - 4)
+    else:  # a process that ended before writing it
+        os.remove(wq)
     calls = counting_dequantizer(monkeypatch)
-    got = leaves(load(q8_gguf, "float32", str(tmp_path)))
-    assert len(calls) == 1  # dequantized again, never read from the damaged entry
+    m = load(q8_gguf, "float32", str(tmp_path))
+    assert 0 < len(calls) < len(want)  # only the damaged leaf dequantized
+    assert mapped_from(os.path.join(d, "embed.bin"), m.params["embed"].unsafe_buffer_pointer())
+    got = leaves(m)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    del calls[:]
     load(q8_gguf, "float32", str(tmp_path))
-    assert len(calls) == 1  # and the entry written again is whole
+    assert not calls  # and the leaf written again is whole
 
 
 def test_no_room_writes_nothing_and_says_so(q8_gguf, tmp_path, monkeypatch, capsys):
@@ -136,7 +142,7 @@ def test_no_room_writes_nothing_and_says_so(q8_gguf, tmp_path, monkeypatch, caps
     m = load(q8_gguf, "float32", str(tmp_path))
     assert m.params is not None
     assert "not caching the float32 weights of tiny_q8.gguf" in capsys.readouterr().err
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(entry(q8_gguf, tmp_path)) == []
 
 
 def test_without_a_directory_nothing_is_written(q8_gguf, tmp_path, monkeypatch):
@@ -162,16 +168,30 @@ def test_cli_flag_naming_a_file_is_refused_before_loading(q8_gguf, tmp_path):
 
 
 def test_a_load_during_the_write_waits_for_it(q8_gguf, tmp_path, monkeypatch):
-    calls = counting_dequantizer(monkeypatch)
     oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))  # writes on a thread
+    calls = counting_dequantizer(monkeypatch)
     oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))  # no wait() between
-    assert len(calls) == 1  # mapped the entry the first load wrote, not dequantized again
+    assert not calls  # mapped what the first load wrote, not dequantized again
 
 
 def test_a_killed_writers_temporary_file_is_removed(q8_gguf, tmp_path):
-    data = os.path.join(tmp_path, weights_cache.entry_name(q8_gguf, np.float32) + ".bin")
-    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
-    stale = f"{data}.{dead}.tmp"
+    d = entry(q8_gguf, tmp_path)
+    os.makedirs(d)
+    stale = os.path.join(d, f"embed.bin.{2 ** 22 + 12345}.tmp")  # above any pid_max: no process
     open(stale, "wb").write(b"partial")
     load(q8_gguf, "float32", str(tmp_path))
-    assert not os.path.exists(stale) and os.path.exists(data)
+    assert not os.path.exists(stale) and os.path.exists(os.path.join(d, "embed.bin"))
+
+
+def test_at_exit_a_writer_stops_and_leaves_no_partial_file(q8_gguf, tmp_path, monkeypatch):
+    """The exit hook's flag: the writer stops before its next chunk, removes its temporary file
+    and writes no further leaf (a later load writes them)."""
+    m = oj.load_model(q8_gguf, dtype="float32")
+    monkeypatch.setattr(weights_cache, "CHUNK", 1024)
+    stop = weights_cache.threading.Event()
+    stop.set()
+    monkeypatch.setattr(weights_cache, "_STOP", stop)
+    t = weights_cache.write_behind(str(tmp_path), q8_gguf, m.config, m.params, np.float32,
+                                   say=lambda msg: None)
+    t.join()
+    assert os.listdir(entry(q8_gguf, tmp_path)) == []

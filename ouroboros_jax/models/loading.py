@@ -507,13 +507,14 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
     from .weights_cache import read as weights_cache_read
     from .weights_cache import write_behind as weights_cache_write
 
-    cached = weights_cache is not None and quantize is None
-    params = weights_cache_read(weights_cache, path, config, dtype) if cached else None
-    if params is None:
-        params = load_gguf_params(reader, config, path, dtype,
-                                  keep=keeper(config, quantize, dtype))
-        if cached:
-            weights_cache_write(weights_cache, path, config, params, dtype)  # a thread
+    caching = weights_cache is not None and quantize is None
+    keep = keeper(config, quantize, dtype)
+    mapped = weights_cache_read(weights_cache, path, config, dtype) if caching else {}
+    if mapped:  # the entry's whole leaves, mapped; the others dequantized
+        keep = lambda leaf, tensors, rows: mapped.get(leaf.name)  # noqa: E731
+    params = load_gguf_params(reader, config, path, dtype, keep=keep)
+    if caching:  # the leaves the entry lacks, written on a thread while the caller goes on
+        weights_cache_write(weights_cache, path, config, params, dtype, have=mapped)
     if quantize is not None:  # the leaves not kept as the file's blocks
         params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)
