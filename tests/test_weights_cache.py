@@ -195,3 +195,17 @@ def test_at_exit_a_writer_stops_and_leaves_no_partial_file(q8_gguf, tmp_path, mo
                                    say=lambda msg: None)
     t.join()
     assert os.listdir(entry(q8_gguf, tmp_path)) == []
+
+
+def test_deferred_writes_wait_for_flush(q8_gguf, tmp_path, monkeypatch):
+    """The CLI's generate: nothing is written beside the decoding, everything at `flush`."""
+    monkeypatch.setattr(weights_cache, "_DEFER", weights_cache.threading.Event())
+    weights_cache.defer_writes()
+    m = oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
+    oj.generate(m, [[5, 17, 33]], max_new_tokens=4, eos_token_id=-1)
+    assert os.listdir(entry(q8_gguf, tmp_path)) == []
+    weights_cache.flush()
+    assert len(os.listdir(entry(q8_gguf, tmp_path))) == len(leaves(m))
+    calls = counting_dequantizer(monkeypatch)
+    load(q8_gguf, "float32", str(tmp_path))
+    assert not calls
