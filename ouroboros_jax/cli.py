@@ -137,10 +137,6 @@ def _cmd_generate(a):
     q = getattr(a, "quantize", None)
     response_format = _response_format(a.response_format)
     wc = _weights_cache(a)
-    if wc is not None:  # written after the answer, not beside its decoding
-        from .models import weights_cache
-
-        weights_cache.defer_writes()
     if a.model:
         target = load_model(a.model, dtype=a.dtype, quantize=q, weights_cache=wc)
         draft = (load_model(a.draft, dtype=a.dtype, quantize=q, weights_cache=wc) if a.draft
@@ -166,8 +162,10 @@ def _cmd_generate(a):
     _note_cut(out, default_eos_ids(target), a.max_new_tokens)
     if a.stats:
         _print_stats(out.stats, compile_s)
-    if wc is not None:
-        sys.stdout.flush()  # the answer is out before the weights cache is written
+    if wc is not None:  # the next process maps the whole entry: this one finishes writing it
+        from .models import weights_cache
+
+        sys.stdout.flush()
         weights_cache.flush()
 
 

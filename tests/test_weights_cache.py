@@ -197,15 +197,9 @@ def test_at_exit_a_writer_stops_and_leaves_no_partial_file(q8_gguf, tmp_path, mo
     assert os.listdir(entry(q8_gguf, tmp_path)) == []
 
 
-def test_deferred_writes_wait_for_flush(q8_gguf, tmp_path, monkeypatch):
-    """The CLI's generate: nothing is written beside the decoding, everything at `flush`."""
-    monkeypatch.setattr(weights_cache, "_DEFER", weights_cache.threading.Event())
-    weights_cache.defer_writes()
+def test_flush_waits_for_the_whole_entry(q8_gguf, tmp_path, monkeypatch):
+    """The CLI's generate calls `flush` after its answer: then every leaf is whole on disk."""
+    monkeypatch.setattr(weights_cache, "CHUNK", 4096)  # many chunks: the write takes a while
     m = oj.load_model(q8_gguf, dtype="float32", weights_cache=str(tmp_path))
-    oj.generate(m, [[5, 17, 33]], max_new_tokens=4, eos_token_id=-1)
-    assert os.listdir(entry(q8_gguf, tmp_path)) == []
-    weights_cache.flush()
-    assert len(os.listdir(entry(q8_gguf, tmp_path))) == len(leaves(m))
-    calls = counting_dequantizer(monkeypatch)
-    load(q8_gguf, "float32", str(tmp_path))
-    assert not calls
+    weights_cache.flush(progress=False)
+    assert sorted(os.listdir(entry(q8_gguf, tmp_path))) == sorted(n + ".bin" for n in leaves(m))

@@ -19,11 +19,12 @@ temporary name and renamed once whole, and read only at the size the model's con
 a reader maps the whole leaves it finds and dequantizes the others (`load_gguf_params`' keep
 hook), and a damaged file is ignored and written again.
 
-The leaves a load did not find are written by a thread (`write_behind`): at once for a library
-caller, or, in the CLI's `generate`, after the answer (`defer_writes`, `flush`, which shows a
-bar): on this project's VM (a disk writing 86 MB/s, fresh pages slow to back) the write beside
-the decoding made it 1.8x slower, after it the write cost its own time (~28 s for the real
-pair's 9.6 GB, once). A writer stopped at exit (the serving process ending, Ctrl-C) stops after
+The leaves a load did not find are written by a thread from the load on (`write_behind`), beside
+the compile and the decoding; the CLI's `generate` waits for it after its answer (`flush`, with
+a bar), so its next process finds the whole entry. Measured on this project's VM (a disk
+writing 86 MB/s, fresh pages slow to back), the real pair's first process took ~30 s longer
+(its 9.6 GB); writing only after the answer took 120 s more, and a writer that gave up at exit
+left the second process half an entry. A writer stopped at exit (the serving process ending, Ctrl-C) stops after
 its current chunk (`CHUNK`) and removes its partial file; what it did not write, a later load
 does (a killed writer's temporary file is removed by the next writer). Written only where the disk keeps
 `FREE_MARGIN` free beside it; the first write says on stderr what it writes, where, and how
@@ -90,12 +91,9 @@ _PENDING: dict = {}
 
 
 def wait() -> None:
-    """Waits for every write this process started (`write_behind`); a deferred one not started
-    yet (`defer_writes`) is dropped."""
+    """Waits for every write this process started (`write_behind`)."""
     while _PENDING:
-        t = _PENDING.pop(next(iter(_PENDING)))
-        if t.ident is not None:
-            t.join()
+        _PENDING.pop(next(iter(_PENDING))).join()
 
 
 def read(directory: str, path: str, config: ModelConfig, dtype) -> dict:
@@ -107,8 +105,6 @@ def read(directory: str, path: str, config: ModelConfig, dtype) -> dict:
     entry = entry_dir(directory, path, dtype)
     writing = _PENDING.pop(entry, None)
     if writing is not None:
-        if writing.ident is None:  # deferred: written now, before the entry is read
-            writing.start()
         writing.join()
     dt = np.dtype(dtype)
     out = {}
@@ -149,40 +145,24 @@ def write_behind(directory: str, path: str, config: ModelConfig, params: dict, d
         say(f"ouroboros-jax: not caching the {dt.name} weights of {name} ({size / 1e9:.1f} GB):"
             f" {free / 1e9:.1f} GB free in {directory}")
         return None
-    when = "before this process exits" if _DEFER.is_set() else "while this process runs"
     say(f"ouroboros-jax: keeping the {dt.name} weights of {name} ({size / 1e9:.1f} GB) in "
-        f"{directory} {when}, so later loads map them instead of dequantizing "
-        f"(--weights-cache off, or {ENV}=off, turns this off)")
+        f"{directory}, so later loads map them instead of dequantizing (--weights-cache off, "
+        f"or {ENV}=off, turns this off)")
     arrays = [(leaf, (params["layers"] if leaf.per_layer else params)[leaf.name])
               for leaf in todo]
     t = threading.Thread(target=_write_leaves, args=(entry, arrays, dt, say), daemon=True,
                          name="ouroboros-jax weights cache")
     t.nbytes = size
     _PENDING[entry] = t
-    if not _DEFER.is_set():
-        t.start()
+    t.start()
     return t
 
 
-# set by `defer_writes`: writers wait for `flush` instead of starting at the load
-_DEFER = threading.Event()
-
-
-def defer_writes() -> None:
-    """From now on, the writes of later loads wait for `flush`. The CLI's `generate` defers
-    them past its answer: on this project's VM a write beside the decoding (page-cache pages
-    claimed while the decode reads the weights) made the decoding 1.8x slower, where the same
-    write after it cost only its own time."""
-    _DEFER.set()
-
-
 def flush(progress: bool = True) -> None:
-    """Starts the deferred writes and waits for every write, with a bar on stderr over their
-    bytes once 2 s have passed."""
+    """Waits for every write this process started, with a bar on stderr over their bytes once
+    2 s have passed (the CLI's generate, after its answer: its second process needs the whole
+    entry)."""
     todo = list(_PENDING.values())
-    for t in todo:
-        if t.ident is None:
-            t.start()
     bar = _bar(sum(getattr(t, "nbytes", 0) for t in todo)) if progress else None
     try:
         while any(t.is_alive() for t in todo):
