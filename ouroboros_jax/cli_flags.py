@@ -48,10 +48,10 @@ def add_compile_cache_arg(p) -> None:
 def add_weights_cache_arg(p) -> None:
     """--weights-cache, for the commands that load GGUF files (generate, serve)."""
     p.add_argument("--weights-cache", metavar="DIR",
-                   help="keep a GGUF's dequantized weights here after its first load, so the "
-                        "next load maps them instead of dequantizing; 'off' keeps none "
-                        "(default: $OUROBOROS_JAX_WEIGHTS_CACHE, else "
-                        "~/.cache/ouroboros-jax/weights)")
+                   help="keep a GGUF's dequantized weights in DIR ('on': "
+                        "~/.cache/ouroboros-jax/weights), written during the first load's "
+                        "process, so later loads map them instead of dequantizing; 'off' "
+                        "(the default, else $OUROBOROS_JAX_WEIGHTS_CACHE) keeps none")
 
 
 def add_serve_gate_args(s) -> None:

@@ -145,17 +145,20 @@ def test_no_room_writes_nothing_and_says_so(q8_gguf, tmp_path, monkeypatch, caps
     assert os.listdir(entry(q8_gguf, tmp_path)) == []
 
 
-def test_without_a_directory_nothing_is_written(q8_gguf, tmp_path, monkeypatch):
+def test_off_unless_asked(q8_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(weights_cache.ENV, raising=False)
     oj.load_model(q8_gguf, dtype="float32")
     assert os.listdir(tmp_path) == []
+    assert weights_cache.resolve(None) is None  # nothing asked: off
     assert weights_cache.resolve("off") is None and weights_cache.resolve("OFF ") is None
-    monkeypatch.setenv(weights_cache.ENV, "off")
-    assert weights_cache.resolve(None) is None
-    monkeypatch.setenv(weights_cache.ENV, str(tmp_path / "w"))
-    assert weights_cache.resolve(None) == str(tmp_path / "w")
-    monkeypatch.delenv(weights_cache.ENV)
+    assert weights_cache.resolve("on") == str(tmp_path / "ouroboros-jax" / "weights")
+    assert weights_cache.resolve(str(tmp_path / "w")) == str(tmp_path / "w")
+    monkeypatch.setenv(weights_cache.ENV, "on")
     assert weights_cache.resolve(None) == str(tmp_path / "ouroboros-jax" / "weights")
+    assert weights_cache.resolve("off") is None  # the flag wins over the environment
+    monkeypatch.setenv(weights_cache.ENV, str(tmp_path / "v"))
+    assert weights_cache.resolve(None) == str(tmp_path / "v")
 
 
 def test_cli_flag_naming_a_file_is_refused_before_loading(q8_gguf, tmp_path):

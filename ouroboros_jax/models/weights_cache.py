@@ -7,10 +7,13 @@ the same float32 bytes from the page cache has them in well under a second: the 
 adopted by jax without a copy (`gguf_read.to_device`, page-aligned), and their pages are
 faulted in by the first forward. The weights stay held once, as file-backed pages.
 
-Where: `--weights-cache DIR`, else $OUROBOROS_JAX_WEIGHTS_CACHE, else
-$XDG_CACHE_HOME/ouroboros-jax/weights (~/.cache/ouroboros-jax/weights); "off" keeps none.
-Like the compile cache, the library writes nothing by itself: `load_model(...,
-weights_cache=DIR)` uses one, and the CLI passes the resolved directory.
+Where: `--weights-cache DIR` (or `on`: $XDG_CACHE_HOME/ouroboros-jax/weights, i.e.
+~/.cache/ouroboros-jax/weights), else $OUROBOROS_JAX_WEIGHTS_CACHE the same way; off unless
+asked. Opt-in because its first write is not free where disks are slow: on this project's VM
+(a disk writing 60-86 MB/s, fresh pages slow to back) writing the real pair's 9.6 GB made the
+first process 30-90 s longer (the decoding beside it up to 2x slower); later processes then
+load in well under a second instead of 13 s. The library writes nothing by itself either:
+`load_model(..., weights_cache=DIR)` uses one, and the CLI passes the resolved directory.
 
 An entry is a directory named by a digest of the GGUF's resolved path, size and modification
 time, the dtype and FORMAT (so a changed file, another dtype or a changed loader is a miss,
@@ -19,14 +22,13 @@ temporary name and renamed once whole, and read only at the size the model's con
 a reader maps the whole leaves it finds and dequantizes the others (`load_gguf_params`' keep
 hook), and a damaged file is ignored and written again.
 
-The leaves a load did not find are written by a thread from the load on (`write_behind`), beside
-the compile and the decoding; the CLI's `generate` waits for it after its answer (`flush`, with
-a bar), so its next process finds the whole entry. Measured on this project's VM (a disk
-writing 86 MB/s, fresh pages slow to back), the real pair's first process took ~30 s longer
-(its 9.6 GB); writing only after the answer took 120 s more, and a writer that gave up at exit
-left the second process half an entry. A writer stopped at exit (the serving process ending, Ctrl-C) stops after
-its current chunk (`CHUNK`) and removes its partial file; what it did not write, a later load
-does (a killed writer's temporary file is removed by the next writer). Written only where the disk keeps
+The leaves a load did not find are written by a thread from the load on (`write_behind`),
+beside the compile and the decoding; the CLI's `generate` waits for it after its answer
+(`flush`, with a bar), so its next process finds the whole entry (a writer that gave up at exit
+left the second process half an entry; writing only after the answer cost more still). A
+writer stopped at exit (the serving process ending, Ctrl-C) stops after its current chunk
+(`CHUNK`) and removes its partial file; what it did not write, a later load does (a killed
+writer's temporary file is removed by the next writer). Written only where the disk keeps
 `FREE_MARGIN` free beside it; the first write says on stderr what it writes, where, and how
 to turn it off.
 """
@@ -48,7 +50,7 @@ from .config import ModelConfig
 from .params import Leaf, leaves_of
 
 ENV = "OUROBOROS_JAX_WEIGHTS_CACHE"
-OFF = "off"
+OFF, ON = "off", "on"
 # bump when dequantization or the params layout changes: entries of another format are misses
 FORMAT = 1
 # an entry is written only if the disk keeps this much free beside it
@@ -62,9 +64,13 @@ def default_dir() -> str:
 
 
 def resolve(flag: Optional[str]) -> Optional[str]:
-    """The directory to use (None: no cache) from the flag, the environment and the default."""
-    choice = flag if flag is not None else os.environ.get(ENV) or default_dir()
-    return None if choice.strip().lower() == OFF else os.path.expanduser(choice)
+    """The directory to use (None: no cache) from the flag, else the environment: "on" is
+    `default_dir()`, "off" or nothing is none (the cache is opt-in: its first write is slow on
+    slow disks, see the module's docstring)."""
+    choice = (flag if flag is not None else os.environ.get(ENV) or OFF).strip()
+    if choice.lower() == OFF:
+        return None
+    return default_dir() if choice.lower() == ON else os.path.expanduser(choice)
 
 
 def entry_dir(directory: str, path: str, dtype) -> str:
