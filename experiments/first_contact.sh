@@ -3,6 +3,7 @@
 # vanilla and the default, each over a fresh auto store, compile cache and weights cache, then a
 # second process of each; wall and peak RSS from /usr/bin/time -v, texts compared. Needs the real pair
 # (../shared/scripts/fetch-real-models.sh). Usage: bash experiments/first_contact.sh
+# (WC=on: with the opt-in weights cache, each run dir its own)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -14,6 +15,7 @@ run() { # label dir args...
   local label=$1 dir=$2; shift 2
   XDG_CACHE_HOME=$dir/cache OUROBOROS_JAX_CACHE=$dir/auto /usr/bin/time -v \
     python -m ouroboros_jax.cli generate --model $T "$@" --chat "$CHAT" --max-new-tokens 128 --stats \
+    --weights-cache ${WC:-off} \
     > $out/$label.out 2> $out/$label.err
   echo "$label wall $(grep 'Elapsed (wall' $out/$label.err | awk '{print $NF}') maxrss_kb $(grep 'Maximum resident' $out/$label.err | awk '{print $NF}')" | tee -a $out/summary.txt
 }
