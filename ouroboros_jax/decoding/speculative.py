@@ -50,9 +50,9 @@ from ..sampling import (SamplingParams, greedy_where, process_logits, token_keys
                         token_probability)
 from ..tree import chain_parents, tree_depths, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, chain_may_grow, check_fraction, check_int,
-                     count_round, counter, counters_dict, emit, empty_cache, empty_sequences, follow_draft,
-                     init_stats, insert_sequences, make_runner, plain_step, proposing,
-                     prefill_rows, source_labels)
+                     count_round, counter, counters_dict, emit, empty_cache, empty_sequences,
+                     follow_draft, init_stats, insert_sequences, make_runner, plain_step,
+                     proposing, prefill_rows, source_labels)
 from . import constrained
 from .cost import (ROUND_OVERHEAD, RoundModel, agreement_from_eta,
                    depth_counts, expected_tokens)

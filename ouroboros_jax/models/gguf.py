@@ -563,22 +563,11 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
 
 
 def _progress_bar(total: int, path: str, enabled: bool):
-    """A tqdm bar over the tensor bytes on stderr, shown only once 2 s have passed (a small
-    file loads silently); None when disabled or tqdm is missing."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    import sys
+    """A bar over the tensor bytes on stderr, shown only once 2 s have passed (a small file
+    loads silently); None when disabled or tqdm is missing (`gguf_read.byte_bar`)."""
+    from .gguf_read import byte_bar
 
-    try:
-        return tqdm(total=total, unit="B", unit_scale=True,
-                    desc=f"loading {os.path.basename(path)}", delay=2.0, mininterval=1.0,
-                    file=sys.stderr, leave=False, dynamic_ncols=True)
-    except TypeError:  # a tqdm without `delay`: load silently rather than always print
-        return None
+    return byte_bar(total, f"loading {os.path.basename(path)}") if enabled else None
 
 
 # the tokenizer.* metadata is read into a tokenizer by gguf_tokenizer.py (no torch needed)

@@ -301,3 +301,20 @@ def to_device(a: np.ndarray):
     import jax
 
     return jax.device_put(a, may_alias=True)
+
+
+def byte_bar(total: int, desc: str):
+    """A tqdm bar over `total` bytes on stderr, shown only once 2 s have passed (quick work
+    stays silent); None where tqdm is missing or too old for `delay` (then silent rather than
+    always printing)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    import sys
+
+    try:
+        return tqdm(total=total, unit="B", unit_scale=True, desc=desc, delay=2.0,
+                    mininterval=1.0, file=sys.stderr, leave=False, dynamic_ncols=True)
+    except TypeError:
+        return None

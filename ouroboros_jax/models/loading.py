@@ -505,7 +505,7 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
     from .gguf_quant import keeper
     from .quant import quantize_loaded
     from .weights_cache import read as weights_cache_read
-    from .weights_cache import write_behind as weights_cache_write
+    from .weights_cache import write_behind as weights_cache_write_behind
 
     caching = weights_cache is not None and quantize is None
     keep = keeper(config, quantize, dtype)
@@ -514,7 +514,7 @@ def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
         keep = lambda leaf, tensors, rows: mapped.get(leaf.name)  # noqa: E731
     params = load_gguf_params(reader, config, path, dtype, keep=keep)
     if caching:  # the leaves the entry lacks, written on a thread while the caller goes on
-        weights_cache_write(weights_cache, path, config, params, dtype, have=mapped)
+        weights_cache_write_behind(weights_cache, path, config, params, dtype, have=mapped)
     if quantize is not None:  # the leaves not kept as the file's blocks
         params = quantize_loaded(params, config, quantize)
     tokenizer = load_gguf_tokenizer(reader, path)

@@ -131,12 +131,14 @@ def write_behind(directory: str, path: str, config: ModelConfig, params: dict, d
                  have=(), say=None) -> Optional[threading.Thread]:
     """Writes the leaves of `params` (a loaded model's, as `nest` builds them) not in `have`
     (names the entry holds already) on a daemon thread, started now -> the thread, or None
-    where nothing is missing or the disk lacks the room (said on stderr). The caller goes on;
-    the process does not wait for it at exit (what it did not write, a later load does)."""
+    where nothing is missing or the disk lacks the room (said on stderr). The caller goes on
+    (`flush` waits for it); at exit it stops after its current chunk (what it did not write, a
+    later load does)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     entry = entry_dir(directory, path, dtype)
     dt = np.dtype(dtype)
-    todo = [leaf for leaf in leaves_of(config) if leaf.name not in set(have)]
+    have = set(have)
+    todo = [leaf for leaf in leaves_of(config) if leaf.name not in have]
     if not todo:
         return None
     size = sum(_nbytes(leaf, config, dt) for leaf in todo)
@@ -168,30 +170,22 @@ def flush(progress: bool = True) -> None:
     """Waits for every write this process started, with a bar on stderr over their bytes once
     2 s have passed (the CLI's generate, after its answer: its second process needs the whole
     entry)."""
+    from .gguf_read import byte_bar
+
     todo = list(_PENDING.values())
-    bar = _bar(sum(getattr(t, "nbytes", 0) for t in todo)) if progress else None
+    total, start = sum(getattr(t, "nbytes", 0) for t in todo), _WRITTEN[0]
+    bar = byte_bar(total, "writing the weights cache") if progress else None
     try:
         while any(t.is_alive() for t in todo):
             for t in todo:
                 t.join(0.5)
             if bar is not None:
-                bar.n = _WRITTEN[0]
+                bar.n = _WRITTEN[0] - start
                 bar.refresh()
     finally:
         if bar is not None:
             bar.close()
     wait()
-
-
-def _bar(total: int):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="B", unit_scale=True, desc="writing the weights cache",
-                    delay=2.0, mininterval=1.0, file=sys.stderr, leave=False,
-                    dynamic_ncols=True)
-    except (ImportError, TypeError):
-        return None
 
 
 _WRITTEN = [0]  # bytes the writers wrote in this process (the bar's count)
