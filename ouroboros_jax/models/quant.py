@@ -50,6 +50,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from . import few_rows
+
 # the quantize= choices: code width in bits
 BITS = {"int8": 8, "int4": 4}
 # int4's default group along the input side (128: 4.25 bits per weight with f32 scales); a
@@ -250,7 +252,9 @@ def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
     if not is_quantized(w):
         in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
         w2 = w.reshape(math.prod(in_shape), math.prod(out_shape))
-        if out_dtype is None:
+        if few_rows.applies(x, w2):  # a decode or verification forward on a CPU (few_rows.py)
+            y = few_rows.matmul(x, w2).astype(out_dtype or x.dtype)
+        elif out_dtype is None:
             y = x @ w2
         else:
             y = jnp.einsum("...i,io->...o", x, w2, preferred_element_type=out_dtype)

@@ -1,0 +1,175 @@
+"""The few-row product on a CPU: y[M, N] = x[M, K] @ w[K, N] in float32 for 2 <= M <= 16 rows,
+through our own kernel (`kernels/few_rows.cc`, an XLA FFI custom call) where it applies.
+
+Why: a decode forward multiplies 1 row by every weight and a verification forward M = the
+tree's nodes (5-17). XLA:CPU streams the weights once for M = 1, but for M > 1 it runs a
+general matrix product that packs them first: a stack of six 1536 x 8960 products took
+14-16 ms at M = 1 and 36-40 ms at M = 9 (2.2-2.5x; llama.cpp's few-row kernels ~1.4x), and on
+the real pair the target's 9-token verification cost 2.2x its 1-token forward. The kernel
+streams the weights once for every row: 25-28 ms at M = 9 on the same stack (2 AVX-512
+cores).
+
+Exactness: each output is one chain of fused multiply-adds over k in order, whatever M is, so
+a verification row equals the one-token forward's row bit for bit (tested); against XLA's own
+product it differs by float32 rounding only (the order of the sums).
+
+Where it runs (`enabled`): the CPU backend with one device (a custom call has no sharding
+rule; a CPU mesh keeps XLA's product), an x86-64 CPU with AVX-512, a C++ compiler to build the
+kernel once per machine (`g++`, ~5 s, cached under the XDG cache directory by a hash of the
+source, the flags and jaxlib), and `OUROBOROS_JAX_FEW_ROWS` not `0`. Anywhere else, and for
+more rows, other dtypes or quantized weights, `matmul` is `x @ w`. A build that fails is said
+once on stderr and the process keeps XLA's product.
+
+Letters (package glossary): the product's own M rows, K inputs, N outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_ROWS = 16  # the kernel's register blocking (kMaxRows in the source)
+MIN_ROWS = 2  # one row: XLA's matrix-vector product (see the module docstring)
+TARGET = "ouroboros_few_rows_matmul"
+ENV = "OUROBOROS_JAX_FEW_ROWS"
+SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "few_rows.cc")
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC")
+
+
+def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU reports AVX-512 Foundation (Linux's cpuinfo flags; False elsewhere)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def cache_dir() -> str:
+    """Where built kernels are kept: $XDG_CACHE_HOME (or ~/.cache)/ouroboros-jax/kernels."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ouroboros-jax", "kernels")
+
+
+def library_path(compiler: str) -> str:
+    """The built kernel's path: named by a hash of the source, the compiler, the flags and the
+    jaxlib version (whose FFI headers it is built against), so any change builds anew."""
+    import jaxlib
+
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(repr((compiler, FLAGS, jaxlib.__version__)).encode())
+    return os.path.join(cache_dir(), f"few_rows-{h.hexdigest()[:16]}.so")
+
+
+def build(path: str, compiler: str) -> None:
+    """Compiles the kernel to `path`: into a temporary file beside it, renamed into place, so
+    processes building at once (pytest's workers) never load a partial library."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-lpthread"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else
+                               f"{compiler} exited with {done.returncode}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def _registered() -> Optional[str]:
+    """Builds (once per machine) and registers the kernel; its library path, or None when it
+    cannot be built here (said once on stderr)."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        return None
+    path = library_path(compiler)
+    try:
+        if not os.path.exists(path):
+            build(path, compiler)
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.FewRowsMatmul),
+                                    platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure keeps XLA's product
+        print(f"ouroboros-jax: the few-row CPU kernel could not be built ({e}); using XLA's "
+              f"product (set {ENV}=0 to skip the attempt)", file=sys.stderr)
+        return None
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def enabled() -> bool:
+    """Whether `matmul` uses the kernel in this process (see the module docstring)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    if jax.default_backend() != "cpu" or jax.device_count() != 1 or not cpu_has_avx512():
+        return False
+    return _registered() is not None
+
+
+def threads() -> int:
+    """Threads one product splits its columns over: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _kernel(x2: jax.Array, w: jax.Array) -> jax.Array:
+    """x2 float32[M,K] @ w float32[K,N] -> float32[M,N] by the custom call."""
+    out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        x2, w, threads=np.int64(threads()))
+
+
+@jax.custom_vjp
+def _product(x2: jax.Array, w: jax.Array) -> jax.Array:
+    return _kernel(x2, w)
+
+
+def _product_fwd(x2, w):
+    return _kernel(x2, w), (x2, w)
+
+
+def _product_bwd(res, g):
+    x2, w = res  # the gradients by XLA's own products (a custom call has no derivative)
+    return g @ w.T, x2.T @ g
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def applies(x: jax.Array, w: jax.Array) -> bool:
+    """Whether x [..., K] @ w [K, N] goes through the kernel: float32 both, a 2-D weight,
+    MIN_ROWS..MAX_ROWS rows, and `enabled()`."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return (w.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and MIN_ROWS <= rows <= MAX_ROWS and x.shape[-1] == w.shape[0] and w.shape[1] >= 1
+            and enabled())
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N]: the kernel where it `applies`, else XLA's product."""
+    if not applies(x, w):
+        return x @ w
+    y = _product(x.reshape(-1, x.shape[-1]), w)
+    return y.reshape(*x.shape[:-1], w.shape[1])

@@ -1,0 +1,181 @@
+"""The few-row CPU product (models/few_rows.py): the kernel against a float64 reference over
+the shapes its blocking has edges at, rows independent of their neighbours, its gradient, and
+where it does and does not apply. Needs an AVX-512 CPU and a C++ compiler (the kernel's own
+requirements: elsewhere the library keeps XLA's product, which every other test exercises)."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ouroboros_jax.models import few_rows, quant
+
+needs_kernel = pytest.mark.skipif(
+    not few_rows.cpu_has_avx512() or shutil.which("g++") is None,
+    reason="the few-row kernel needs an AVX-512 CPU and g++ (XLA's product runs instead)")
+
+
+@pytest.fixture
+def kernel_on(monkeypatch):
+    """The kernel on in this process: the suite runs 8 fake CPU devices, where `enabled()` keeps
+    XLA's product (a custom call has no sharding rule); these tests run unsharded products."""
+    assert few_rows._registered() is not None
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+
+
+def _ref(x, w):
+    return np.asarray(x, np.float64).reshape(-1, x.shape[-1]) @ np.asarray(w, np.float64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,k,n", [(2, 96, 200), (9, 1537, 1000), (16, 7, 17), (5, 1, 1),
+                                      (3, 33, 16), (13, 64, 4097)])
+def test_kernel_matches_a_float64_product(rows, k, n, kernel_on):
+    rng = np.random.default_rng(rows * 1000 + n)
+    x = jnp.asarray(rng.standard_normal((1, rows, k), np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+    assert few_rows.applies(x, w)
+    y = np.asarray(jax.jit(few_rows.matmul)(x, w))
+    assert y.shape == (1, rows, n)
+    ref = _ref(x, w)
+    # float32 sums of k terms of unit size: rounding ~ sqrt(k) * 2^-24 * |terms|
+    assert np.abs(y.reshape(rows, n) - ref).max() <= 1e-5 * np.sqrt(k) * np.abs(ref).max() + 1e-6
+    # every column is written (a masked tail that skipped one would leave garbage or zeros)
+    assert np.all(np.isfinite(y)) and np.abs(y - ref.reshape(y.shape)).max() < 1e-2
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel_on):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((9, 1536), np.float32))
+    w = jnp.asarray(rng.standard_normal((1536, 300), np.float32))
+    f = jax.jit(few_rows.matmul)
+    y9 = np.asarray(f(x, w))
+    for lo in (0, 4, 7):
+        pair = np.asarray(f(x[lo:lo + 2], w))
+        assert np.array_equal(pair, y9[lo:lo + 2])  # bit for bit
+
+
+@needs_kernel
+def test_gradient_is_xlas(kernel_on):
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 3, 40), np.float32))
+    w = jnp.asarray(rng.standard_normal((40, 24), np.float32))
+    g = jax.grad(lambda x, w: jnp.sum(few_rows.matmul(x, w) ** 2), argnums=(0, 1))(x, w)
+    h = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), argnums=(0, 1))(x, w)
+    for a, b in zip(g, h):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_where_it_applies(kernel_on):
+    w = jnp.zeros((8, 4), jnp.float32)
+    assert few_rows.applies(jnp.zeros((1, 2, 8)), w)
+    assert few_rows.applies(jnp.zeros((4, 4, 8)), w)  # 16 rows
+    assert not few_rows.applies(jnp.zeros((1, 1, 8)), w)  # one row: XLA's matrix-vector product
+    assert not few_rows.applies(jnp.zeros((17, 8)), w)  # a prefill's many rows
+    assert not few_rows.applies(jnp.zeros((2, 8), jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert not few_rows.applies(jnp.zeros((2, 8)), jnp.zeros((8, 2, 2)))
+
+
+@needs_kernel
+def test_linear_uses_it_for_a_few_rows_only(kernel_on):
+    """quant.linear, every plain weight product of the models, runs the custom call for a
+    few rows and XLA's dot otherwise (read off the lowered program)."""
+    w = jnp.ones((8, 6), jnp.float32)
+    few = jax.jit(lambda x: quant.linear(x, w)).lower(jnp.ones((1, 3, 8))).as_text()
+    one = jax.jit(lambda x: quant.linear(x, w)).lower(jnp.ones((1, 1, 8))).as_text()
+    assert few_rows.TARGET in few and few_rows.TARGET not in one
+    y = jax.jit(lambda x: quant.linear(x, w, out_dtype=jnp.float32))(jnp.ones((1, 3, 8)))
+    np.testing.assert_allclose(np.asarray(y), 8.0)
+
+
+def test_off_on_a_multi_device_cpu():
+    assert jax.device_count() > 1  # the suite's fake mesh (conftest.py)
+    assert not few_rows.enabled()
+
+
+def test_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(few_rows.ENV, "0")
+    few_rows.enabled.cache_clear()
+    try:
+        assert not few_rows.enabled()
+        assert not few_rows.applies(jnp.zeros((2, 8)), jnp.zeros((8, 4)))
+    finally:
+        few_rows.enabled.cache_clear()
+
+
+def test_a_failed_build_keeps_xlas_product(monkeypatch, tmp_path, capsys):
+    """A compiler that fails: one line on stderr naming the way out, and no kernel."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "false")
+    few_rows._registered.cache_clear()
+    try:
+        assert few_rows._registered() is None
+        err = capsys.readouterr().err
+        assert "could not be built" in err and few_rows.ENV in err
+    finally:
+        few_rows._registered.cache_clear()
+        few_rows.enabled.cache_clear()
+
+
+def test_cpuinfo_parsing(tmp_path):
+    p = tmp_path / "cpuinfo"
+    p.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n")
+    assert few_rows.cpu_has_avx512(str(p))
+    p.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512_bf16\n")
+    assert not few_rows.cpu_has_avx512(str(p))
+    assert not few_rows.cpu_has_avx512(str(tmp_path / "missing"))
+
+
+EXACT_SCRIPT = """
+import json, sys
+import ouroboros_jax as oj
+from ouroboros_jax.models import few_rows
+assert few_rows.enabled(), "the kernel should be on in a one-device CPU process"
+t, d = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
+prompts = [[1, 5, 9, 14, 3, 7, 22], [1, 40, 41, 42, 40, 41, 42, 40, 41]]
+out = {}
+for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamma=4)),
+                    ("prompt_lookup", None), ("ouroboros", None)]:
+    kw = {} if cfg is None else {"config": cfg}
+    r = oj.generate(t, prompts, draft=None if method in ("vanilla", "prompt_lookup") else d,
+                    method=method, max_new_tokens=12, **kw)
+    out[method] = [list(map(int, row)) for row in r.tokens]
+print(json.dumps(out))
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
+    """A one-device process (the kernel on: prefill of <= 16 tokens and every verification):
+    vanilla gives transformers' greedy tokens, and every method gives vanilla's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import make_hf_model
+
+    td, dd = tmp_path / "t", tmp_path / "d"
+    torch_t = make_hf_model(td, seed=0)
+    make_hf_model(dd, seed=1, layers=1)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    done = subprocess.run([sys.executable, "-c", EXACT_SCRIPT, str(td), str(dd)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    prompts = [[1, 5, 9, 14, 3, 7, 22], [1, 40, 41, 42, 40, 41, 42, 40, 41]]
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = torch_t.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert out["vanilla"][i][:len(ref)] == ref
+    for method in ("speculative", "prompt_lookup", "ouroboros"):
+        assert out[method] == out["vanilla"], method
