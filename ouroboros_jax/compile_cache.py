@@ -16,14 +16,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from .cache_home import cache_home
+
 ENV = "OUROBOROS_JAX_COMPILE_CACHE"
 OFF = "off"
 
 
 def default_dir() -> str:
     """Where the CLI keeps compiled programs unless told otherwise."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ouroboros-jax", "xla")
+    return cache_home("xla")
 
 
 def resolve(flag: Optional[str]) -> Optional[str]:

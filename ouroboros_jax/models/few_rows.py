@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cache_home import cache_home
+
 MAX_ROWS = 16  # the kernel's register blocking (kMaxRows in the source)
 MIN_ROWS = 2  # one row: XLA's matrix-vector product (see the module docstring)
 TARGET = "ouroboros_few_rows_matmul"
@@ -61,8 +63,7 @@ def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def cache_dir() -> str:
     """Where built kernels are kept: $XDG_CACHE_HOME (or ~/.cache)/ouroboros-jax/kernels."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ouroboros-jax", "kernels")
+    return cache_home("kernels")
 
 
 def library_path(compiler: str) -> str:

@@ -46,6 +46,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..cache_home import cache_home
 from .config import ModelConfig
 from .params import Leaf, leaves_of
 
@@ -59,8 +60,7 @@ FREE_MARGIN = 4 << 30
 
 def default_dir() -> str:
     """Where the CLI keeps dequantized weights unless told otherwise."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ouroboros-jax", "weights")
+    return cache_home("weights")
 
 
 def resolve(flag: Optional[str]) -> Optional[str]:
