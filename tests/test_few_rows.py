@@ -23,6 +23,7 @@ def kernel_on(monkeypatch):
     XLA's product (a custom call has no sharding rule); these tests run unsharded products."""
     assert few_rows._registered() is not None
     monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    monkeypatch.setattr(few_rows, "MIN_WEIGHTS", 1)  # small shapes reach the kernel too
 
 
 def _ref(x, w):
@@ -80,6 +81,15 @@ def test_where_it_applies(kernel_on):
     assert not few_rows.applies(jnp.zeros((2, 8)), jnp.zeros((8, 2, 2)))
 
 
+def test_small_weights_keep_xlas_product(monkeypatch):
+    """Weights that sit in the caches keep XLA's product (the kernel's fixed cost per call
+    outweighs XLA's packing there: the demo pair's products)."""
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    x = jnp.zeros((1, 9, 1024), jnp.float32)
+    assert not few_rows.applies(x, jnp.zeros((1024, few_rows.MIN_WEIGHTS // 1024 - 1)))
+    assert few_rows.applies(x, jnp.zeros((1024, few_rows.MIN_WEIGHTS // 1024)))
+
+
 @needs_kernel
 def test_linear_uses_it_for_a_few_rows_only(kernel_on):
     """quant.linear, every plain weight product of the models, runs the custom call for a
@@ -135,6 +145,12 @@ import json, sys
 import ouroboros_jax as oj
 from ouroboros_jax.models import few_rows
 assert few_rows.enabled(), "the kernel should be on in a one-device CPU process"
+few_rows.MIN_WEIGHTS = 1  # the tiny models' products reach the kernel too
+traced, kernel = [0], few_rows._kernel
+def counted(x2, w):
+    traced[0] += 1
+    return kernel(x2, w)
+few_rows._kernel = counted
 t, d = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
 prompts = [[1, 5, 9, 14, 3, 7, 22], [1, 40, 41, 42, 40, 41, 42, 40, 41]]
 out = {}
@@ -144,6 +160,7 @@ for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamm
     r = oj.generate(t, prompts, draft=None if method in ("vanilla", "prompt_lookup") else d,
                     method=method, max_new_tokens=12, **kw)
     out[method] = [list(map(int, row)) for row in r.tokens]
+assert traced[0] > 0, "no product went through the kernel"
 print(json.dumps(out))
 """
 

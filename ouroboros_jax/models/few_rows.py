@@ -43,6 +43,11 @@ from ..cache_home import cache_home
 
 MAX_ROWS = 16  # the kernel's register blocking (kMaxRows in the source)
 MIN_ROWS = 2  # one row: XLA's matrix-vector product (see the module docstring)
+# weights of fewer elements (2 MiB) keep XLA's product: they sit in the caches, where XLA's
+# packing costs little and a custom call's fixed cost (a thread per call) does not. With every
+# product on the kernel the demo pair's (384 x 1024 MLP, 384 x 384 attention) took speculative
+# from 1.36x to 1.05x vanilla; at this bound only its 384 x 8192 LM head runs here (1.43x)
+MIN_WEIGHTS = 1 << 19
 TARGET = "ouroboros_few_rows_matmul"
 ENV = "OUROBOROS_JAX_FEW_ROWS"
 SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "few_rows.cc")
@@ -160,12 +165,12 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 
 def applies(x: jax.Array, w: jax.Array) -> bool:
-    """Whether x [..., K] @ w [K, N] goes through the kernel: float32 both, a 2-D weight,
-    MIN_ROWS..MAX_ROWS rows, and `enabled()`."""
+    """Whether x [..., K] @ w [K, N] goes through the kernel: float32 both, a 2-D weight of at
+    least MIN_WEIGHTS elements, MIN_ROWS..MAX_ROWS rows, and `enabled()`."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     return (w.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32
-            and MIN_ROWS <= rows <= MAX_ROWS and x.shape[-1] == w.shape[0] and w.shape[1] >= 1
-            and enabled())
+            and MIN_ROWS <= rows <= MAX_ROWS and x.shape[-1] == w.shape[0]
+            and w.shape[0] * w.shape[1] >= MIN_WEIGHTS and enabled())
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
