@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from . import few_rows
 from .kv_cache import init_cache
 from .layout import decode_params
 from .llama import causal_mask, forward
@@ -107,7 +108,9 @@ def matmul_timer(rows: int, k: int, dtype, inner: int = 8):
     measurement (`config="auto"`: bandwidth at 1 row, flop rate at many)."""
     w = jnp.full((k, k), 1.0 / k, dtype)  # keeps the carried product at ones
     x = jnp.ones((rows, k), dtype)
-    f = jax.jit(lambda w, x: jax.lax.fori_loop(0, inner, lambda i, a: a @ w, x))
+    # the product the models run (`few_rows.matmul`: the few-row CPU kernel where it applies),
+    # so that a calibration prices the verification forwards decoding will actually run
+    f = jax.jit(lambda w, x: jax.lax.fori_loop(0, inner, lambda i, a: few_rows.matmul(a, w), x))
     f(w, x).block_until_ready()  # compile
 
     def timed() -> float:
