@@ -125,6 +125,7 @@ def test_a_failed_build_keeps_xlas_product(monkeypatch, tmp_path, capsys):
     try:
         assert few_rows._registered() is None
         err = capsys.readouterr().err
+        assert "building the few-row CPU kernel" in err  # said before the seconds it takes
         assert "could not be built" in err and few_rows.ENV in err
     finally:
         few_rows._registered.cache_clear()

@@ -111,6 +111,8 @@ def _registered() -> Optional[str]:
     path = library_path(compiler)
     try:
         if not os.path.exists(path):
+            print("ouroboros-jax: building the few-row CPU kernel (once per machine, ~5 s)",
+                  file=sys.stderr, flush=True)
             build(path, compiler)
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.FewRowsMatmul),
