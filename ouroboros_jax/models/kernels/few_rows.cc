@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] @ w[K, N] in float32 for a few rows (M <= 16), the product of a decode
-// forward (M = 1) and of a verification forward (M = the tree's nodes), on x86-64 with AVX-512.
+// y[M, N] = x[M, K] @ w[K, N] in float32 for a few rows (M <= 16) on x86-64 with AVX-512: the
+// products of a verification forward (M = the tree's nodes; models/few_rows.py says which).
 //
 // Why: XLA:CPU runs M = 1 as a streaming matrix-vector product at memory speed, but hands M > 1
 // to a general matrix product that packs the weights first; at M = 9 that cost 2.2-2.5x the
@@ -8,8 +8,7 @@
 // and each row of y keeps one register per 16 columns across those kDepth rows.
 //
 // Every output y[m, n] is the same chain of fused multiply-adds over k = 0, 1, ..., K-1 whatever
-// M is, so a row's result does not depend on the rows beside it: a verification row equals the
-// one-token forward's row bit for bit.
+// M is, so a row's result does not depend on the rows beside it.
 #include <immintrin.h>
 
 #include <algorithm>
