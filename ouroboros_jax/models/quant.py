@@ -252,7 +252,7 @@ def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
     if not is_quantized(w):
         in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
         w2 = w.reshape(math.prod(in_shape), math.prod(out_shape))
-        if few_rows.applies(x, w2):  # a decode or verification forward on a CPU (few_rows.py)
+        if few_rows.applies(x, w2):  # a verification-sized product on a CPU (few_rows.py)
             y = few_rows.matmul(x, w2).astype(out_dtype or x.dtype)
         elif out_dtype is None:
             y = x @ w2
