@@ -137,16 +137,18 @@ def _cmd_generate(a):
     q = getattr(a, "quantize", None)
     response_format = _response_format(a.response_format)
     wc = _weights_cache(a)
+    dq = _draft_scheme(a)
     if a.model:
         target = load_model(a.model, dtype=a.dtype, quantize=q, weights_cache=wc)
-        draft = (load_model(a.draft, dtype=a.dtype, quantize=q, weights_cache=wc) if a.draft
+        draft = (load_model(a.draft, dtype=a.dtype, quantize=dq, weights_cache=wc) if a.draft
                  else None)
     else:  # the shipped pair, as `demo` uses it
         from .demo_assets import demo_pair
 
-        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
+        target, draft = demo_pair(a.dtype)
+        target, draft = quantize_model(target, q), quantize_model(draft, dq)
         if a.draft:
-            draft = load_model(a.draft, dtype=a.dtype, quantize=q, weights_cache=wc)
+            draft = load_model(a.draft, dtype=a.dtype, quantize=dq, weights_cache=wc)
     mesh = None
     if shape:
         from .sharding import make_mesh
@@ -167,6 +169,14 @@ def _cmd_generate(a):
 
         sys.stdout.flush()
         weights_cache.flush()
+
+
+def _draft_scheme(a) -> Optional[str]:
+    """The draft's quantize= from --draft-quantize and --quantize (`quant.draft_scheme`)."""
+    from .models.quant import draft_scheme
+
+    return draft_scheme(getattr(a, "draft_quantize", "off"), getattr(a, "quantize", None),
+                        a.dtype)
 
 
 def _weights_cache(a) -> Optional[str]:
@@ -227,27 +237,29 @@ def _serve_models(a, mesh):
     from .models import load_model
 
     q = getattr(a, "quantize", None)
+    dq = _draft_scheme(a) if mesh is None else q  # the kernel runs on one device only
     wc = _weights_cache(a)
 
-    def one(path):
-        if mesh is not None and os.path.isdir(path) and q is None:
+    def one(path, scheme):
+        if mesh is not None and os.path.isdir(path) and scheme is None:
             from .sharding import load_sharded
 
             return load_sharded(path, mesh, dtype=a.dtype)
         # quantized: placed by the engine
-        return load_model(path, dtype=a.dtype, quantize=q, weights_cache=wc)
+        return load_model(path, dtype=a.dtype, quantize=scheme, weights_cache=wc)
 
     if a.model:
-        target = one(a.model)
-        draft = one(a.draft) if a.draft else None
+        target = one(a.model, q)
+        draft = one(a.draft, dq) if a.draft else None
     else:  # the shipped demo pair
         from .demo_assets import demo_pair
 
         from .models.quant import quantize_model
 
-        target, draft = (quantize_model(m, q) for m in demo_pair(a.dtype))
+        target, draft = demo_pair(a.dtype)
+        target, draft = quantize_model(target, q), quantize_model(draft, dq)
         if a.draft:
-            draft = one(a.draft)
+            draft = one(a.draft, dq)
     return target, draft
 
 

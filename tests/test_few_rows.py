@@ -152,7 +152,13 @@ def counted(x2, w):
     traced[0] += 1
     return kernel(x2, w)
 few_rows._kernel = counted
+qtraced, qkernel = [0], few_rows._quant_kernel
+def qcounted(*a):
+    qtraced[0] += 1
+    return qkernel(*a)
+few_rows._quant_kernel = qcounted
 t, d = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
+dq = oj.load_model(sys.argv[2], quantize="int8")  # the CLI's default draft on such a CPU
 prompts = [[1, 5, 9, 14, 3, 7, 22], [1, 40, 41, 42, 40, 41, 42, 40, 41]]
 out = {}
 for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamma=4)),
@@ -161,7 +167,11 @@ for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamm
     r = oj.generate(t, prompts, draft=None if method in ("vanilla", "prompt_lookup") else d,
                     method=method, max_new_tokens=12, **kw)
     out[method] = [list(map(int, row)) for row in r.tokens]
+for method in ("speculative", "ouroboros"):
+    r = oj.generate(t, prompts, draft=dq, method=method, max_new_tokens=12)
+    out[method + "_int8_draft"] = [list(map(int, row)) for row in r.tokens]
 assert traced[0] > 0, "no product went through the kernel"
+assert qtraced[0] > 0, "no quantized product went through the kernel"
 print(json.dumps(out))
 """
 
@@ -170,7 +180,8 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
     """A one-device process (the kernel on: prefill of <= 16 tokens and every verification):
-    vanilla gives transformers' greedy tokens, and every method gives vanilla's."""
+    vanilla gives transformers' greedy tokens, and every method gives vanilla's, with a float
+    draft and with an int8 draft whose products run through the quantized kernel."""
     import json
     import os
     import subprocess
@@ -195,5 +206,97 @@ def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
             ref = torch_t.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out["vanilla"][i][:len(ref)] == ref
-    for method in ("speculative", "prompt_lookup", "ouroboros"):
+    for method in ("speculative", "prompt_lookup", "ouroboros", "speculative_int8_draft",
+                   "ouroboros_int8_draft"):
         assert out[method] == out["vanilla"], method
+
+
+# ------------------------------------------------------------------ quantized weights
+def _qweight(rng, k, n, G, offset):
+    codes = rng.integers(-16, 16, (k // G, G, n)).astype(np.int8)
+    scale = rng.random((k // G, n), np.float32) + np.float32(0.01)
+    off = rng.random((k // G, n), np.float32) if offset else None
+    return quant.QuantArray(jnp.asarray(codes), jnp.asarray(scale),
+                            None if off is None else jnp.asarray(off), (k,), 1, 8, jnp.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,k,n,G,offset", [
+    (1, 96, 200, 32, False), (1, 896, 4864, 32, True), (2, 64, 17, 16, True),
+    (3, 4864, 40, 4864, False), (9, 128, 1000, 32, True), (16, 64, 31, 16, False),
+    (5, 33, 16, 33, True), (8, 256, 4097, 32, False), (4, 1024, 96, 32, True)])
+def test_quantized_kernel_matches_a_float64_product(rows, k, n, G, offset, kernel_on):
+    """Groups split over threads (many groups) and columns split (one group per channel), the
+    row blocks of 8 (9 and 16 rows), NB register blocks (1-2, 3-4, 5-8 rows) and column tails."""
+    rng = np.random.default_rng(rows * 7 + n + G)
+    w = _qweight(rng, k, n, G, offset)
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+    assert few_rows.quant_applies(x, w)
+    y = np.asarray(jax.jit(quant.linear)(x, w))
+    ref = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(w), np.float64)
+    assert y.shape == (rows, n) and np.all(np.isfinite(y))
+    assert np.abs(y - ref).max() <= 2e-5 * np.sqrt(k) * np.abs(ref).max() + 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("G", [32, 640])
+def test_quantized_rows_do_not_depend_on_the_rows_beside_them(G, kernel_on):
+    rng = np.random.default_rng(G)
+    w = _qweight(rng, 640, 300, G, True)
+    x = jnp.asarray(rng.standard_normal((16, 640), np.float32))
+    f = jax.jit(quant.linear)
+    y16 = np.asarray(f(x, w))
+    for lo, m in ((0, 1), (3, 1), (2, 3), (8, 5), (1, 9)):
+        assert np.array_equal(np.asarray(f(x[lo:lo + m], w)), y16[lo:lo + m])  # bit for bit
+
+
+@needs_kernel
+def test_quantized_gradient_is_the_dequantized_products(kernel_on):
+    rng = np.random.default_rng(5)
+    w = _qweight(rng, 64, 48, 32, True)
+    x = jnp.asarray(rng.standard_normal((2, 64), np.float32))
+    g = jax.grad(lambda x: jnp.sum(quant.linear(x, w) ** 2))(x)
+    wd = quant.dequantize(w)
+    ref = jax.grad(lambda x: jnp.sum((x @ wd) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_quantized_products_route(kernel_on):
+    """1-16 rows of an int8-coded weight: the custom call; a prefill's 17 rows: no custom call
+    (dequantized, then XLA's product); 4-bit codes not made int8: XLA's grouped product."""
+    rng = np.random.default_rng(1)
+    w = _qweight(rng, 64, 48, 32, False)
+    for rows, want in ((1, True), (16, True), (17, False)):
+        x = jnp.zeros((rows, 64), jnp.float32)
+        text = jax.jit(quant.linear).lower(x, w).as_text()
+        assert (few_rows.QUANT_TARGET in text) is want, rows
+    c4 = jnp.clip(w.codes, -8, 7)
+    w4 = quant.QuantArray(c4.astype(jnp.int4), w.scale, None, (64,), 1, 4, jnp.float32)
+    assert not few_rows.quant_applies(jnp.zeros((1, 64), jnp.float32), w4)
+    w8 = quant.int8_codes({"w": w4})["w"]
+    assert w8.codes.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(w8.codes), np.asarray(c4))
+
+
+def test_draft_scheme(monkeypatch):
+    """--draft-quantize: auto is int8 only where the kernel runs (float32), else --quantize."""
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    assert quant.draft_scheme("auto", None, jnp.float32) == "int8"
+    assert quant.draft_scheme("auto", None, jnp.bfloat16) is None
+    assert quant.draft_scheme("auto", "int4", jnp.float32) == "int4"
+    assert quant.draft_scheme("off", None, jnp.float32) is None
+    assert quant.draft_scheme("int4", None, jnp.float32) == "int4"
+    monkeypatch.setattr(few_rows, "enabled", lambda: False)
+    assert quant.draft_scheme("auto", None, jnp.float32) is None
+    with pytest.raises(ValueError, match="draft quantize"):
+        quant.draft_scheme("int2", None, jnp.float32)
+
+
+def test_cli_refuses_a_bad_draft_quantize(capsys):
+    from ouroboros_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--draft-quantize", "int2", "--prompt", "x"])
+    assert e.value.code == 2
+    assert "--draft-quantize" in capsys.readouterr().err

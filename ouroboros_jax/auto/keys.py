@@ -1,6 +1,6 @@
 """What config="auto" keys its store by: the device kind, a model's signature, the batch bucket.
 
-A model's signature is its shape, dtype and placement (what its forward's cost depends on,
+A model's signature is its shape, dtype, quantization and placement (what its forward's cost depends on,
 `signature_of`). Auto reads it some 37 times a call (2-3 ms of `dataclasses.asdict` and
 hashing on a 0.3 s demo call), so a `Signatures` object remembers it per embedding array and
 config, dropping it with the array; an `AutoTuner` owns one.
@@ -17,7 +17,8 @@ import jax
 
 
 def signature_of(model) -> str:
-    """Shape, dtype and placement of a model, hashed (token ids left out: they cost nothing)."""
+    """Shape, dtype, quantization and placement of a model, hashed (token ids left out: they
+    cost nothing)."""
     cfg = dataclasses.asdict(model.config)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         cfg.pop(k, None)
@@ -26,7 +27,12 @@ def signature_of(model) -> str:
     mesh = getattr(sharding, "mesh", None)
     where = (dict(mesh.shape) if mesh is not None
              else len(getattr(sharding, "device_set", [0]) or [0]))
-    blob = json.dumps([cfg, str(leaf.dtype), str(where)], sort_keys=True, default=str)
+    from ..models.quant import is_quantized_params
+
+    # quantized weights (a draft's int8 codes) run other products at other prices
+    blob = json.dumps([cfg, str(leaf.dtype), str(where)]
+                      + (["quantized"] if is_quantized_params(model.params) else []),
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -1,10 +1,11 @@
-"""GGUF blocks kept quantized: Q8_0, Q4_0, Q4_K and Q6_K tensors read into `quant.QuantArray`
+"""GGUF blocks kept quantized: Q8_0, Q5_0, Q4_0, Q4_K and Q6_K tensors read into `quant.QuantArray`
 codes and scales as they are stored, instead of dequantized (`load_model(..., quantize=)`).
 
 Each block type's values are `codes * scale (- offset)` over groups of consecutive values along
 a row (the input side of a linear weight, which is where our groups run, `quant.py`):
 
     Q8_0  blocks of 32: f16 d, 32 int8 q                  -> int8 codes, scale d           (G 32)
+    Q5_0  blocks of 32: f16 d, 32 high bits, 32 nibbles   -> int8 codes q - 16, scale d    (G 32)
     Q4_0  blocks of 32: f16 d, 32 nibbles n               -> int4 codes n - 8, scale d     (G 32)
     Q4_K  super-blocks of 256: f16 d, dmin, 8 six-bit (sc, m) pairs, 256 nibbles q
                                                           -> uint4 codes q, scale d * sc,
@@ -18,10 +19,13 @@ Q4_K's super-block structure is represented faithfully (per-32 scale and min, ea
 product the file implies), not requantized; the cost is f32 scale and offset per 32 values
 (2 bits per weight over the file's 0.5), traded for bit-exactness.
 
-Which blocks are kept: a leaf (all its layers) whose tensors are all of one kept type whose
-code width fits the asked width (Q4_0/Q4_K under "int4" or "int8"; Q8_0/Q6_K under "int8").
-Any other leaf (another type, a mix of types across layers as llama.cpp's Q4_K_M mixes Q4_K and
-Q6_K, a fused Phi-3 tensor) is dequantized as usual and quantized by `quant.quantize`.
+Which blocks are kept: a leaf (all its layers) whose tensors are all of one kept form (code
+dtype, group length, offset or not) whose code width fits the asked width (Q4_0/Q4_K under
+"int4" or "int8"; Q8_0/Q5_0/Q6_K under "int8"). Q8_0 and Q5_0 share a form (int8 codes, one
+f32 scale per 32), so a leaf mixing them across layers, as llama.cpp's Q4_0 files of Qwen2.5
+0.5B do for attn_v, is kept too. Any other leaf (another type, a mix of forms across layers as
+llama.cpp's Q4_K_M mixes Q4_K and Q6_K, a fused Phi-3 tensor) is dequantized as usual and
+quantized by `quant.quantize`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ import numpy as np
 from .quant import BITS, QuantArray, quantizable
 
 # kept type -> (code width in bits, group length)
-KEPT = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q6_K": (6, 16)}
+KEPT = {"Q8_0": (8, 32), "Q5_0": (5, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q6_K": (6, 16)}
+# kept type -> its form: (codes dtype name, group length, offset or not); one form per leaf
+FORM = {"Q8_0": ("int8", 32, False), "Q5_0": ("int8", 32, False), "Q4_0": ("int4", 32, False),
+        "Q4_K": ("uint4", 32, True), "Q6_K": ("int8", 16, False)}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -65,6 +72,11 @@ def decode_blocks(blocks: np.ndarray, kind: str):
     n = blocks.shape[0]
     if kind == "Q8_0":
         return blocks[:, 2:].view(np.int8).reshape(n, 1, 32), _f16(blocks[:, :2]), None
+    if kind == "Q5_0":
+        high = blocks[:, 2:6].copy().view(np.uint32)  # bit i: the fifth bit of value i
+        high = (high >> np.arange(32, dtype=np.uint32)) & np.uint32(1)
+        q = (_nibbles(blocks[:, 6:], 16) | (high.astype(np.uint8) << np.uint8(4)))
+        return (q.astype(np.int8) - np.int8(16)).reshape(n, 1, 32), _f16(blocks[:, :2]), None
     if kind == "Q4_0":
         q = _nibbles(blocks[:, 2:], 16).astype(np.int8) - np.int8(8)
         return q.reshape(n, 1, 32), _f16(blocks[:, :2]), None
@@ -103,17 +115,16 @@ def decode_tensor(data: np.ndarray, kind: str):
 
 
 def keepable(leaf, tensors: list, bits: int) -> Optional[str]:
-    """The one kept type of a leaf's tensors when they may be kept under `bits` (see the module
-    docstring), else None."""
+    """A kept type of a leaf's tensors (all of one form) when they may be kept under `bits`
+    (see the module docstring), else None."""
     if not quantizable(leaf) or any(isinstance(t, np.ndarray) for t in tensors):
         return None  # not a linear weight, or a part split off a fused tensor (dequantized)
     kinds = {t.tensor_type.name for t in tensors}
-    if len(kinds) != 1:
+    if not kinds <= set(KEPT) or len({FORM[k] for k in kinds}) != 1:
         return None
-    kind = kinds.pop()
-    if kind not in KEPT or KEPT[kind][0] > bits:
+    if max(KEPT[k][0] for k in kinds) > bits:
         return None
-    return kind
+    return min(kinds)  # the forms agree: any of them names the leaf's codes
 
 
 def kept_leaf(leaf, config, tensors: dict, scheme: str, dtype,
@@ -131,7 +142,7 @@ def kept_leaf(leaf, config, tensors: dict, scheme: str, dtype,
     in_shape, out_shape = shape[:leaf.hf_in_dims], shape[leaf.hf_in_dims:]
     codes, scales, offsets = [], [], []
     for t in tensors.values():
-        c, s, o = decode_tensor(t.data, kind)  # [(Y,) O, ng, G], [(Y,) O, ng]
+        c, s, o = decode_tensor(t.data, t.tensor_type.name)  # [(Y,) O, ng, G], [(Y,) O, ng]
         fn = rows_fn(t.name)
         if fn is not None:  # output rows permuted: the same permutation of every part
             c, s = fn(c), fn(s)
@@ -143,7 +154,7 @@ def kept_leaf(leaf, config, tensors: dict, scheme: str, dtype,
             offsets.append(np.moveaxis(o, -2, -1).reshape(*o.shape[:-2], o.shape[-1],
                                                           *out_shape))
     stack = (lambda xs: np.stack(xs)) if leaf.per_layer else (lambda xs: xs[0])
-    code_dtype = {"Q8_0": jnp.int8, "Q6_K": jnp.int8, "Q4_0": jnp.int4, "Q4_K": jnp.uint4}[kind]
+    code_dtype = jnp.dtype(FORM[kind][0])
     return QuantArray(jnp.asarray(stack(codes).astype(code_dtype)),
                       jnp.asarray(stack(scales)),
                       jnp.asarray(stack(offsets)) if offsets else None,

@@ -114,9 +114,10 @@ def view_pack(params: Params, config: ModelConfig) -> Params:
         return params
     device = next(iter(params_devices(params)))
     # np.asarray of a CPU jax array is a read-only view of its buffer (no copy)
-    stacked = {name: np.asarray(x) for name, x in params["layers"].items()}
-    layers = tuple({name: jax.device_put(h[i], device, may_alias=True)
-                    for name, h in stacked.items()} for i in range(config.num_layers))
+    # (a quantized leaf's codes, scales and offsets each, as the pytree's children)
+    stacked = jax.tree.map(np.asarray, params["layers"])
+    layers = tuple(jax.tree.map(lambda h: jax.device_put(h[i], device, may_alias=True), stacked)
+                   for i in range(config.num_layers))
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
     if not config.tie_word_embeddings:
         out["head_t"] = params["lm_head"]

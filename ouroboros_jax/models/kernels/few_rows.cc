@@ -13,8 +13,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <utility>
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -51,12 +56,192 @@ void columns(const float* x, int64_t K, const float* w, int64_t N, float* y, int
   }
 }
 
+// The same for a weight kept as integer codes (models/quant.py's QuantArray, int8 codes):
+// w[g * G + j, n] = codes[g, j, n] * scale[g, n] - offset[g, n], K = ng * G. Each row keeps, per
+// 16 columns, the group's partial sum p = sum_j x[m, gG + j] * codes[g, j, n] (the codes turned
+// into float32 in registers), then y += p * scale - (sum_j x[m, gG + j]) * offset. The weights
+// are read as one byte each instead of four, which is what a memory-bound forward pays for.
+// Rows are independent as above (one fixed chain per output). Partial sums wait in `part`
+// between kDepth blocks of a group, so a long group (one per channel: G = K) streams the same
+// way as a short one.
+constexpr int64_t kQuantDepth = 16;  // code rows per pass (16 measured fastest of 16/32/64)
+
+// 16 codes (fewer at a tail: `left`, zeros past it) as float32 lanes
+inline __m512 codes_ps(const int8_t* row, int64_t left) {
+  __m128i c8;
+  if (left >= kVec) {
+    c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  } else {
+    alignas(16) int8_t tail[kVec] = {};
+    if (left > 0) std::memcpy(tail, row, (size_t)left);
+    c8 = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8));
+}
+
+inline __mmask16 lanes(int64_t left) {
+  return left >= kVec ? (__mmask16)0xFFFF
+                      : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+// NB register blocks of 16 columns per step: independent chains, so that one or two rows do
+// not wait on one fused multiply-add's latency for every code row (at NB = 1 a one-row
+// product ran at ~7 GB/s of codes, latency-bound)
+template <int M, int NB, bool kOffset>
+void quant_columns(const float* x, const float* xsum, int64_t K, int64_t G, const int8_t* codes,
+                   const float* scale, const float* offset, int64_t N, float* y, float* part,
+                   int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
+  const int64_t ng = K / G, width = c1 - c0;
+  (void)ng;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t j0 = 0; j0 < G; j0 += kQuantDepth) {
+      const int64_t j1 = std::min(G, j0 + kQuantDepth);
+      for (int64_t n = c0; n < c1; n += kVec * NB) {
+        __mmask16 mask[NB];
+        for (int b = 0; b < NB; ++b) mask[b] = lanes(c1 - n - b * kVec);
+        float* pn = part + (n - c0);
+        __m512 acc[M][NB];
+        for (int m = 0; m < M; ++m)
+          for (int b = 0; b < NB; ++b)
+            acc[m][b] = j0 == 0 ? _mm512_setzero_ps()
+                                : _mm512_maskz_loadu_ps(mask[b], pn + m * width + b * kVec);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int8_t* row = codes + (g * G + j) * N + n;
+          __m512 wv[NB];
+          for (int b = 0; b < NB; ++b) wv[b] = codes_ps(row + b * kVec, c1 - n - b * kVec);
+          const float* xk = x + g * G + j;
+          for (int m = 0; m < M; ++m) {
+            const __m512 xv = _mm512_set1_ps(xk[m * K]);
+            for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
+          }
+        }
+        if (j1 < G) {
+          for (int m = 0; m < M; ++m)
+            for (int b = 0; b < NB; ++b)
+              _mm512_mask_storeu_ps(pn + m * width + b * kVec, mask[b], acc[m][b]);
+          continue;
+        }
+        for (int b = 0; b < NB; ++b) {
+          const int64_t nb = n + b * kVec;
+          const __m512 s = _mm512_maskz_loadu_ps(mask[b], scale + g * N + nb);
+          __m512 o = _mm512_setzero_ps();
+          if (kOffset) o = _mm512_maskz_loadu_ps(mask[b], offset + g * N + nb);
+          for (int m = 0; m < M; ++m) {
+            __m512 out = g == g0 ? _mm512_setzero_ps()
+                                 : _mm512_maskz_loadu_ps(mask[b], y + m * N + nb);
+            out = _mm512_fmadd_ps(acc[m][b], s, out);
+            if (kOffset) out = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[m * ng + g]), o, out);
+            _mm512_mask_storeu_ps(y + m * N + nb, mask[b], out);
+          }
+        }
+      }
+    }
+  }
+}
+
+using QuantFn = void (*)(const float*, const float*, int64_t, int64_t, const int8_t*,
+                         const float*, const float*, int64_t, float*, float*, int64_t, int64_t,
+                         int64_t, int64_t);
+// rows 1-2: four register blocks, 3-4: two, 5-8: one (acc M * NB + NB codes <= 32 registers)
+template <bool kOffset, int... Ms>
+constexpr std::array<QuantFn, sizeof...(Ms)> quant_table(std::integer_sequence<int, Ms...>) {
+  return {&quant_columns<Ms + 1, (Ms + 1 <= 2 ? 4 : Ms + 1 <= 4 ? 2 : 1), kOffset>...};
+}
+constexpr int64_t kMaxQuantRows = 8;  // 2 * 8 + 2 registers live: acc, the codes, x, scale
+constexpr auto kQuant = quant_table<false>(std::make_integer_sequence<int, kMaxQuantRows>{});
+constexpr auto kQuantOffset =
+    quant_table<true>(std::make_integer_sequence<int, kMaxQuantRows>{});
+
 using ColumnsFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 template <int... Ms>
 constexpr std::array<ColumnsFn, sizeof...(Ms)> table(std::integer_sequence<int, Ms...>) {
   return {&columns<Ms + 1>...};
 }
 constexpr auto kColumns = table(std::make_integer_sequence<int, kMaxRows>{});
+
+
+// Helper threads kept for the life of the process: a product is ~0.1-1 ms, and starting a
+// thread per call (and joining it) cost more than the second core gave back on the small
+// matrices of a 0.5B model (one thread ran them 1.3x faster than two new ones each call).
+// A helper spins briefly for the next job (products come back to back within a forward), then
+// sleeps on a condition variable, so an idle process does not hold a core.
+class Helpers {
+ public:
+  static Helpers& get() {
+    static Helpers* h = new Helpers();  // never destroyed: helpers may outlive static teardown
+    return *h;
+  }
+
+  // fn(0) on the caller and fn(1) .. fn(t - 1) on helpers; returns when all are done. One
+  // job at a time (XLA may call from several threads: they queue on the mutex).
+  void run(int t, const std::function<void(int)>& fn) {
+    if (t <= 1) {
+      fn(0);
+      return;
+    }
+    std::lock_guard<std::mutex> one(job_mu_);
+    ensure(t - 1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      want_ = t - 1;
+      remaining_.store(t - 1, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0);
+    while (remaining_.load(std::memory_order_acquire) > 0) _mm_pause();
+  }
+
+ private:
+  void ensure(int n) {
+    while ((int)threads_.size() < n) {
+      const int id = (int)threads_.size() + 1;
+      // the generation before this job's: read here, not in the thread, which may start
+      // after the job is posted and would then wait for the next one
+      const uint64_t seen = generation_.load(std::memory_order_acquire);
+      threads_.emplace_back([this, id, seen] { loop(id, seen); });
+      threads_.back().detach();
+    }
+  }
+
+  void loop(int id, uint64_t seen) {
+    for (;;) {
+      uint64_t now = seen;
+      for (int spin = 0; spin < kSpins; ++spin) {
+        now = generation_.load(std::memory_order_acquire);
+        if (now != seen) break;
+        _mm_pause();
+      }
+      if (now == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        now = generation_.load(std::memory_order_acquire);
+      }
+      seen = now;
+      const std::function<void(int)>* job;
+      int want;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        job = job_;
+        want = want_;
+      }
+      if (id <= want) {
+        (*job)(id);
+        remaining_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  static constexpr int kSpins = 20000;  // ~0.1-0.3 ms of pause instructions
+  std::mutex job_mu_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> remaining_{0};
+  const std::function<void(int)>* job_ = nullptr;
+  int want_ = 0;
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace
 
@@ -66,13 +251,10 @@ extern "C" void few_rows_matmul(const float* x, const float* w, float* y, int64_
   int64_t vecs = (N + kVec - 1) / kVec;
   int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, vecs));
   int64_t per = (vecs + t - 1) / t * kVec;
-  std::vector<std::thread> pool;
-  for (int i = 1; i < t; ++i) {
+  Helpers::get().run(t, [&](int i) {
     int64_t c0 = std::min(N, i * per), c1 = std::min(N, (i + 1) * per);
-    if (c0 < c1) pool.emplace_back(fn, x, K, w, N, y, c0, c1);
-  }
-  fn(x, K, w, N, y, 0, std::min(N, per));
-  for (auto& th : pool) th.join();
+    if (c0 < c1) fn(x, K, w, N, y, c0, c1);
+  });
 }
 
 static ffi::Error FewRowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -94,3 +276,85 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsMatmul, FewRowsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads"));
+
+// rows [r0, r0 + rows) of x against the codes, columns split over threads; part: scratch
+extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const float* scale,
+                                      const float* offset, float* y, int64_t M, int64_t K,
+                                      int64_t G, int64_t N, int threads) {
+  const int64_t ng = K / G;
+  std::vector<float> xsum(offset ? M * ng : 0);
+  for (int64_t m = 0; m < (offset ? M : 0); ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      float s = 0.f;  // summed in order, as the product's own chain is
+      for (int64_t j = 0; j < G; ++j) s += x[m * K + g * G + j];
+      xsum[m * ng + g] = s;
+    }
+  // Threads split the groups when there are enough (each reads whole rows of codes, one
+  // contiguous stretch of memory; a narrow weight split by columns read runs of a few hundred
+  // bytes at a stride and ran at half the speed), each into its own partial y, summed in
+  // thread order; else the columns. Either way the split depends on the weight and the thread
+  // count only, never on M: rows stay independent.
+  const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
+  auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
+    std::vector<float> part(kMaxQuantRows * (c1 - c0));
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {  // more rows: blocks of 8, in turn
+      const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
+      QuantFn fn = (offset ? kQuantOffset : kQuant)[rows - 1];
+      fn(x + r0 * K, offset ? xsum.data() + r0 * ng : nullptr, K, G, codes, scale, offset, N,
+         out + r0 * N, part.data(), c0, c1, g0, g1);
+    }
+  };
+  if (t > 1) {
+    std::vector<std::vector<float>> partial(t - 1);
+    const int64_t per = (ng + t - 1) / t;
+    Helpers::get().run(t, [&](int i) {
+      const int64_t g0 = std::min(ng, i * per), g1 = std::min(ng, (i + 1) * per);
+      float* out = y;
+      if (i > 0) {
+        partial[i - 1].assign(M * N, 0.f);
+        out = partial[i - 1].data();
+      }
+      if (g0 < g1) run(out, 0, N, g0, g1);
+    });
+    for (int i = 1; i < t; ++i)
+      for (int64_t e = 0; e < M * N; ++e) y[e] += partial[i - 1][e];
+    return;
+  }
+  const int64_t vecs = (N + kVec - 1) / kVec;
+  const int tc = (int)std::max<int64_t>(1, std::min<int64_t>(threads, vecs));
+  const int64_t per = (vecs + tc - 1) / tc * kVec;
+  Helpers::get().run(tc, [&](int i) {
+    int64_t c0 = std::min(N, i * per), c1 = std::min(N, (i + 1) * per);
+    if (c0 < c1) run(y, c0, c1, 0, ng);
+  });
+}
+
+static ffi::Error FewRowsQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                                   ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                                   bool has_offset) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (cd.size() != 3 || sd.size() != 2 || xd.size() < 1 || sd[0] != cd[0] || sd[1] != cd[2] ||
+      xd.back() != cd[0] * cd[1])
+    return ffi::Error::InvalidArgument(
+        "few_rows_quant_matmul: x [..., K], codes [ng, G, N], scale [ng, N] with K = ng * G");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  const int64_t G = cd[1], N = cd[2], K = cd[0] * cd[1];
+  if (M < 1 || G < 1 || N < 1)
+    return ffi::Error::InvalidArgument("few_rows_quant_matmul: empty operand");
+  few_rows_quant_matmul(x.typed_data(), codes.typed_data(), scale.typed_data(),
+                        has_offset ? offset.typed_data() : nullptr, y->typed_data(), M, K, G,
+                        N, (int)threads);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQuantMatmul, FewRowsQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Attr<bool>("has_offset"));
