@@ -196,6 +196,9 @@ def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
     make_hf_model(dd, seed=1, layers=1)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    # programs read back from a compile cache are not traced, and the check counts traces
+    env["OUROBOROS_JAX_COMPILE_CACHE"] = "off"
+    env["OUROBOROS_JAX_CACHE"] = str(tmp_path / "auto")
     done = subprocess.run([sys.executable, "-c", EXACT_SCRIPT, str(td), str(dd)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -224,7 +227,8 @@ def _qweight(rng, k, n, G, offset):
 @pytest.mark.parametrize("rows,k,n,G,offset", [
     (1, 96, 200, 32, False), (1, 896, 4864, 32, True), (2, 64, 17, 16, True),
     (3, 4864, 40, 4864, False), (9, 128, 1000, 32, True), (16, 64, 31, 16, False),
-    (5, 33, 16, 33, True), (8, 256, 4097, 32, False), (4, 1024, 96, 32, True)])
+    (5, 33, 16, 33, True), (8, 256, 4097, 32, False), (4, 1024, 96, 32, True),
+    (40, 96, 70, 32, True)])
 def test_quantized_kernel_matches_a_float64_product(rows, k, n, G, offset, kernel_on):
     """Groups split over threads (many groups) and columns split (one group per channel), the
     row blocks of 8 (9 and 16 rows), NB register blocks (1-2, 3-4, 5-8 rows) and column tails."""
@@ -263,11 +267,13 @@ def test_quantized_gradient_is_the_dequantized_products(kernel_on):
 
 @needs_kernel
 def test_quantized_products_route(kernel_on):
-    """1-16 rows of an int8-coded weight: the custom call; a prefill's 17 rows: no custom call
-    (dequantized, then XLA's product); 4-bit codes not made int8: XLA's grouped product."""
+    """1-64 rows of an int8-coded weight: the custom call; a longer prefill's 65 rows: no
+    custom call (dequantized, then XLA's product); 4-bit codes not made int8: XLA's grouped
+    product."""
     rng = np.random.default_rng(1)
     w = _qweight(rng, 64, 48, 32, False)
-    for rows, want in ((1, True), (16, True), (17, False)):
+    top = few_rows.QUANT_MAX_ROWS
+    for rows, want in ((1, True), (17, True), (top, True), (top + 1, False)):
         x = jnp.zeros((rows, 64), jnp.float32)
         text = jax.jit(quant.linear).lower(x, w).as_text()
         assert (few_rows.QUANT_TARGET in text) is want, rows

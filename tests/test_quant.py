@@ -36,7 +36,7 @@ def _finite_blocks(kind: str, rows: int, blocks_per_row: int, seed: int) -> np.n
     _, size = GGML_QUANT_SIZES[T[kind]]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows * blocks_per_row, size), np.uint8)
-    d_at = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    d_at = {"Q8_0": [0], "Q5_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
     for at in d_at:
         d = (rng.standard_normal(b.shape[0]) * 0.01).astype(np.float16)
         b[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
@@ -80,7 +80,8 @@ def test_gguf_blocks_keep_their_codes_and_dequantize_bit_for_bit(kind):
 
 def _write_gguf(path, torch_model, kinds: dict):
     """A llama GGUF of torch_model whose linear weights are random finite blocks of the type
-    `kinds` gives for their GGUF name's tensor kind (attn_q, ffn_down, ...); the rest F32."""
+    `kinds` gives for their GGUF name's tensor kind (attn_q, ffn_down, ...; a tuple: one type
+    per layer); the rest F32."""
     from test_gguf import gguf_name, write_gguf
 
     raw = {}
@@ -89,6 +90,8 @@ def _write_gguf(path, torch_model, kinds: dict):
             continue
         name = gguf_name(hf)
         kind = kinds.get(name.split(".")[-2])
+        if isinstance(kind, tuple):  # one type per layer (llama.cpp's mixes)
+            kind = kind[int(name.split(".")[1])]
         if kind is None:
             continue
         from gguf import GGML_QUANT_SIZES
@@ -130,6 +133,24 @@ def test_gguf_load_keeps_fitting_blocks_and_requantizes_the_rest(gguf_llama, tmp
             else:
                 assert w.bits == quant.BITS[scheme], leaf.name
     assert "runs slower" in capsys.readouterr().err  # the CPU note, once
+
+
+def test_gguf_load_keeps_a_leaf_mixing_blocks_of_one_form(gguf_llama, tmp_path):
+    """Q5_0 and Q8_0 (int8 codes, a scale per 32) across a leaf's layers are kept together, bit
+    for bit, as llama.cpp's Q4_0 file of Qwen2.5 0.5B mixes them in attn_v; Q4_K beside Q6_K
+    (offsets and groups of 32 against none and 16) is requantized."""
+    kinds = {"attn_v": ("Q5_0", "Q8_0"), "ffn_gate": "Q5_0", "ffn_down": ("Q4_K", "Q6_K")}
+    path = _write_gguf(tmp_path / "mixed.gguf", gguf_llama, kinds)
+    ref = oj.load_model(path, dtype="float32")
+    m = oj.load_model(path, dtype="float32", quantize="int8")
+    for name in ("wv", "w_gate"):
+        w = m.params["layers"][name]
+        assert w.codes.dtype == jnp.int8 and w.group_size == 32 and w.offset is None, name
+        got = np.asarray(quant.dequantize(w))
+        want = np.asarray(ref.params["layers"][name])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
+    down = m.params["layers"]["w_down"]
+    assert down.bits == 8 and down.group_size == m.config.intermediate_size  # per channel
 
 
 def test_quantize_names_the_parameter(tiny_target):
