@@ -264,14 +264,20 @@ def main(argv=None) -> dict:
                     help="also time each constrained row's one-token calls (prefill and set-up)")
     ap.add_argument("--peer", action="store_true",
                     help="add the transformers + table LogitsProcessor row")
+    ap.add_argument("--draft-quantize", default="auto", choices=["auto", "off", "int8", "int4"],
+                    help="how the draft is loaded, as the CLI's flag (auto: int8 where the "
+                         "few-row kernel runs)")
     args = ap.parse_args(argv)
 
     import ouroboros_jax as oj
     from ouroboros_jax.constrain import table_for
+    from ouroboros_jax.models.quant import draft_scheme
     from ouroboros_jax.request import default_eos_ids
 
     target = oj.load_model(args.target)
-    draft = oj.load_model(args.draft) if args.draft else None
+    draft = (oj.load_model(args.draft, quantize=draft_scheme(args.draft_quantize, None,
+                                                              "float32"))
+             if args.draft else None)
     methods = (args.methods.split(",") if args.methods else
                ["prompt_lookup", "lookahead"] + (["speculative", "ouroboros"] if draft else []))
     tasks = TASKS[:args.tasks]

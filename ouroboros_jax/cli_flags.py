@@ -113,7 +113,8 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="the random stream of sampling")
     g.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weights kept as int8 or int4 codes with scales (every linear "
-                        "layer, target and draft; on a CPU slower than float: for memory)")
+                        "layer, target and draft: see --draft-quantize; on a CPU without "
+                        "the few-row kernel slower than float: for memory)")
     add_draft_quantize_arg(g)
     g.add_argument("--response-format", metavar="JSON|@FILE",
                    help='constrain the output, as the OpenAI API\'s response_format: '
@@ -158,7 +159,8 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                                                "ouroboros-demo for the demo pair)")
     s.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weights kept as int8 or int4 codes with scales (every linear "
-                        "layer, target and draft; on a CPU slower than float: for memory)")
+                        "layer, target and draft: see --draft-quantize; on a CPU without "
+                        "the few-row kernel slower than float: for memory)")
     add_draft_quantize_arg(s)
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="parameter and cache dtype")
