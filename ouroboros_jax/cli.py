@@ -146,7 +146,8 @@ def _cmd_generate(a):
         from .demo_assets import demo_pair
 
         target, draft = demo_pair(a.dtype)
-        target, draft = quantize_model(target, q), quantize_model(draft, dq)
+        target = quantize_model(target, q)
+        draft = quantize_model(draft, _draft_scheme(a, draft))
         if a.draft:
             draft = load_model(a.draft, dtype=a.dtype, quantize=dq, weights_cache=wc)
     mesh = None
@@ -171,12 +172,13 @@ def _cmd_generate(a):
         weights_cache.flush()
 
 
-def _draft_scheme(a) -> Optional[str]:
-    """The draft's quantize= from --draft-quantize and --quantize (`quant.draft_scheme`)."""
+def _draft_scheme(a, model=None) -> Optional[str]:
+    """The draft's quantize= from --draft-quantize and --quantize (`quant.draft_scheme`;
+    model: the draft when it is already loaded, the demo pair's)."""
     from .models.quant import draft_scheme
 
     return draft_scheme(getattr(a, "draft_quantize", "off"), getattr(a, "quantize", None),
-                        a.dtype)
+                        a.dtype, model)
 
 
 def _weights_cache(a) -> Optional[str]:
@@ -257,7 +259,8 @@ def _serve_models(a, mesh):
         from .models.quant import quantize_model
 
         target, draft = demo_pair(a.dtype)
-        target, draft = quantize_model(target, q), quantize_model(draft, dq)
+        target = quantize_model(target, q)
+        draft = quantize_model(draft, _draft_scheme(a, draft) if mesh is None else q)
         if a.draft:
             draft = one(a.draft, dq)
     return target, draft

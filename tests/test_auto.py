@@ -623,6 +623,23 @@ def test_model_signature_remembered_per_array_and_config(tiny_pair):
     assert len(sigs) == 1
 
 
+def test_a_quantized_model_has_its_own_signature(tiny_pair):
+    """An int8 draft (the CLI's default on an AVX-512 CPU) runs other products than its float
+    self: auto's store must not price one with the other's measurements."""
+    import dataclasses
+
+    from ouroboros_jax.models.quant import quantize_params
+
+    _, draft, _ = tiny_pair
+
+    def int8():  # quantize_params, not quantize_model: no once-per-process CPU notice spent
+        return dataclasses.replace(draft, params=quantize_params(draft.params, draft.config,
+                                                                 "int8"))
+
+    assert signature_of(int8()) != signature_of(draft)
+    assert signature_of(int8()) == signature_of(int8())
+
+
 def test_a_methods_timed_rounds_teach_a_factor_of_their_own(tiny_target, tuner):
     """Each method's timed calls teach what its loops measure over their price at the learned
     scales, pooled with one call at its price; relative to vanilla's, it divides every

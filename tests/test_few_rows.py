@@ -293,6 +293,11 @@ def test_draft_scheme(monkeypatch):
     assert quant.draft_scheme("auto", "int4", jnp.float32) == "int4"
     assert quant.draft_scheme("off", None, jnp.float32) is None
     assert quant.draft_scheme("int4", None, jnp.float32) == "int4"
+    from ouroboros_jax import demo_pair
+
+    _, small = demo_pair()  # 3M parameters: in the caches, left float
+    assert quant.draft_scheme("auto", None, jnp.float32, small) is None
+    assert quant.draft_scheme("int8", None, jnp.float32, small) == "int8"
     monkeypatch.setattr(few_rows, "enabled", lambda: False)
     assert quant.draft_scheme("auto", None, jnp.float32) is None
     with pytest.raises(ValueError, match="draft quantize"):

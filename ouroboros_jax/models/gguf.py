@@ -515,6 +515,10 @@ def load_gguf_params(reader, config: ModelConfig, path: str, dtype, progress: bo
             if kept is not None:
                 if bar is not None:
                     bar.update(sum(_nbytes(t) for t in by_leaf[leaf.name].values()))
+                if release is not None:  # the blocks are copied: their file pages not needed
+                    for t in by_leaf[leaf.name].values():
+                        if not isinstance(t, np.ndarray):
+                            release(t)
                 return kept
         out = aligned_empty(leaf.shape(config), np_dtype)
 

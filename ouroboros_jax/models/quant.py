@@ -354,23 +354,31 @@ def quantize_model(model, scheme: Optional[str]):
 
 
 DRAFT_CHOICES = ("auto", "off", "int8", "int4")
+# a draft whose weights take less than this (the demo pair's 3M-parameter draft) sits in a
+# CPU's caches, where its float products are not bound by memory and a custom call's fixed
+# cost would be all that changed: "auto" leaves it float
+SMALL_DRAFT_BYTES = 64 << 20
 
 
-def draft_scheme(choice: str, quantize: Optional[str], dtype) -> Optional[str]:
+def draft_scheme(choice: str, quantize: Optional[str], dtype, model=None) -> Optional[str]:
     """How a draft model is loaded (the CLI's --draft-quantize): "off" as the target
     (`quantize`), "int8"/"int4" so, "auto" int8 where the few-row kernel runs (a CPU, float32:
     `few_rows.enabled`) and `quantize` otherwise. Why a draft may differ from its target: the
     draft only proposes, so its rounding changes acceptance, never an output (greedy tokens
     stay the target's, sampling stays lossless for any draft distribution); read as one byte
     per weight by the kernel, the real pair's 0.5B draft ran a one-token forward in 41 ms
-    against 94 ms in float32 and held 0.6 GB of layer weights instead of 2.0."""
+    against 94 ms in float32 and held 0.6 GB of layer weights instead of 2.0. model: the
+    loaded draft where it is known before quantizing (the demo pair): one under
+    SMALL_DRAFT_BYTES stays float under "auto"."""
     if choice not in DRAFT_CHOICES:
         raise ValueError(f"draft quantize must be one of {DRAFT_CHOICES}, got {choice!r}")
     if choice == "off":
         return quantize
     if choice != "auto":
         return choice
-    if quantize is None and jnp.dtype(dtype) == jnp.float32 and few_rows.enabled():
+    small = model is not None and params_nbytes(model.params) < SMALL_DRAFT_BYTES
+    if quantize is None and jnp.dtype(dtype) == jnp.float32 and not small and \
+            few_rows.enabled():
         return "int8"
     return quantize
 
