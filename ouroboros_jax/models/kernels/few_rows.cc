@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <unistd.h>
 #include <utility>
 #include <cstdint>
 #include <cstring>
@@ -195,6 +196,10 @@ class Helpers {
 
  private:
   void ensure(int n) {
+    if (pid_ != getpid()) {  // a forked child inherits the list but not the threads
+      threads_.clear();
+      pid_ = getpid();
+    }
     while ((int)threads_.size() < n) {
       const int id = (int)threads_.size() + 1;
       // the generation before this job's: read here, not in the thread, which may start
@@ -240,6 +245,7 @@ class Helpers {
   std::atomic<int> remaining_{0};
   const std::function<void(int)>* job_ = nullptr;
   int want_ = 0;
+  pid_t pid_ = getpid();
   std::vector<std::thread> threads_;
 };
 
