@@ -21,7 +21,9 @@ def test_freeze_heap_frees_cycles_first_and_freezes_the_living():
         n = freeze_heap()
         # frozen without a collection first, the cycle would never be freed
         assert gone() is None
-        assert n == gc.get_freeze_count() > before
+        # (>=: a server thread of an earlier test in this worker may freeze after its warm-up
+        # at any moment; CI saw the count grow by 2 between the two reads)
+        assert gc.get_freeze_count() >= n > before
         # the living list is in the permanent generation: collections no longer walk it
         assert not any(o is alive for o in gc.get_objects())
     finally:
