@@ -56,11 +56,14 @@ def add_weights_cache_arg(p) -> None:
 
 def add_draft_quantize_arg(p) -> None:
     """--draft-quantize, for the commands that load a draft (generate, serve)."""
-    p.add_argument("--draft-quantize", choices=["auto", "off", "int8", "int4"], default="auto",
+    p.add_argument("--draft-quantize", choices=["auto", "off", "int8", "int4", "w8a8"],
+                   default="auto",
                    help="how --draft is loaded: 'auto' keeps its linear weights as int8 codes "
-                        "on a CPU whose few-row kernel reads them (float32; the draft only "
-                        "proposes, so no output changes: its forwards ~2x faster, its "
-                        "weights ~3x smaller), else as --quantize; 'off': as --quantize")
+                        "on a CPU whose few-row kernel reads them (float32), and where the CPU "
+                        "has AVX512-VNNI quantizes its activations too ('w8a8': integer dot "
+                        "products); the draft only proposes, so no output changes (its "
+                        "one-token forward 2x faster, its weights ~3x smaller); else as "
+                        "--quantize; 'off': as --quantize")
 
 
 def add_serve_gate_args(s) -> None:

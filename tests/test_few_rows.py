@@ -157,8 +157,14 @@ def qcounted(*a):
     qtraced[0] += 1
     return qkernel(*a)
 few_rows._quant_kernel = qcounted
+q8traced, q8kernel = [0], few_rows._q8_kernel
+def q8counted(*a):
+    q8traced[0] += 1
+    return q8kernel(*a)
+few_rows._q8_kernel = q8counted
 t, d = oj.load_model(sys.argv[1]), oj.load_model(sys.argv[2])
-dq = oj.load_model(sys.argv[2], quantize="int8")  # the CLI's default draft on such a CPU
+dq = oj.load_model(sys.argv[2], quantize="int8")  # the CLI's default draft without VNNI
+d8 = oj.load_model(sys.argv[2], quantize="w8a8")  # and with it (k4 codes where it runs)
 prompts = [[1, 5, 9, 14, 3, 7, 22], [1, 40, 41, 42, 40, 41, 42, 40, 41]]
 out = {}
 for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamma=4)),
@@ -170,8 +176,11 @@ for method, cfg in [("vanilla", None), ("speculative", oj.SpeculativeConfig(gamm
 for method in ("speculative", "ouroboros"):
     r = oj.generate(t, prompts, draft=dq, method=method, max_new_tokens=12)
     out[method + "_int8_draft"] = [list(map(int, row)) for row in r.tokens]
+    r = oj.generate(t, prompts, draft=d8, method=method, max_new_tokens=12)
+    out[method + "_w8a8_draft"] = [list(map(int, row)) for row in r.tokens]
 assert traced[0] > 0, "no product went through the kernel"
 assert qtraced[0] > 0, "no quantized product went through the kernel"
+assert q8traced[0] > 0 or not few_rows.q8_enabled(), "no w8a8 product went through the kernel"
 print(json.dumps(out))
 """
 
@@ -210,7 +219,7 @@ def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out["vanilla"][i][:len(ref)] == ref
     for method in ("speculative", "prompt_lookup", "ouroboros", "speculative_int8_draft",
-                   "ouroboros_int8_draft"):
+                   "ouroboros_int8_draft", "speculative_w8a8_draft", "ouroboros_w8a8_draft"):
         assert out[method] == out["vanilla"], method
 
 
@@ -286,8 +295,13 @@ def test_quantized_products_route(kernel_on):
 
 
 def test_draft_scheme(monkeypatch):
-    """--draft-quantize: auto is int8 only where the kernel runs (float32), else --quantize."""
+    """--draft-quantize: auto is w8a8 where the kernel runs with VNNI, int8 where it runs
+    without (float32), else --quantize."""
     monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: True)
+    assert quant.draft_scheme("auto", None, jnp.float32) == "w8a8"
+    assert quant.draft_scheme("w8a8", None, jnp.float32) == "w8a8"
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: False)
     assert quant.draft_scheme("auto", None, jnp.float32) == "int8"
     assert quant.draft_scheme("auto", None, jnp.bfloat16) is None
     assert quant.draft_scheme("auto", "int4", jnp.float32) == "int4"
@@ -311,3 +325,119 @@ def test_cli_refuses_a_bad_draft_quantize(capsys):
         main(["generate", "--draft-quantize", "int2", "--prompt", "x"])
     assert e.value.code == 2
     assert "--draft-quantize" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the draft's form (w8a8)
+needs_vnni = pytest.mark.skipif(
+    not few_rows.cpu_has_avx512(flag="avx512_vnni") or shutil.which("g++") is None,
+    reason="the w8a8 product needs AVX512-VNNI and g++ (a w8a8 draft stays int8 elsewhere)")
+
+
+@pytest.fixture
+def q8_on(kernel_on, monkeypatch):
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: True)
+
+
+def _q8_reference(x, w):
+    """float64 product of x quantized as the kernel does (per row, blocks of 32 inputs or the
+    group length: round(x * 127 / max|x|)) against codes * scale, less the float x's group sums
+    times the offsets (the offset term reads x itself)."""
+    x = np.asarray(x, np.float64)
+    K, G = x.shape[-1], w.group_size
+    XB = 32 if G % 32 == 0 else G
+    xb = x.reshape(-1, K // XB, XB)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    xq = np.clip(np.rint(xb * (127 / np.where(amax > 0, amax, 1))), -127, 127)
+    plain = quant.QuantArray(quant.plain_codes(w) if w.k4 else w.codes, w.scale, None,
+                             w.in_shape, 1, 8, jnp.float32)
+    y = (xq * amax / 127).reshape(x.shape) @ np.asarray(quant.dequantize(plain), np.float64)
+    if w.offset is not None:
+        y = y - x.reshape(-1, K // G, G).sum(-1) @ np.asarray(w.offset, np.float64)
+    return y
+
+
+def test_k4_codes_round_trip():
+    """k4_codes stores code + 128 with four inputs side by side per column, in the plain
+    shape; plain_codes and dequantize read it back exactly; 4-bit codes and groups not a
+    multiple of 4 stay as they are."""
+    rng = np.random.default_rng(3)
+    w = _qweight(rng, 64, 12, 16, True)
+    codes = np.asarray(w.codes).copy()
+    codes[0, 0, 0], codes[0, 1, 0] = -128, 127
+    w = quant.QuantArray(jnp.asarray(codes), w.scale, w.offset, (64,), 1, 8, jnp.float32)
+    k = quant.k4_codes({"w": w})["w"]
+    assert k.k4 and k.codes.dtype == jnp.uint8 and k.codes.shape == w.codes.shape
+    raw = np.asarray(k.codes).reshape(4, 4, 12, 4)  # [ng, G / 4, N, 4]
+    assert raw[0, 0, 0, 0] == 0 and raw[0, 0, 0, 1] == 255  # -128 + 128, 127 + 128
+    assert raw[1, 2, 5, 3] == int(codes[1, 2 * 4 + 3, 5]) + 128
+    np.testing.assert_array_equal(np.asarray(quant.plain_codes(k)), codes)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(k)), np.asarray(quant.dequantize(w)))
+    stacked = quant._map(lambda a: jnp.stack([a, a]), w)  # a lead (layers) axis, sliced back
+    ks = quant.k4_codes({"w": stacked})["w"]
+    np.testing.assert_array_equal(np.asarray(ks[1].codes), np.asarray(k.codes))
+    odd = _qweight(rng, 66, 5, 6, False)
+    assert not quant.k4_codes({"w": odd})["w"].k4
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows,k,n,G,offset", [
+    (1, 96, 200, 32, False), (1, 896, 4864, 32, True), (2, 64, 17, 16, True),
+    (3, 4864, 40, 4864, False), (9, 128, 1000, 32, True), (16, 64, 31, 16, False),
+    (4, 1024, 96, 32, True), (40, 96, 70, 32, True), (2, 36, 50, 36, False)])
+def test_w8a8_kernel_matches_its_float64_reference(rows, k, n, G, offset, q8_on):
+    """The k4 product against float64 with x quantized as documented: groups split over
+    threads and columns split, row blocks of 8, register blocks, column tails, x blocks of 32
+    or of a shorter group (16, 36)."""
+    rng = np.random.default_rng(rows * 11 + n + G)
+    w = quant.k4_codes({"w": _qweight(rng, k, n, G, offset)})["w"]
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32))
+    assert few_rows.q8_applies(x, w) and not few_rows.quant_applies(x, w)
+    y = np.asarray(jax.jit(quant.linear)(x, w))
+    ref = _q8_reference(x, w)
+    assert y.shape == (rows, n) and np.all(np.isfinite(y))
+    assert np.abs(y - ref).max() <= 2e-5 * np.sqrt(k) * np.abs(ref).max() + 1e-5
+    # and close to the weight's own float product (int8 activations: ~1% of the scale)
+    full = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(w), np.float64)
+    assert np.abs(y - full).max() <= 0.05 * np.abs(full).max()
+
+
+@needs_vnni
+def test_w8a8_rows_do_not_depend_on_the_rows_beside_them(q8_on):
+    rng = np.random.default_rng(9)
+    w = quant.k4_codes({"w": _qweight(rng, 640, 300, 32, True)})["w"]
+    x = jnp.asarray(rng.standard_normal((16, 640), np.float32))
+    f = jax.jit(quant.linear)
+    y16 = np.asarray(f(x, w))
+    for lo, m in ((0, 1), (3, 1), (2, 3), (8, 5), (1, 9)):
+        assert np.array_equal(np.asarray(f(x[lo:lo + m], w)), y16[lo:lo + m])  # bit for bit
+
+
+@needs_vnni
+def test_w8a8_routes(q8_on):
+    """1-64 rows of a k4 weight: its custom call; 65 rows: dequantized (plain codes read back
+    from the k4 layout), then XLA's float product, equal to the plain int8 weight's."""
+    rng = np.random.default_rng(2)
+    w = _qweight(rng, 64, 48, 32, False)
+    k = quant.k4_codes({"w": w})["w"]
+    top = few_rows.QUANT_MAX_ROWS
+    for rows, want in ((1, True), (top, True), (top + 1, False)):
+        text = jax.jit(quant.linear).lower(jnp.zeros((rows, 64), jnp.float32), k).as_text()
+        assert (few_rows.Q8_TARGET in text) is want, rows
+        assert few_rows.QUANT_TARGET not in text
+    x = jnp.asarray(rng.standard_normal((top + 1, 64), np.float32))
+    np.testing.assert_allclose(np.asarray(quant.linear(x, k)), np.asarray(quant.linear(x, w)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_quantizes_to_k4_where_it_runs(monkeypatch, tiny_pair):
+    """quantize="w8a8" (load_model's and quantize_model's): int8 codes, in the k4 form where
+    q8 runs, plain int8 where it does not; `bits_of` takes it."""
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    for on in (True, False):
+        monkeypatch.setattr(few_rows, "q8_enabled", lambda on=on: on)
+        m = quant.quantize_model(tiny_pair[1], "w8a8")
+        ws = [x for x in jax.tree.leaves(m.params, is_leaf=quant.is_quantized)
+              if quant.is_quantized(x)]
+        assert ws and all(x.k4 is on for x in ws)
+        assert all(x.codes.dtype == (jnp.uint8 if on else jnp.int8) for x in ws)
+    assert quant.bits_of("w8a8") == 8

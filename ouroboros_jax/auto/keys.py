@@ -27,11 +27,15 @@ def signature_of(model) -> str:
     mesh = getattr(sharding, "mesh", None)
     where = (dict(mesh.shape) if mesh is not None
              else len(getattr(sharding, "device_set", [0]) or [0]))
-    from ..models.quant import is_quantized_params
+    from ..models.quant import is_quantized, is_quantized_params
 
-    # quantized weights (a draft's int8 codes) run other products at other prices
+    # quantized weights (a draft's int8 codes) run other products at other prices, and the
+    # draft's form (k4: activations quantized too) others again
+    k4 = any(getattr(x, "k4", False) for x in jax.tree.leaves(model.params,
+                                                              is_leaf=is_quantized))
     blob = json.dumps([cfg, str(leaf.dtype), str(where)]
-                      + (["quantized"] if is_quantized_params(model.params) else []),
+                      + (["quantized"] if is_quantized_params(model.params) else [])
+                      + (["k4"] if k4 else []),
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

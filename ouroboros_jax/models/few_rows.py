@@ -54,6 +54,7 @@ MIN_ROWS = 2  # one row: XLA's matrix-vector product (see the module docstring)
 MIN_WEIGHTS = 1 << 19
 TARGET = "ouroboros_few_rows_matmul"
 QUANT_TARGET = "ouroboros_few_rows_quant_matmul"
+Q8_TARGET = "ouroboros_few_rows_q8_matmul"
 # rows a quantized weight's product takes through the kernel (in blocks of 8, each block
 # streaming the codes again); more rows dequantize the weight and run XLA's product
 # (`quant.linear`). A six-product stack of int8 1536 x 8960: 17 rows 39 ms through the kernel
@@ -65,13 +66,14 @@ SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "few_rows.cc")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC")
 
 
-def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU reports AVX-512 Foundation (Linux's cpuinfo flags; False elsewhere)."""
+def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo", flag: str = "avx512f") -> bool:
+    """Whether the CPU reports AVX-512 Foundation, or another of its flags (Linux's cpuinfo
+    flags; False elsewhere)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx512f" in line.split()
+                    return flag in line.split()
     except OSError:
         pass
     return False
@@ -131,6 +133,8 @@ def _registered() -> Optional[str]:
                                     platform="cpu")
         jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(lib.FewRowsQuantMatmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(Q8_TARGET, jax.ffi.pycapsule(lib.FewRowsQ8Matmul),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure keeps XLA's product
         print(f"ouroboros-jax: the few-row CPU kernel could not be built ({e}); using XLA's "
               f"product (set {ENV}=0 to skip the attempt)", file=sys.stderr)
@@ -146,6 +150,14 @@ def enabled() -> bool:
     if jax.default_backend() != "cpu" or jax.device_count() != 1 or not cpu_has_avx512():
         return False
     return _registered() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def q8_enabled() -> bool:
+    """Whether the draft's form (`quant.k4_codes`: activations quantized too, integer dot
+    products) runs here: `enabled()` on a CPU with AVX512-VNNI (Intel since Cascade Lake,
+    AMD since Zen 4)."""
+    return enabled() and cpu_has_avx512(flag="avx512_vnni")
 
 
 def threads() -> int:
@@ -252,4 +264,34 @@ def quant_matmul(x: jax.Array, w) -> jax.Array:
     scale = w.scale.reshape(ng, O)
     offset = None if w.offset is None else w.offset.reshape(ng, O)
     y = _quant_product(x.reshape(-1, x.shape[-1]), codes, scale, offset)
+    return y.reshape(*x.shape[:-1], O)
+
+
+# ------------------------------------------------------------------ the draft's form
+def _q8_kernel(x2, codes, scale, offset):
+    """x2 float32[M,K] against k4 codes uint8 [ng,G,N] (`quant.k4_codes`), scale (and offset)
+    float32[ng,N] -> float32[M,N] by the custom call, x quantized per row inside it."""
+    out = jax.ShapeDtypeStruct((x2.shape[0], codes.shape[2]), jnp.float32)
+    has = offset is not None
+    return jax.ffi.ffi_call(Q8_TARGET, out, vmap_method="sequential")(
+        x2, codes, scale, offset if has else scale, threads=np.int64(threads()),
+        has_offset=has)
+
+
+def q8_applies(x: jax.Array, w) -> bool:
+    """Whether x [..., K] times a one-layer k4 `quant.QuantArray` goes through the kernel:
+    float32, 1..QUANT_MAX_ROWS rows, and `q8_enabled()` (a k4 weight anywhere else is
+    dequantized first, `quant.linear`)."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return (w.lead_ndim == 0 and w.k4 and x.dtype == jnp.float32 and w.dtype == jnp.float32
+            and 1 <= rows <= QUANT_MAX_ROWS and q8_enabled())
+
+
+def q8_matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., I] times a one-layer k4 QuantArray -> [..., O] float32 through the kernel (the
+    caller checks `q8_applies`). No gradient: the form is for drafting only."""
+    ng, G = w.codes.shape[:2]
+    O = int(np.prod(w.out_shape, dtype=np.int64))
+    y = _q8_kernel(x.reshape(-1, x.shape[-1]), w.codes.reshape(ng, G, O),
+                   w.scale.reshape(ng, O), None if w.offset is None else w.offset.reshape(ng, O))
     return y.reshape(*x.shape[:-1], O)

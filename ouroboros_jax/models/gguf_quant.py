@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .quant import BITS, QuantArray, quantizable
+from .quant import QuantArray, bits_of, quantizable
 
 # kept type -> (code width in bits, group length)
 KEPT = {"Q8_0": (8, 32), "Q5_0": (5, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q6_K": (6, 16)}
@@ -135,7 +135,7 @@ def kept_leaf(leaf, config, tensors: dict, scheme: str, dtype,
     codes and scales alike (a permutation of output rows)."""
     import jax.numpy as jnp
 
-    kind = keepable(leaf, list(tensors.values()), BITS[scheme])
+    kind = keepable(leaf, list(tensors.values()), bits_of(scheme))
     if kind is None:
         return None
     shape = leaf.slice_shape(config)

@@ -54,6 +54,10 @@ from . import few_rows
 
 # the quantize= choices: code width in bits
 BITS = {"int8": 8, "int4": 4}
+# a draft's extra choice: int8 weights, and on a CPU with AVX512-VNNI the activations quantized
+# to int8 too (`k4_codes`, `few_rows.q8_matmul`): close to the model, not equal to it, so for
+# drafts only (a draft's rounding moves acceptance, never an output)
+W8A8 = "w8a8"
 # int4's default group along the input side (128: 4.25 bits per weight with f32 scales); a
 # leaf whose input side it does not divide is quantized per channel. int8 is per channel.
 INT4_GROUP = 128
@@ -81,14 +85,17 @@ class QuantArray:
     part is the input side's shape, how many trailing dims are the output side, the code width
     and the float dtype the weight stands for (its matmul's output dtype)."""
 
-    def __init__(self, codes, scale, offset, in_shape: tuple, out_ndim: int, bits: int, dtype):
+    def __init__(self, codes, scale, offset, in_shape: tuple, out_ndim: int, bits: int, dtype,
+                 k4: bool = False):
         self.codes, self.scale, self.offset = codes, scale, offset
         self.in_shape, self.out_ndim, self.bits = tuple(in_shape), int(out_ndim), int(bits)
         self.dtype = jnp.dtype(dtype)
+        # the draft's form (`k4_codes`): uint8 codes + 128, four inputs side by side per column
+        self.k4 = bool(k4)
 
     def tree_flatten(self):
         return ((self.codes, self.scale, self.offset),
-                (self.in_shape, self.out_ndim, self.bits, self.dtype.name))
+                (self.in_shape, self.out_ndim, self.bits, self.dtype.name, self.k4))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -156,17 +163,18 @@ class QuantArray:
         ng, G = self.codes.shape[:2]
         return QuantArray(self.codes.reshape(ng, G, *out), self.scale.reshape(ng, *out),
                           None if self.offset is None else self.offset.reshape(ng, *out),
-                          shape[:k], len(out), self.bits, self.dtype)
+                          shape[:k], len(out), self.bits, self.dtype, self.k4)
 
     def __repr__(self):
         return (f"QuantArray(shape={self.shape}, bits={self.bits}, group={self.group_size}, "
-                f"dtype={self.dtype.name}{', offset' if self.offset is not None else ''})")
+                f"dtype={self.dtype.name}{', offset' if self.offset is not None else ''}"
+                f"{', k4' if self.k4 else ''})")
 
 
 def _map(fn, q: QuantArray) -> QuantArray:
     """fn applied to codes, scale and offset (each with the lead axes first)."""
     return QuantArray(fn(q.codes), fn(q.scale), None if q.offset is None else fn(q.offset),
-                      q.in_shape, q.out_ndim, q.bits, q.dtype)
+                      q.in_shape, q.out_ndim, q.bits, q.dtype, q.k4)
 
 
 def is_quantized(w) -> bool:
@@ -208,7 +216,8 @@ def dequantize(w) -> jax.Array:
     if not is_quantized(w):
         return w
     g = w.lead_ndim + 1  # the group-length axis of the codes
-    v = w.codes.astype(jnp.float32) * jnp.expand_dims(w.scale, g)
+    codes = plain_codes(w) if w.k4 else w.codes
+    v = codes.astype(jnp.float32) * jnp.expand_dims(w.scale, g)
     if w.offset is not None:
         v = v - jnp.expand_dims(w.offset, g)
     return v.reshape(w.shape).astype(w.dtype)
@@ -234,7 +243,8 @@ def concat_out(ws: Sequence) -> jax.Array:
     form: Q8_0 beside Q5_0)."""
     if not any(is_quantized(w) for w in ws):
         return jnp.concatenate(ws, -1)
-    if not all(is_quantized(w) and w.out_ndim == 1 and w.lead_ndim == 0 for w in ws) or \
+    if not all(is_quantized(w) and w.out_ndim == 1 and w.lead_ndim == 0 and not w.k4
+               for w in ws) or \
             len({(w.codes.shape[:2], w.codes.dtype, w.offset is None) for w in ws}) != 1:
         raise ValueError("concat_out: quantized weights of one grouping and code width only")
     q0 = ws[0]
@@ -261,14 +271,18 @@ def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
             y = jnp.einsum("...i,io->...o", x, w2, preferred_element_type=out_dtype)
         return y.reshape(*x.shape[:-1], *out_shape)
     assert w.lead_ndim == 0, "linear takes one layer's weight"
+    if w.k4 and few_rows.q8_applies(x, w):  # the draft's form (`k4_codes`)
+        y = few_rows.q8_matmul(x, w).astype(out_dtype or x.dtype)
+        return y.reshape(*x.shape[:-1], *w.out_shape)
     if few_rows.quant_applies(x, w):  # a CPU's decode or verification product
         y = few_rows.quant_matmul(x, w).astype(out_dtype or x.dtype)
         return y.reshape(*x.shape[:-1], *w.out_shape)
     # a CPU's product of more rows than the kernel takes (a long prefill): dequantized, then
     # XLA's float product (32 rows of a 1536 x 8960 stack: 150 ms against the grouped
     # product's 200 ms; 150 rows: 233 ms, the kernel's 8-row blocks 278, float32 147)
-    if _matmul[0] == "dequantize" or few_rows.enabled():
-        wd = QuantArray(w.codes, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, x.dtype)
+    if _matmul[0] == "dequantize" or few_rows.enabled() or w.k4:
+        wd = QuantArray(w.codes, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, x.dtype,
+                        w.k4)
         return linear(x, dequantize(wd), len(w.in_shape), out_dtype)
     lead, out_shape = x.shape[:-1], w.out_shape
     ng, G = w.codes.shape[:2]
@@ -324,7 +338,8 @@ def quantize_loaded(params: dict, config, scheme: str) -> dict:
     params = quantize_params(params, config, scheme)
     if jax.default_backend() == "cpu":
         if few_rows.enabled():
-            return int8_codes(params)
+            params = int8_codes(params)
+            return k4_codes(params) if scheme == W8A8 and few_rows.q8_enabled() else params
         say_once("quantize-cpu", f"quantize={scheme!r} on cpu keeps the weights' memory small "
                  "but runs slower than float32 here (XLA:CPU does not fuse the int8 convert "
                  "into the dot, and this CPU or process runs no few-row kernel); leave "
@@ -336,10 +351,44 @@ def int8_codes(params):
     """A params pytree with every QuantArray's codes as int8 (values unchanged: 4-bit codes
     fit), the form `few_rows.quant_matmul` reads."""
     def one(w):
-        if not is_quantized(w) or w.codes.dtype == jnp.int8:
+        if not is_quantized(w) or w.codes.dtype == jnp.int8 or w.k4:
             return w
         codes = jnp.asarray(w.codes).astype(jnp.int8)
         return QuantArray(codes, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, w.dtype)
+
+    return jax.tree.map(one, params, is_leaf=is_quantized)
+
+
+def plain_codes(w: QuantArray) -> jax.Array:
+    """A k4 QuantArray's codes in the plain layout [lead..., ng, G, out...] as int8 (the
+    inverse of `k4_codes`); jittable."""
+    lead, (ng, G) = w.codes.shape[:w.lead_ndim], w.codes.shape[w.lead_ndim:w.lead_ndim + 2]
+    O = math.prod(w.out_shape)
+    c = w.codes.reshape(*lead, ng, G // 4, O, 4)
+    c = jnp.swapaxes(c, -1, -2).reshape(w.codes.shape)
+    return (c.astype(jnp.int16) - 128).astype(jnp.int8)
+
+
+def k4_codes(params):
+    """A params pytree with every int8-coded QuantArray whose group length is a multiple of 4
+    in the draft's form (`k4`, read by `few_rows.q8_matmul`: the activations quantized to
+    int8 per row and block of 32 inputs, integer dot products): its codes as uint8 code + 128,
+    in the memory order [lead..., ng, G / 4, O, 4] (four consecutive inputs of a column side by
+    side, as AVX512-VNNI's dot product of four byte pairs reads them), kept in the plain
+    shape [lead..., ng, G, out...] so that lead slices and output reshapes keep their meaning.
+    Converted on the host (numpy), one leaf at a time."""
+    import numpy as np
+
+    def one(w):
+        if not is_quantized(w) or w.k4 or w.codes.dtype != jnp.int8 or w.group_size % 4:
+            return w
+        c = np.asarray(w.codes)
+        lead, (ng, G) = c.shape[:w.lead_ndim], c.shape[w.lead_ndim:w.lead_ndim + 2]
+        O = math.prod(w.out_shape)
+        u = (c.view(np.uint8) ^ np.uint8(0x80))  # code + 128 (two's complement, flip the top bit)
+        u = np.ascontiguousarray(np.swapaxes(u.reshape(*lead, ng, G // 4, 4, O), -1, -2))
+        return QuantArray(jnp.asarray(u.reshape(c.shape)), w.scale, w.offset, w.in_shape,
+                          w.out_ndim, w.bits, w.dtype, k4=True)
 
     return jax.tree.map(one, params, is_leaf=is_quantized)
 
@@ -354,7 +403,7 @@ def quantize_model(model, scheme: Optional[str]):
                                                               scheme))
 
 
-DRAFT_CHOICES = ("auto", "off", "int8", "int4")
+DRAFT_CHOICES = ("auto", "off", "int8", "int4", W8A8)
 # a draft whose weights take less than this (the demo pair's 3M-parameter draft) sits in a
 # CPU's caches, where its float products are not bound by memory and a custom call's fixed
 # cost would be all that changed: "auto" leaves it float
@@ -363,14 +412,16 @@ SMALL_DRAFT_BYTES = 64 << 20
 
 def draft_scheme(choice: str, quantize: Optional[str], dtype, model=None) -> Optional[str]:
     """How a draft model is loaded (the CLI's --draft-quantize): "off" as the target
-    (`quantize`), "int8"/"int4" so, "auto" int8 where the few-row kernel runs (a CPU, float32:
-    `few_rows.enabled`) and `quantize` otherwise. Why a draft may differ from its target: the
-    draft only proposes, so its rounding changes acceptance, never an output (greedy tokens
-    stay the target's, sampling stays lossless for any draft distribution); read as one byte
-    per weight by the kernel, the real pair's 0.5B draft ran a one-token forward in 41 ms
-    against 94 ms in float32 and held 0.6 GB of layer weights instead of 2.0. model: the
-    loaded draft where it is known before quantizing (the demo pair): one under
-    SMALL_DRAFT_BYTES stays float under "auto"."""
+    (`quantize`), "int8"/"int4"/"w8a8" so, "auto" where the few-row kernel runs (a CPU,
+    float32: `few_rows.enabled`) "w8a8" on a CPU with AVX512-VNNI (`few_rows.q8_enabled`)
+    else "int8", and `quantize` otherwise. Why a draft may differ from its target: the draft
+    only proposes, so its rounding changes acceptance, never an output (greedy tokens stay the
+    target's, sampling stays lossless for any draft distribution). The real pair's 0.5B
+    draft, one-token forward (`models.timing.forward_timer`, AMD Zen 5): float32 45 ms, int8
+    weights read by the kernel 36 ms, w8a8 (activations quantized too, integer dot products)
+    22 ms, with the same acceptance on the real pair's chat prompts; it holds 0.6 GB of layer
+    weights instead of 2.0. model: the loaded draft where it is known before quantizing (the
+    demo pair): one under SMALL_DRAFT_BYTES stays float under "auto"."""
     if choice not in DRAFT_CHOICES:
         raise ValueError(f"draft quantize must be one of {DRAFT_CHOICES}, got {choice!r}")
     if choice == "off":
@@ -380,14 +431,18 @@ def draft_scheme(choice: str, quantize: Optional[str], dtype, model=None) -> Opt
     small = model is not None and params_nbytes(model.params) < SMALL_DRAFT_BYTES
     if quantize is None and jnp.dtype(dtype) == jnp.float32 and not small and \
             few_rows.enabled():
-        return "int8"
+        return W8A8 if few_rows.q8_enabled() else "int8"
     return quantize
 
 
 def bits_of(quantize: str) -> int:
-    """"int8" -> 8, "int4" -> 4; ValueError naming the parameter otherwise."""
+    """"int8" -> 8, "int4" -> 4, "w8a8" (drafts) -> 8; ValueError naming the parameter
+    otherwise."""
+    if quantize == W8A8:
+        return 8
     if quantize not in BITS:
-        raise ValueError(f"quantize must be one of {sorted(BITS)} or None, got {quantize!r}")
+        raise ValueError(f"quantize must be one of {sorted(BITS)} (or {W8A8!r} for a draft) "
+                         f"or None, got {quantize!r}")
     return BITS[quantize]
 
 

@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <utility>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -152,6 +153,98 @@ constexpr int64_t kMaxQuantRows = 8;  // 2 * 8 + 2 registers live: acc, the code
 constexpr auto kQuant = quant_table<false>(std::make_integer_sequence<int, kMaxQuantRows>{});
 constexpr auto kQuantOffset =
     quant_table<true>(std::make_integer_sequence<int, kMaxQuantRows>{});
+
+// The draft's form (models/quant.py, `k4` codes): the activations quantized too, so that the
+// products are integer dot products of four byte pairs (AVX512-VNNI `vpdpbusd`, 64 per
+// instruction) instead of a conversion and a fused multiply-add per weight. A draft only
+// proposes, so its rounding moves acceptance, never an output; the target never takes this
+// form. Codes are kept as bytes biased by 128 (u8 = code + 128: vpdpbusd multiplies unsigned
+// by signed bytes), every four consecutive inputs of a column side by side:
+// codes[k / 4][n][k % 4] (the memory of [K / 4, N, 4]). x is quantized per row and block of
+// XB inputs (XB = 32, or the group length where it is shorter): xq = round(x / sx),
+// sx = max|x| / 127. Per block, the integer sum S = sum (c + 128) xq = sum c xq + 128 sum xq;
+// y += (S - 128 sum xq) * sx * scale per group, less (sum x) * offset as above. A row's result
+// depends on that row only (its own x blocks, one fixed order of sums).
+constexpr int64_t kQ8Block = 32;  // inputs per activation scale (llama.cpp's Q8_0 block)
+constexpr int64_t kQ8Blocks = 2;  // activation blocks per pass over a column block
+
+template <int M, int NB, bool kOffset>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void q8_columns(const int32_t* xq4, const float* sx, const int32_t* corr, const float* xsum,
+                int64_t K, int64_t G, int64_t XB, const uint8_t* codes, const float* scale,
+                const float* offset, int64_t N, float* y, float* part, int64_t c0, int64_t c1,
+                int64_t g0, int64_t g1) {
+  const int64_t ng = K / G, width = c1 - c0, nxb = K / XB, quads = XB / 4;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b0 = 0; b0 < G / XB; b0 += kQ8Blocks) {
+      const int64_t b1 = std::min(G / XB, b0 + kQ8Blocks);
+      for (int64_t n = c0; n < c1; n += kVec * NB) {
+        __mmask16 mask[NB];
+        for (int b = 0; b < NB; ++b) mask[b] = lanes(c1 - n - b * kVec);
+        float* pn = part + (n - c0);
+        __m512 acc[M][NB];
+        for (int m = 0; m < M; ++m)
+          for (int b = 0; b < NB; ++b)
+            acc[m][b] = b0 == 0 ? _mm512_setzero_ps()
+                                : _mm512_maskz_loadu_ps(mask[b], pn + m * width + b * kVec);
+        for (int64_t xb = b0; xb < b1; ++xb) {
+          const int64_t blk = (g * G) / XB + xb;  // the activation block's index along K
+          __m512i iacc[M][NB];
+          for (int m = 0; m < M; ++m)
+            for (int b = 0; b < NB; ++b) iacc[m][b] = _mm512_setzero_si512();
+          for (int64_t q = 0; q < quads; ++q) {
+            const int64_t kq = blk * quads + q;  // the quad's index along K / 4
+            const uint8_t* row = codes + (kq * N + n) * 4;
+            __m512i wv[NB];
+            for (int b = 0; b < NB; ++b)
+              wv[b] = _mm512_maskz_loadu_epi32(mask[b], row + b * kVec * 4);
+            for (int m = 0; m < M; ++m) {
+              const __m512i xv = _mm512_set1_epi32(xq4[m * (K / 4) + kq]);
+              for (int b = 0; b < NB; ++b)
+                iacc[m][b] = _mm512_dpbusd_epi32(iacc[m][b], wv[b], xv);
+            }
+          }
+          for (int m = 0; m < M; ++m) {
+            const __m512i c = _mm512_set1_epi32(corr[m * nxb + blk]);
+            const __m512 s = _mm512_set1_ps(sx[m * nxb + blk]);
+            for (int b = 0; b < NB; ++b)
+              acc[m][b] = _mm512_fmadd_ps(
+                  _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[m][b], c)), s, acc[m][b]);
+          }
+        }
+        if (b1 < G / XB) {
+          for (int m = 0; m < M; ++m)
+            for (int b = 0; b < NB; ++b)
+              _mm512_mask_storeu_ps(pn + m * width + b * kVec, mask[b], acc[m][b]);
+          continue;
+        }
+        for (int b = 0; b < NB; ++b) {
+          const int64_t nb = n + b * kVec;
+          const __m512 s = _mm512_maskz_loadu_ps(mask[b], scale + g * N + nb);
+          __m512 o = _mm512_setzero_ps();
+          if (kOffset) o = _mm512_maskz_loadu_ps(mask[b], offset + g * N + nb);
+          for (int m = 0; m < M; ++m) {
+            __m512 out = g == g0 ? _mm512_setzero_ps()
+                                 : _mm512_maskz_loadu_ps(mask[b], y + m * N + nb);
+            out = _mm512_fmadd_ps(acc[m][b], s, out);
+            if (kOffset) out = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[m * ng + g]), o, out);
+            _mm512_mask_storeu_ps(y + m * N + nb, mask[b], out);
+          }
+        }
+      }
+    }
+  }
+}
+
+using Q8Fn = void (*)(const int32_t*, const float*, const int32_t*, const float*, int64_t,
+                      int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                      float*, float*, int64_t, int64_t, int64_t, int64_t);
+template <bool kOffset, int... Ms>
+constexpr std::array<Q8Fn, sizeof...(Ms)> q8_table(std::integer_sequence<int, Ms...>) {
+  return {&q8_columns<Ms + 1, (Ms + 1 <= 2 ? 4 : Ms + 1 <= 4 ? 2 : 1), kOffset>...};
+}
+constexpr auto kQ8 = q8_table<false>(std::make_integer_sequence<int, kMaxQuantRows>{});
+constexpr auto kQ8Offset = q8_table<true>(std::make_integer_sequence<int, kMaxQuantRows>{});
 
 using ColumnsFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 template <int... Ms>
@@ -334,6 +427,102 @@ extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const
     if (c0 < c1) run(y, c0, c1, 0, ng);
   });
 }
+
+// x's rows quantized per block of XB inputs (see q8_columns), then the product; threads split
+// as few_rows_quant_matmul's
+extern "C" void few_rows_q8_matmul(const float* x, const uint8_t* codes, const float* scale,
+                                   const float* offset, float* y, int64_t M, int64_t K,
+                                   int64_t G, int64_t N, int threads) {
+  const int64_t ng = K / G, XB = G % kQ8Block == 0 ? kQ8Block : G, nxb = K / XB;
+  std::vector<int32_t> xq4(M * (K / 4)), corr(M * nxb);
+  std::vector<float> sx(M * nxb), xsum(offset ? M * ng : 0);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = reinterpret_cast<int8_t*>(xq4.data() + m * (K / 4));
+    for (int64_t blk = 0; blk < nxb; ++blk) {
+      const float* xb = x + m * K + blk * XB;
+      float amax = 0.f;
+      for (int64_t j = 0; j < XB; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      for (int64_t j = 0; j < XB; ++j) {
+        const int v = (int)std::nearbyint(xb[j] * inv);
+        q[blk * XB + j] = (int8_t)std::max(-127, std::min(127, v));
+        total += q[blk * XB + j];
+      }
+      sx[m * nxb + blk] = s;
+      corr[m * nxb + blk] = 128 * total;
+    }
+    for (int64_t g = 0; g < (offset ? ng : 0); ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < G; ++j) s += x[m * K + g * G + j];
+      xsum[m * ng + g] = s;
+    }
+  }
+  const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
+  auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
+    std::vector<float> part(kMaxQuantRows * (c1 - c0));
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {
+      const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
+      Q8Fn fn = (offset ? kQ8Offset : kQ8)[rows - 1];
+      fn(xq4.data() + r0 * (K / 4), sx.data() + r0 * nxb, corr.data() + r0 * nxb,
+         offset ? xsum.data() + r0 * ng : nullptr, K, G, XB, codes, scale, offset, N,
+         out + r0 * N, part.data(), c0, c1, g0, g1);
+    }
+  };
+  if (t > 1) {
+    std::vector<std::vector<float>> partial(t - 1);
+    const int64_t per = (ng + t - 1) / t;
+    Helpers::get().run(t, [&](int i) {
+      const int64_t g0 = std::min(ng, i * per), g1 = std::min(ng, (i + 1) * per);
+      float* out = y;
+      if (i > 0) {
+        partial[i - 1].assign(M * N, 0.f);
+        out = partial[i - 1].data();
+      }
+      if (g0 < g1) run(out, 0, N, g0, g1);
+    });
+    for (int i = 1; i < t; ++i)
+      for (int64_t e = 0; e < M * N; ++e) y[e] += partial[i - 1][e];
+    return;
+  }
+  const int64_t vecs = (N + kVec - 1) / kVec;
+  const int tc = (int)std::max<int64_t>(1, std::min<int64_t>(threads, vecs));
+  const int64_t per = (vecs + tc - 1) / tc * kVec;
+  Helpers::get().run(tc, [&](int i) {
+    int64_t c0 = std::min(N, i * per), c1 = std::min(N, (i + 1) * per);
+    if (c0 < c1) run(y, c0, c1, 0, ng);
+  });
+}
+
+static ffi::Error FewRowsQ8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                                ffi::ResultBuffer<ffi::F32> y, int64_t threads,
+                                bool has_offset) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (cd.size() != 3 || sd.size() != 2 || xd.size() < 1 || sd[0] != cd[0] || sd[1] != cd[2] ||
+      xd.back() != cd[0] * cd[1] || cd[1] % 4 != 0)
+    return ffi::Error::InvalidArgument(
+        "few_rows_q8_matmul: x [..., K], codes [ng, G, N] with G % 4 == 0, scale [ng, N]");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  const int64_t G = cd[1], N = cd[2], K = cd[0] * cd[1];
+  if (M < 1 || G < 1 || N < 1)
+    return ffi::Error::InvalidArgument("few_rows_q8_matmul: empty operand");
+  few_rows_q8_matmul(x.typed_data(), codes.typed_data(), scale.typed_data(),
+                     has_offset ? offset.typed_data() : nullptr, y->typed_data(), M, K, G, N,
+                     (int)threads);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQ8Matmul, FewRowsQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Attr<bool>("has_offset"));
 
 static ffi::Error FewRowsQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
                                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
