@@ -264,8 +264,9 @@ def main(argv=None) -> dict:
                     help="also time each constrained row's one-token calls (prefill and set-up)")
     ap.add_argument("--peer", action="store_true",
                     help="add the transformers + table LogitsProcessor row")
-    ap.add_argument("--draft-quantize", default="auto", choices=["auto", "off", "int8", "int4"],
-                    help="how the draft is loaded, as the CLI's flag (auto: int8 where the "
+    ap.add_argument("--draft-quantize", default="auto",
+                    choices=["auto", "off", "int8", "int4", "w8a8"],
+                    help="how the draft is loaded, as the CLI's flag (auto: w8a8 or int8 where the "
                          "few-row kernel runs)")
     args = ap.parse_args(argv)
 

@@ -490,13 +490,36 @@ def _cmd_memory(a):
         _print_footprint(a, rows)
 
 
+def _memory_draft_scheme(a) -> Optional[str]:
+    """The draft's quantize= that generate would use on this machine with the same
+    --draft-quantize and --dtype (`quant.draft_scheme`)."""
+    from .models.quant import draft_scheme
+
+    return draft_scheme(a.draft_quantize, None, a.dtype)
+
+
+def _code_bytes(scheme: str) -> float:
+    """Bytes a code takes in this process: one wherever the few-row kernel runs (it reads int8
+    codes, 4-bit ones widened), else the scheme's bits / 8."""
+    from .models import few_rows
+    from .models.quant import bits_of
+
+    return 1.0 if few_rows.enabled() else bits_of(scheme) / 8
+
+
 def _print_footprint(a, rows) -> None:
     """`memory --model/--draft`: the pair on one device, per model and layout, and the peak a
     process holding it should stay under (`footprint`)."""
     from .footprint import PEAK_FACTOR, footprint, peak_bound
 
     item = 4 if a.dtype == "float32" else 2
-    fps = [footprint(n, c, item, a.batch, a.cache_len) for n, c in rows]
+    codes = [0.0] * len(rows)
+    if a.draft:  # the draft as generate and serve load it here (--draft-quantize)
+        scheme = _memory_draft_scheme(a)
+        if scheme is not None:
+            codes[-1] = _code_bytes(scheme)
+            rows = rows[:-1] + [(f"{rows[-1][0]} ({scheme})", rows[-1][1])]
+    fps = [footprint(n, c, item, a.batch, a.cache_len, b) for (n, c), b in zip(rows, codes)]
     gb = 1e9
     width = max(14, 2 + max(len(f.name) for f in fps))
     print(f"\none device, {a.dtype}, batch {a.batch}, cache {a.cache_len} tokens (GB = 1e9 "

@@ -203,6 +203,11 @@ def build_parser(handlers: dict[str, Callable]) -> argparse.ArgumentParser:
                    help="parameter and cache dtype")
     m.add_argument("--hosts", type=int, default=1,
                    help="hosts the mesh spans (equal device counts): adds per-host bytes")
+    m.add_argument("--draft-quantize", choices=["auto", "off", "int8", "int4", "w8a8"],
+                   default="auto",
+                   help="with --draft: plan it as generate loads it here (auto: int8 codes, "
+                        "w8a8 with VNNI, where the few-row kernel runs and --dtype is float32; "
+                        "off: as --dtype)")
     m.add_argument("--quantize", action="append", choices=["int8", "int4"],
                    help="the quantized-weights plan instead: target + draft with bf16 and "
                         "these weights on 1/2/4/8 devices of 80 and 141 GB (default targets "

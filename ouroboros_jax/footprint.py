@@ -40,17 +40,36 @@ class Footprint:
         return self.packed_gpu if platform == "gpu" else self.packed_cpu
 
 
-def layer_bytes(config, itemsize: int) -> tuple[int, int]:
-    """(bytes of every per-layer leaf, bytes of the top-level leaves) of the config's params."""
-    sizes = nest(config, lambda leaf: math.prod(leaf.shape(config)) * itemsize)
+def leaf_bytes(leaf, config, itemsize: int, code_bytes: float = 0) -> int:
+    """A params leaf's bytes: `itemsize` an element, or where code_bytes > 0 and the leaf is a
+    quantized one (`quant.quantizable`: every linear weight but a router) its codes at
+    code_bytes each and a float32 scale per output channel (int8's per-channel grouping; a
+    GGUF's blocks kept as stored add a scale per 32 inputs, at most 1/8 more)."""
+    from .models.quant import quantizable
+
+    shape = leaf.shape(config)
+    n = math.prod(shape)
+    if code_bytes <= 0 or not quantizable(leaf):
+        return n * itemsize
+    lead = leaf.per_layer + leaf.per_expert
+    inputs = math.prod(shape[lead:lead + leaf.hf_in_dims])
+    return int(n * code_bytes) + n // inputs * 4
+
+
+def layer_bytes(config, itemsize: int, code_bytes: float = 0) -> tuple[int, int]:
+    """(bytes of every per-layer leaf, bytes of the top-level leaves) of the config's params
+    (`leaf_bytes`)."""
+    sizes = nest(config, lambda leaf: leaf_bytes(leaf, config, itemsize, code_bytes))
     layers = sizes.pop("layers")
     return sum(layers.values()), sum(sizes.values())
 
 
-def footprint(name: str, config, itemsize: int, batch: int, cache_len: int) -> Footprint:
+def footprint(name: str, config, itemsize: int, batch: int, cache_len: int,
+              code_bytes: float = 0) -> Footprint:
     """One model's `Footprint`: params of `itemsize` bytes an element (the caches' too), a
-    cache of `batch` rows of `cache_len` tokens."""
-    layers, top = layer_bytes(config, itemsize)
+    cache of `batch` rows of `cache_len` tokens; code_bytes > 0: its linear weights quantized,
+    each code that many bytes (`leaf_bytes`)."""
+    layers, top = layer_bytes(config, itemsize, code_bytes)
     head = config.vocab_size * config.hidden_size * itemsize  # a tied head, transposed
     copy = layers + (head if config.tie_word_embeddings else 0)
     return Footprint(name=name, weights=layers + top, packed_cpu=0, packed_gpu=copy,

@@ -162,6 +162,22 @@ def test_memory_plans_a_model_from_its_config_alone(tiny_pair, capsys, monkeypat
         cli.main(["memory", "--model", target.path, "--preset", "llama-3-8b"])
 
 
+def test_memory_plans_the_draft_as_generate_loads_it(tiny_pair, capsys):
+    """--draft-quantize int8: the draft's row is named for it and its weights are the bytes of
+    the model quantized so (codes, per-channel scales, the float embedding and norms)."""
+    from ouroboros_jax.footprint import footprint
+    from ouroboros_jax.models.quant import params_nbytes, quantize_params
+
+    target, draft, _ = tiny_pair
+    cli.main(["memory", "--model", target.path, "--draft", draft.path, "--mesh", "1x1",
+              "--dtype", "float32", "--draft-quantize", "int8"])
+    lines = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in lines if ln.startswith(os.path.basename(draft.path) + " (int8)"))
+    held = params_nbytes(quantize_params(draft.params, draft.config, "int8"))
+    assert footprint("d", draft.config, 4, 1, 8, code_bytes=1.0).weights == held
+    assert held < params_nbytes(draft.params) and f"{held / 1e9:.2f}GB" in row
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_footprint_counts_the_arrays_a_model_holds(tiny_pair, dtype):
     """`memory`'s breakdown from a config alone equals the bytes of the arrays themselves: the
