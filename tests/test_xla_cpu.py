@@ -44,6 +44,20 @@ def test_flag_left_alone(flags, version, env):
     assert xla_cpu.flags_with_ours(flags, version, env) == flags
 
 
+def test_kernel_keeps_ynnpack(monkeypatch):
+    """Where the few-row kernel will run, the flag is not added; kernel_expected reads the
+    kernel's switch, the device count, the CPU and the compiler."""
+    assert xla_cpu.flags_with_ours("", "0.10.2", {}, kernel=True) == ""
+    monkeypatch.setattr(xla_cpu, "cpu_has_avx512", lambda *a, **k: True)
+    gxx = {"CXX": "sh"}  # a program every machine has, standing for the compiler
+    assert xla_cpu.kernel_expected(gxx)
+    assert not xla_cpu.kernel_expected({**gxx, xla_cpu.KERNEL_ENV: "0"})
+    assert not xla_cpu.kernel_expected({**gxx, "JAX_NUM_CPU_DEVICES": "2"})
+    assert not xla_cpu.kernel_expected({"CXX": "no-such-compiler-here"})
+    monkeypatch.setattr(xla_cpu, "cpu_has_avx512", lambda *a, **k: False)
+    assert not xla_cpu.kernel_expected(gxx)
+
+
 def test_version_parts():
     assert xla_cpu._version("0.10.2") == (0, 10, 2)
     assert xla_cpu._version("0.9.0.dev20260101") == (0, 9, 0)
@@ -77,7 +91,10 @@ def test_dots_compile_without_ynnpack_on_one_device_only():
     assert not xla_cpu.flag_in_effect(os.environ["XLA_FLAGS"])
     f = jax.jit(lambda x, w: x @ w)
     assert "__ynn_fusion" in f.lower(jnp.ones((4, 64)), jnp.ones((64, 128))).compile().as_text()
-    assert not _compiles_ynn_dots("")
+    assert not _compiles_ynn_dots("", **{xla_cpu.KERNEL_ENV: "0"})
+    # where our few-row kernel will run, YNNPACK's dots stay on (the kernel takes 2-16 rows)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_cpu.KERNEL_ENV)}
+    assert _compiles_ynn_dots("", **{xla_cpu.KERNEL_ENV: "1"}) is xla_cpu.kernel_expected(env)
     assert _compiles_ynn_dots("", **{xla_cpu.OPT_OUT: "1"})
     assert _compiles_ynn_dots("--xla_force_host_platform_device_count=2")
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache_home import cache_home
+from ..xla_cpu import KERNEL_ENV, cpu_has_avx512  # noqa: F401 - cpu_has_avx512 re-exported
 
 MAX_ROWS = 16  # the kernel's register blocking (kMaxRows in the source)
 MIN_ROWS = 2  # one row: XLA's matrix-vector product (see the module docstring)
@@ -65,22 +66,9 @@ QUANT_MAX_ROWS = 64
 # The real 0.5B draft's forward of 200 rows: 1109 ms through the kernel's 8-row blocks (each
 # streams the codes again), 923 ms dequantized first, 731 ms in float32
 Q8_MAX_ROWS = 64
-ENV = "OUROBOROS_JAX_FEW_ROWS"
+ENV = KERNEL_ENV
 SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "few_rows.cc")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-shared", "-fPIC")
-
-
-def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo", flag: str = "avx512f") -> bool:
-    """Whether the CPU reports AVX-512 Foundation, or another of its flags (Linux's cpuinfo
-    flags; False elsewhere)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return flag in line.split()
-    except OSError:
-        pass
-    return False
 
 
 def cache_dir() -> str:
