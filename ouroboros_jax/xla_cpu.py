@@ -18,7 +18,11 @@ T = gamma + 1 tokens (a tree of 5-30), so with YNNPACK a 5-token target forward 
   speculative methods returned tokens vanilla does not (demo pair, a 2 x 1 mesh with two rows
   per device, first wrong token at 17-30; an AMD EPYC with AVX2); YNNPACK's dots (XLA's
   default) or single-threaded Eigen gave vanilla's tokens there. A multi-device CPU process is
-  a test or development mesh, so it keeps XLA's default and pays YNNPACK's few-row cost.
+  a test or development mesh, so it keeps XLA's default and pays YNNPACK's few-row cost;
+- our few-row kernel will not run the few-row products (`kernel_expected`, stop 65): where it
+  will (one device, AVX-512, a C++ compiler), the 2-16 row products YNNPACK slowed are the
+  kernel's, and YNNPACK's dots stay on for the rest, whose many rows they run faster (a
+  200-token prefill of the real 1.5B target 1.74 s against 2.31 s).
 It must run before JAX creates its CPU client, so the package calls it first thing; a process
 that ran JAX computations before importing ouroboros_jax keeps the flags it started with (and
 `check_mesh_flags` warns where a multi-device CPU mesh then runs with the flag on). On GPU and
