@@ -252,10 +252,11 @@ def test_quantized_kernel_matches_a_float64_product(rows, k, n, G, offset, kerne
 
 
 @needs_kernel
-@pytest.mark.parametrize("G", [32, 640])
-def test_quantized_rows_do_not_depend_on_the_rows_beside_them(G, kernel_on):
+@pytest.mark.parametrize("G,n", [(32, 300), (640, 300), (640, 1100)])
+def test_quantized_rows_do_not_depend_on_the_rows_beside_them(G, n, kernel_on):
+    """...over column chunks too (n = 1100: three chunks of kChunk = 512, the last short)."""
     rng = np.random.default_rng(G)
-    w = _qweight(rng, 640, 300, G, True)
+    w = _qweight(rng, 640, n, G, True)
     x = jnp.asarray(rng.standard_normal((16, 640), np.float32))
     f = jax.jit(quant.linear)
     y16 = np.asarray(f(x, w))
@@ -402,9 +403,10 @@ def test_w8a8_kernel_matches_its_float64_reference(rows, k, n, G, offset, q8_on)
 
 
 @needs_vnni
-def test_w8a8_rows_do_not_depend_on_the_rows_beside_them(q8_on):
+@pytest.mark.parametrize("n", [300, 1100])
+def test_w8a8_rows_do_not_depend_on_the_rows_beside_them(n, q8_on):
     rng = np.random.default_rng(9)
-    w = quant.k4_codes({"w": _qweight(rng, 640, 300, 32, True)})["w"]
+    w = quant.k4_codes({"w": _qweight(rng, 640, n, 32, True)})["w"]
     x = jnp.asarray(rng.standard_normal((16, 640), np.float32))
     f = jax.jit(quant.linear)
     y16 = np.asarray(f(x, w))

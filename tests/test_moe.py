@@ -254,7 +254,10 @@ def test_stacked_expert_tensors_load_as_transformers_loads_them(moe, mt, tmp_pat
     toks = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         theirs = transformers.AutoModelForCausalLM.from_pretrained(d).eval()(toks).logits
-        np.testing.assert_array_equal(theirs.numpy(), tm(toks).logits.numpy())
+        # equal up to float32 rounding: torch may multiply a stacked expert tensor by another
+        # kernel than the per-expert one (seen on an AMD Zen 5: 1.7e-6 at logits of ~5)
+        np.testing.assert_allclose(theirs.numpy(), tm(toks).logits.numpy(), rtol=1e-5,
+                                   atol=1e-5)
     with pytest.raises(ValueError, match="slice-wise reading needs one tensor per expert"):
         from ouroboros_jax.sharding import load_sharded, make_mesh
         load_sharded(d, make_mesh(1, 2), dtype="float32")

@@ -67,6 +67,12 @@ void columns(const float* x, int64_t K, const float* w, int64_t N, float* y, int
 // between kDepth blocks of a group, so a long group (one per channel: G = K) streams the same
 // way as a short one.
 constexpr int64_t kQuantDepth = 16;  // code rows per pass (16 measured fastest of 16/32/64)
+// Columns are taken kChunk at a time, every row block and group of a chunk before the next:
+// the partial sums of a chunk (8 rows x kChunk floats) stay in the core's L2 between passes
+// (over a whole 151936-column LM head they took 1.2 MB a thread at 4 rows and went to memory
+// and back every pass), and a chunk's codes are still in the caches for the next row block
+// (more than 8 rows: a prefill's blocks each streamed the whole weight from memory).
+constexpr int64_t kChunk = 512;
 
 // 16 codes (fewer at a tail: `left`, zeros past it) as float32 lanes
 inline __m512 codes_ps(const int8_t* row, int64_t left) {
@@ -395,12 +401,15 @@ extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const
   // count only, never on M: rows stay independent.
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
   auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
-    std::vector<float> part(kMaxQuantRows * (c1 - c0));
-    for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {  // more rows: blocks of 8, in turn
-      const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
-      QuantFn fn = (offset ? kQuantOffset : kQuant)[rows - 1];
-      fn(x + r0 * K, offset ? xsum.data() + r0 * ng : nullptr, K, G, codes, scale, offset, N,
-         out + r0 * N, part.data(), c0, c1, g0, g1);
+    std::vector<float> part(kMaxQuantRows * std::min(c1 - c0, kChunk));
+    for (int64_t a = c0; a < c1; a += kChunk) {  // see kChunk
+      const int64_t b = std::min(c1, a + kChunk);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {  // more rows: blocks of 8, in turn
+        const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
+        QuantFn fn = (offset ? kQuantOffset : kQuant)[rows - 1];
+        fn(x + r0 * K, offset ? xsum.data() + r0 * ng : nullptr, K, G, codes, scale, offset, N,
+           out + r0 * N, part.data(), a, b, g0, g1);
+      }
     }
   };
   if (t > 1) {
@@ -460,13 +469,16 @@ extern "C" void few_rows_q8_matmul(const float* x, const uint8_t* codes, const f
   }
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
   auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
-    std::vector<float> part(kMaxQuantRows * (c1 - c0));
-    for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {
-      const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
-      Q8Fn fn = (offset ? kQ8Offset : kQ8)[rows - 1];
-      fn(xq4.data() + r0 * (K / 4), sx.data() + r0 * nxb, corr.data() + r0 * nxb,
-         offset ? xsum.data() + r0 * ng : nullptr, K, G, XB, codes, scale, offset, N,
-         out + r0 * N, part.data(), c0, c1, g0, g1);
+    std::vector<float> part(kMaxQuantRows * std::min(c1 - c0, kChunk));
+    for (int64_t a = c0; a < c1; a += kChunk) {  // see kChunk
+      const int64_t b = std::min(c1, a + kChunk);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {
+        const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
+        Q8Fn fn = (offset ? kQ8Offset : kQ8)[rows - 1];
+        fn(xq4.data() + r0 * (K / 4), sx.data() + r0 * nxb, corr.data() + r0 * nxb,
+           offset ? xsum.data() + r0 * ng : nullptr, K, G, XB, codes, scale, offset, N,
+           out + r0 * N, part.data(), a, b, g0, g1);
+      }
     }
   };
   if (t > 1) {
