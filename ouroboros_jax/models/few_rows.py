@@ -24,6 +24,11 @@ source, the flags and jaxlib), and `OUROBOROS_JAX_FEW_ROWS` not `0`. Anywhere el
 more rows, other dtypes or quantized weights, `matmul` is `x @ w`. A build that fails is said
 once on stderr and the process keeps XLA's product.
 
+Two more forms share the build and the helper threads: `quant_matmul` (1-64 rows by a weight
+kept as int8 codes, `quant.QuantArray`) and `q8_matmul`, a draft's w8a8 form (`quant.k4_codes`:
+the activations quantized to int8 per row and block of 32, AVX512-VNNI dot products; close to
+the model, not equal to it, so only a draft takes it).
+
 Letters (package glossary): the product's own M rows, K inputs, N outputs.
 """
 
