@@ -376,6 +376,12 @@ def test_k4_codes_round_trip():
     stacked = quant._map(lambda a: jnp.stack([a, a]), w)  # a lead (layers) axis, sliced back
     ks = quant.k4_codes({"w": stacked})["w"]
     np.testing.assert_array_equal(np.asarray(ks[1].codes), np.asarray(k.codes))
+    r = k.reshape(64, 3, 4)  # an output reshape (wq's [E, H, D] view) keeps the form
+    assert r.k4 and r.shape == (64, 3, 4)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(r)),
+                                  np.asarray(quant.dequantize(w)).reshape(64, 3, 4))
+    with pytest.raises(ValueError, match="concat_out"):
+        quant.concat_out([k, k])  # the fused (GPU) layout never takes it
     odd = _qweight(rng, 66, 5, 6, False)
     assert not quant.k4_codes({"w": odd})["w"].k4
 
