@@ -98,11 +98,13 @@ def log(msg: str) -> None:
 
 
 FREE_ROW = "ouroboros+free"
+GAMMA_ROW = "speculative+g"  # speculative+gN: speculative's loop at an explicit γ N
 
 
 def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
     """generate's keywords for a row; a method named `ouroboros+freeN` is an explicit config:
-    Ouroboros' SD step (γ 10, the chain auto ran here) with free drafts at matches >= N."""
+    Ouroboros' SD step (γ 10, the chain auto ran here) with free drafts at matches >= N;
+    `speculative+gN`: speculative's loop at γ N."""
     if method.startswith(FREE_ROW):
         from ouroboros_jax.decoding.ouroboros_config import OuroborosConfig
 
@@ -111,6 +113,11 @@ def row_kwargs(method, constrained, draft, schema, max_new, config) -> dict:
                                  context_phrases=False, free_drafts=True,
                                  free_threshold=int(method[len(FREE_ROW):]))
         method = "ouroboros"
+    if method.startswith(GAMMA_ROW):
+        from ouroboros_jax.decoding.speculative import SpeculativeConfig
+
+        config = SpeculativeConfig(gamma=int(method[len(GAMMA_ROW):]))
+        method = "speculative"
     return dict(method=method, config=config, max_new_tokens=max_new,
                 draft=draft if method in ("speculative", "ouroboros") else None,
                 response_format=fmt(schema) if constrained else None)

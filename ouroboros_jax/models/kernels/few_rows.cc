@@ -382,34 +382,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsMatmul, FewRowsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("threads"));
 
-// rows [r0, r0 + rows) of x against the codes, columns split over threads; part: scratch
-extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const float* scale,
-                                      const float* offset, float* y, int64_t M, int64_t K,
-                                      int64_t G, int64_t N, int threads) {
-  const int64_t ng = K / G;
-  std::vector<float> xsum(offset ? M * ng : 0);
-  for (int64_t m = 0; m < (offset ? M : 0); ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      float s = 0.f;  // summed in order, as the product's own chain is
-      for (int64_t j = 0; j < G; ++j) s += x[m * K + g * G + j];
-      xsum[m * ng + g] = s;
-    }
-  // Threads split the groups when there are enough (each reads whole rows of codes, one
-  // contiguous stretch of memory; a narrow weight split by columns read runs of a few hundred
-  // bytes at a stride and ran at half the speed), each into its own partial y, summed in
-  // thread order; else the columns. Either way the split depends on the weight and the thread
-  // count only, never on M: rows stay independent.
+// The quantized forms' product over threads. block(r0, rows, out, part, c0, c1, g0, g1)
+// computes rows [r0, r0 + rows) (at most kMaxQuantRows) for columns [c0, c1) and groups
+// [g0, g1); the columns are taken kChunk at a time, every row block before the next chunk.
+// Threads split the groups when there are enough (each reads whole rows of codes, one
+// contiguous stretch of memory; a narrow weight split by columns read runs of a few hundred
+// bytes at a stride and ran at half the speed), each into its own partial y, summed in thread
+// order; else the columns. Either way the split depends on the weight and the thread count
+// only, never on M: rows stay independent.
+template <typename Block>
+void quant_product(float* y, int64_t M, int64_t N, int64_t ng, int threads,
+                   const Block& block) {
   const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
   auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
     std::vector<float> part(kMaxQuantRows * std::min(c1 - c0, kChunk));
     for (int64_t a = c0; a < c1; a += kChunk) {  // see kChunk
       const int64_t b = std::min(c1, a + kChunk);
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {  // more rows: blocks of 8, in turn
-        const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
-        QuantFn fn = (offset ? kQuantOffset : kQuant)[rows - 1];
-        fn(x + r0 * K, offset ? xsum.data() + r0 * ng : nullptr, K, G, codes, scale, offset, N,
-           out + r0 * N, part.data(), a, b, g0, g1);
-      }
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows)  // more rows: blocks of 8, in turn
+        block(r0, std::min<int64_t>(kMaxQuantRows, M - r0), out, part.data(), a, b, g0, g1);
     }
   };
   if (t > 1) {
@@ -435,6 +425,27 @@ extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const
     int64_t c0 = std::min(N, i * per), c1 = std::min(N, (i + 1) * per);
     if (c0 < c1) run(y, c0, c1, 0, ng);
   });
+}
+
+// rows [r0, r0 + rows) of x against the codes, columns split over threads; part: scratch
+extern "C" void few_rows_quant_matmul(const float* x, const int8_t* codes, const float* scale,
+                                      const float* offset, float* y, int64_t M, int64_t K,
+                                      int64_t G, int64_t N, int threads) {
+  const int64_t ng = K / G;
+  std::vector<float> xsum(offset ? M * ng : 0);
+  for (int64_t m = 0; m < (offset ? M : 0); ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      float s = 0.f;  // summed in order, as the product's own chain is
+      for (int64_t j = 0; j < G; ++j) s += x[m * K + g * G + j];
+      xsum[m * ng + g] = s;
+    }
+  quant_product(y, M, N, ng, threads,
+                [&](int64_t r0, int64_t rows, float* out, float* part, int64_t a, int64_t b,
+                    int64_t g0, int64_t g1) {
+                  QuantFn fn = (offset ? kQuantOffset : kQuant)[rows - 1];
+                  fn(x + r0 * K, offset ? xsum.data() + r0 * ng : nullptr, K, G, codes, scale,
+                     offset, N, out + r0 * N, part, a, b, g0, g1);
+                });
 }
 
 // x's rows quantized per block of XB inputs (see q8_columns), then the product; threads split
@@ -467,43 +478,14 @@ extern "C" void few_rows_q8_matmul(const float* x, const uint8_t* codes, const f
       xsum[m * ng + g] = s;
     }
   }
-  const int t = (int)std::max<int64_t>(1, std::min<int64_t>(threads, ng / 2));
-  auto run = [&](float* out, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
-    std::vector<float> part(kMaxQuantRows * std::min(c1 - c0, kChunk));
-    for (int64_t a = c0; a < c1; a += kChunk) {  // see kChunk
-      const int64_t b = std::min(c1, a + kChunk);
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxQuantRows) {
-        const int64_t rows = std::min<int64_t>(kMaxQuantRows, M - r0);
-        Q8Fn fn = (offset ? kQ8Offset : kQ8)[rows - 1];
-        fn(xq4.data() + r0 * (K / 4), sx.data() + r0 * nxb, corr.data() + r0 * nxb,
-           offset ? xsum.data() + r0 * ng : nullptr, K, G, XB, codes, scale, offset, N,
-           out + r0 * N, part.data(), a, b, g0, g1);
-      }
-    }
-  };
-  if (t > 1) {
-    std::vector<std::vector<float>> partial(t - 1);
-    const int64_t per = (ng + t - 1) / t;
-    Helpers::get().run(t, [&](int i) {
-      const int64_t g0 = std::min(ng, i * per), g1 = std::min(ng, (i + 1) * per);
-      float* out = y;
-      if (i > 0) {
-        partial[i - 1].assign(M * N, 0.f);
-        out = partial[i - 1].data();
-      }
-      if (g0 < g1) run(out, 0, N, g0, g1);
-    });
-    for (int i = 1; i < t; ++i)
-      for (int64_t e = 0; e < M * N; ++e) y[e] += partial[i - 1][e];
-    return;
-  }
-  const int64_t vecs = (N + kVec - 1) / kVec;
-  const int tc = (int)std::max<int64_t>(1, std::min<int64_t>(threads, vecs));
-  const int64_t per = (vecs + tc - 1) / tc * kVec;
-  Helpers::get().run(tc, [&](int i) {
-    int64_t c0 = std::min(N, i * per), c1 = std::min(N, (i + 1) * per);
-    if (c0 < c1) run(y, c0, c1, 0, ng);
-  });
+  quant_product(y, M, N, ng, threads,
+                [&](int64_t r0, int64_t rows, float* out, float* part, int64_t a, int64_t b,
+                    int64_t g0, int64_t g1) {
+                  Q8Fn fn = (offset ? kQ8Offset : kQ8)[rows - 1];
+                  fn(xq4.data() + r0 * (K / 4), sx.data() + r0 * nxb, corr.data() + r0 * nxb,
+                     offset ? xsum.data() + r0 * ng : nullptr, K, G, XB, codes, scale, offset,
+                     N, out + r0 * N, part, a, b, g0, g1);
+                });
 }
 
 static ffi::Error FewRowsQ8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
