@@ -92,6 +92,48 @@ inline __mmask16 lanes(int64_t left) {
                       : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
 }
 
+// A column block's partial sums between passes over a group: its lane masks, and acc zeroed at
+// the group's first pass or read back from part (rows x width floats) -> the block's place there
+template <int M, int NB>
+inline float* open_partial(__m512 (&acc)[M][NB], __mmask16 (&mask)[NB], float* part,
+                           int64_t width, int64_t n, int64_t c0, int64_t c1, bool first) {
+  for (int b = 0; b < NB; ++b) mask[b] = lanes(c1 - n - b * kVec);
+  float* pn = part + (n - c0);
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b)
+      acc[m][b] = first ? _mm512_setzero_ps()
+                        : _mm512_maskz_loadu_ps(mask[b], pn + m * width + b * kVec);
+  return pn;
+}
+
+template <int M, int NB>
+inline void store_partial(const __m512 (&acc)[M][NB], const __mmask16 (&mask)[NB], float* pn,
+                          int64_t width) {
+  for (int m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b)
+      _mm512_mask_storeu_ps(pn + m * width + b * kVec, mask[b], acc[m][b]);
+}
+
+// A group's partial sums acc (rows x NB blocks of 16 columns from n) into y: y += acc * scale
+// (- the rows' input sums * offset); the group g0 a thread starts at writes y afresh
+template <int M, int NB, bool kOffset>
+inline void finish_group(const __m512 (&acc)[M][NB], const __mmask16 (&mask)[NB],
+                         const float* scale, const float* offset, const float* xsum, float* y,
+                         int64_t N, int64_t ng, int64_t n, int64_t g, int64_t g0) {
+  for (int b = 0; b < NB; ++b) {
+    const int64_t nb = n + b * kVec;
+    const __m512 s = _mm512_maskz_loadu_ps(mask[b], scale + g * N + nb);
+    __m512 o = _mm512_setzero_ps();
+    if (kOffset) o = _mm512_maskz_loadu_ps(mask[b], offset + g * N + nb);
+    for (int m = 0; m < M; ++m) {
+      __m512 out = g == g0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[b], y + m * N + nb);
+      out = _mm512_fmadd_ps(acc[m][b], s, out);
+      if (kOffset) out = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[m * ng + g]), o, out);
+      _mm512_mask_storeu_ps(y + m * N + nb, mask[b], out);
+    }
+  }
+}
+
 // NB register blocks of 16 columns per step: independent chains, so that one or two rows do
 // not wait on one fused multiply-add's latency for every code row (at NB = 1 a one-row
 // product ran at ~7 GB/s of codes, latency-bound)
@@ -106,13 +148,8 @@ void quant_columns(const float* x, const float* xsum, int64_t K, int64_t G, cons
       const int64_t j1 = std::min(G, j0 + kQuantDepth);
       for (int64_t n = c0; n < c1; n += kVec * NB) {
         __mmask16 mask[NB];
-        for (int b = 0; b < NB; ++b) mask[b] = lanes(c1 - n - b * kVec);
-        float* pn = part + (n - c0);
         __m512 acc[M][NB];
-        for (int m = 0; m < M; ++m)
-          for (int b = 0; b < NB; ++b)
-            acc[m][b] = j0 == 0 ? _mm512_setzero_ps()
-                                : _mm512_maskz_loadu_ps(mask[b], pn + m * width + b * kVec);
+        float* pn = open_partial<M, NB>(acc, mask, part, width, n, c0, c1, j0 == 0);
         for (int64_t j = j0; j < j1; ++j) {
           const int8_t* row = codes + (g * G + j) * N + n;
           __m512 wv[NB];
@@ -123,25 +160,11 @@ void quant_columns(const float* x, const float* xsum, int64_t K, int64_t G, cons
             for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
           }
         }
-        if (j1 < G) {
-          for (int m = 0; m < M; ++m)
-            for (int b = 0; b < NB; ++b)
-              _mm512_mask_storeu_ps(pn + m * width + b * kVec, mask[b], acc[m][b]);
+        if (j1 < G) {  // the group goes on in the next pass
+          store_partial<M, NB>(acc, mask, pn, width);
           continue;
         }
-        for (int b = 0; b < NB; ++b) {
-          const int64_t nb = n + b * kVec;
-          const __m512 s = _mm512_maskz_loadu_ps(mask[b], scale + g * N + nb);
-          __m512 o = _mm512_setzero_ps();
-          if (kOffset) o = _mm512_maskz_loadu_ps(mask[b], offset + g * N + nb);
-          for (int m = 0; m < M; ++m) {
-            __m512 out = g == g0 ? _mm512_setzero_ps()
-                                 : _mm512_maskz_loadu_ps(mask[b], y + m * N + nb);
-            out = _mm512_fmadd_ps(acc[m][b], s, out);
-            if (kOffset) out = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[m * ng + g]), o, out);
-            _mm512_mask_storeu_ps(y + m * N + nb, mask[b], out);
-          }
-        }
+        finish_group<M, NB, kOffset>(acc, mask, scale, offset, xsum, y, N, ng, n, g, g0);
       }
     }
   }
@@ -186,13 +209,8 @@ void q8_columns(const int32_t* xq4, const float* sx, const int32_t* corr, const 
       const int64_t b1 = std::min(G / XB, b0 + kQ8Blocks);
       for (int64_t n = c0; n < c1; n += kVec * NB) {
         __mmask16 mask[NB];
-        for (int b = 0; b < NB; ++b) mask[b] = lanes(c1 - n - b * kVec);
-        float* pn = part + (n - c0);
         __m512 acc[M][NB];
-        for (int m = 0; m < M; ++m)
-          for (int b = 0; b < NB; ++b)
-            acc[m][b] = b0 == 0 ? _mm512_setzero_ps()
-                                : _mm512_maskz_loadu_ps(mask[b], pn + m * width + b * kVec);
+        float* pn = open_partial<M, NB>(acc, mask, part, width, n, c0, c1, b0 == 0);
         for (int64_t xb = b0; xb < b1; ++xb) {
           const int64_t blk = (g * G) / XB + xb;  // the activation block's index along K
           __m512i iacc[M][NB];
@@ -218,25 +236,11 @@ void q8_columns(const int32_t* xq4, const float* sx, const int32_t* corr, const 
                   _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[m][b], c)), s, acc[m][b]);
           }
         }
-        if (b1 < G / XB) {
-          for (int m = 0; m < M; ++m)
-            for (int b = 0; b < NB; ++b)
-              _mm512_mask_storeu_ps(pn + m * width + b * kVec, mask[b], acc[m][b]);
+        if (b1 < G / XB) {  // the group goes on in the next pass
+          store_partial<M, NB>(acc, mask, pn, width);
           continue;
         }
-        for (int b = 0; b < NB; ++b) {
-          const int64_t nb = n + b * kVec;
-          const __m512 s = _mm512_maskz_loadu_ps(mask[b], scale + g * N + nb);
-          __m512 o = _mm512_setzero_ps();
-          if (kOffset) o = _mm512_maskz_loadu_ps(mask[b], offset + g * N + nb);
-          for (int m = 0; m < M; ++m) {
-            __m512 out = g == g0 ? _mm512_setzero_ps()
-                                 : _mm512_maskz_loadu_ps(mask[b], y + m * N + nb);
-            out = _mm512_fmadd_ps(acc[m][b], s, out);
-            if (kOffset) out = _mm512_fnmadd_ps(_mm512_set1_ps(xsum[m * ng + g]), o, out);
-            _mm512_mask_storeu_ps(y + m * N + nb, mask[b], out);
-          }
-        }
+        finish_group<M, NB, kOffset>(acc, mask, scale, offset, xsum, y, N, ng, n, g, g0);
       }
     }
   }
@@ -488,62 +492,48 @@ extern "C" void few_rows_q8_matmul(const float* x, const uint8_t* codes, const f
                 });
 }
 
-static ffi::Error FewRowsQ8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                                ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                                bool has_offset) {
+// The quantized forms' FFI binding: x [..., K], codes [ng, G, N] of type T (the w8a8 form:
+// G a multiple of 4), scale and offset [ng, N] (offset read only with has_offset)
+template <ffi::DataType T, typename C,
+          void (*Product)(const float*, const C*, const float*, const float*, float*, int64_t,
+                          int64_t, int64_t, int64_t, int)>
+ffi::Error QuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> codes, ffi::Buffer<ffi::F32> scale,
+                     ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
+                     int64_t threads, bool has_offset) {
+  constexpr bool quads = T == ffi::DataType::U8;
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (cd.size() != 3 || sd.size() != 2 || xd.size() < 1 || sd[0] != cd[0] || sd[1] != cd[2] ||
-      xd.back() != cd[0] * cd[1] || cd[1] % 4 != 0)
+      xd.back() != cd[0] * cd[1] || (quads && cd[1] % 4 != 0))
     return ffi::Error::InvalidArgument(
-        "few_rows_q8_matmul: x [..., K], codes [ng, G, N] with G % 4 == 0, scale [ng, N]");
+        "few-row quantized product: x [..., K], codes [ng, G, N] (G % 4 == 0 for w8a8), "
+        "scale [ng, N] with K = ng * G");
   int64_t M = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   const int64_t G = cd[1], N = cd[2], K = cd[0] * cd[1];
   if (M < 1 || G < 1 || N < 1)
-    return ffi::Error::InvalidArgument("few_rows_q8_matmul: empty operand");
-  few_rows_q8_matmul(x.typed_data(), codes.typed_data(), scale.typed_data(),
-                     has_offset ? offset.typed_data() : nullptr, y->typed_data(), M, K, G, N,
-                     (int)threads);
+    return ffi::Error::InvalidArgument("few-row quantized product: empty operand");
+  Product(x.typed_data(), codes.typed_data(), scale.typed_data(),
+          has_offset ? offset.typed_data() : nullptr, y->typed_data(), M, K, G, N, (int)threads);
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQ8Matmul, FewRowsQ8Impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("threads")
-                                  .Attr<bool>("has_offset"));
-
-static ffi::Error FewRowsQuantImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                                   ffi::ResultBuffer<ffi::F32> y, int64_t threads,
-                                   bool has_offset) {
-  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (cd.size() != 3 || sd.size() != 2 || xd.size() < 1 || sd[0] != cd[0] || sd[1] != cd[2] ||
-      xd.back() != cd[0] * cd[1])
-    return ffi::Error::InvalidArgument(
-        "few_rows_quant_matmul: x [..., K], codes [ng, G, N], scale [ng, N] with K = ng * G");
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
-  const int64_t G = cd[1], N = cd[2], K = cd[0] * cd[1];
-  if (M < 1 || G < 1 || N < 1)
-    return ffi::Error::InvalidArgument("few_rows_quant_matmul: empty operand");
-  few_rows_quant_matmul(x.typed_data(), codes.typed_data(), scale.typed_data(),
-                        has_offset ? offset.typed_data() : nullptr, y->typed_data(), M, K, G,
-                        N, (int)threads);
-  return ffi::Error::Success();
+template <ffi::DataType T>
+auto quant_binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int64_t>("threads")
+      .template Attr<bool>("has_offset");
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQuantMatmul, FewRowsQuantImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("threads")
-                                  .Attr<bool>("has_offset"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQ8Matmul,
+                              (QuantImpl<ffi::DataType::U8, uint8_t, few_rows_q8_matmul>),
+                              quant_binding<ffi::DataType::U8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQuantMatmul,
+                              (QuantImpl<ffi::DataType::S8, int8_t, few_rows_quant_matmul>),
+                              quant_binding<ffi::DataType::S8>());
+
+
