@@ -77,6 +77,9 @@ def param_specs_of(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
         w = params["layers"][leaf.name] if leaf.per_layer else params[leaf.name]
         if not is_quantized(w):
             return spec_for(leaf.axes, leaf.shape(config), mesh)
+        if w.k4:  # its memory interleaves inputs across the output side: no split keeps it
+            raise ValueError(f"{leaf.name}: a w8a8 draft (k4 codes) runs on one CPU device "
+                             "only; load the draft with quantize='int8' to place it on a mesh")
         code_axes, scale_axes = storage_axes(w, leaf.axes)
         ss = spec_for(scale_axes, w.scale.shape, mesh)
         return QuantArray(spec_for(code_axes, w.codes.shape, mesh), ss,

@@ -446,3 +446,12 @@ def test_w8a8_quantizes_to_k4_where_it_runs(monkeypatch, tiny_pair):
         assert ws and all(x.k4 is on for x in ws)
         assert all(x.codes.dtype == (jnp.uint8 if on else jnp.int8) for x in ws)
     assert quant.bits_of("w8a8") == 8
+    from jax.sharding import Mesh
+
+    from ouroboros_jax.sharding import param_specs_of
+
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: True)
+    k4 = quant.quantize_model(tiny_pair[1], "w8a8")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    with pytest.raises(ValueError, match="one CPU device only"):
+        param_specs_of(k4.params, k4.config, mesh)  # never split: its memory is interleaved
