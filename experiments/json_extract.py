@@ -237,6 +237,24 @@ def constraint_cost(oj, target, tasks, lengths, config, reps: int = 2) -> dict:
                 unconstrained_same_lengths_tok_s=rate[False], reps=reps)
 
 
+def sampled_validity(oj, target, draft, plan, tasks, max_new, config, temperature: float
+                     ) -> dict:
+    """Per constrained row, the share of its sampled answers (one call per task at
+    `temperature`, seed = the task's index) that parse and validate against the task's schema:
+    the constraint must hold for sampled tokens too (untimed)."""
+    out = {}
+    for row in plan:
+        ok = 0
+        for i, (text, schema) in enumerate(tasks):
+            kw = row_kwargs(*row, draft, schema, max_new, config)
+            got = oj.generate(target, [messages(text, schema)], temperature=temperature,
+                              seed=i, **kw)
+            ok += valid(got.texts[0], schema)
+        out[row] = ok / len(tasks)
+        log(f"sampled calls done: {row[0]}")
+    return out
+
+
 def valid(text: str, schema: dict) -> bool:
     import jsonschema
 
@@ -269,6 +287,9 @@ def main(argv=None) -> dict:
                          "compiles every prompt bucket's loop before the timings)")
     ap.add_argument("--floors", action="store_true",
                     help="also time each constrained row's one-token calls (prefill and set-up)")
+    ap.add_argument("--sampled", type=float, default=0.0, metavar="T",
+                    help="also sample each constrained row once per task at temperature T and "
+                         "report the share of valid answers (0: not run)")
     ap.add_argument("--peer", action="store_true",
                     help="add the transformers + table LogitsProcessor row")
     ap.add_argument("--draft-quantize", default="auto",
@@ -306,6 +327,9 @@ def main(argv=None) -> dict:
                      args.warm)
     floors = (prefill_seconds(oj, target, draft, plan[1:], tasks, config)
               if args.floors else {})
+    sampled = (sampled_validity(oj, target, draft, plan[1 if args.unconstrained else 0:], tasks,
+                                args.max_new_tokens, config, args.sampled)
+               if args.sampled > 0 else {})
     if args.peer:
         plan.append(("transformers+processor", True))
         timed[plan[-1]] = run_peer(args.target, target, tasks, args.max_new_tokens) + (None,)
@@ -324,6 +348,8 @@ def main(argv=None) -> dict:
                    eta=(sum(o[2].get("new_tokens", 0) for o in outs)
                         / max(1, sum(o[2].get("target_calls", 0) for o in outs))),
                    auto=[(o[2].get("auto") or {}).get("config") for o in outs])
+        if (method, constrained) in sampled:
+            row["validity_sampled"] = sampled[(method, constrained)]
         if (method, constrained) in floors:
             row["one_token_call_seconds"] = floors[(method, constrained)]
         if constrained and ref is not None:
@@ -343,13 +369,14 @@ def main(argv=None) -> dict:
                   tables=builds)
     print(json.dumps(result, indent=1))
     print(f"\n{'row':36s} {'valid':>6s} {'tok/s':>7s} {'x c-van':>8s} {'forced':>7s} "
-          f"{'f-prop':>7s} {'tok/ans':>7s} {'eta':>5s} {'==c-van':>7s}")
+          f"{'f-prop':>7s} {'tok/ans':>7s} {'eta':>5s} {'==c-van':>7s} {'valid@T':>7s}")
     for r in rows:
         name = ("constrained " if r["constrained"] else "unconstrained ") + r["method"]
         print(f"{name:36s} {r['validity']:6.0%} {r['tok_s']:7.2f} "
               f"{r['x_constrained_vanilla']:8.2f} {r['forced_per_answer']:7.1f} "
               f"{r['forced_proposed_per_answer']:7.1f} {r['tokens_per_answer']:7.1f} "
-              f"{r['eta']:5.2f} {str(r.get('equals_constrained_vanilla', '-')):>7s}")
+              f"{r['eta']:5.2f} {str(r.get('equals_constrained_vanilla', '-')):>7s} "
+              f"{format(r['validity_sampled'], '.0%') if 'validity_sampled' in r else '-':>7s}")
     if cost is not None:
         print(f"the constraint's cost to vanilla at equal tokens (paired): "
               f"{cost['constraint_cost']:.1%}")

@@ -49,6 +49,26 @@ def test_depth_counts_read_a_histogram():
     assert rates[1:] == pytest.approx([0.85] * 3, abs=0.01)
 
 
+@pytest.mark.parametrize("method", ["speculative", "ouroboros"])
+def test_a_chain_the_rows_end_cut_short_is_not_a_rejection(tiny_pair, method):
+    """Draft = target: every chain the draft offers whole is accepted whole. A budget of 12 at
+    gamma 4 ends each row with a 2-token round (5 + 5 + 2): counted in acceptance_histogram,
+    it must not reach the lesson, which would read it as a rejection at depth 2."""
+    target = tiny_pair[0]
+    cfg = (SpeculativeConfig(gamma=4) if method == "speculative" else
+           OuroborosConfig(gamma=4, phrase_drafting=False, lengthening=False, recycling=False,
+                           context_phrases=False))
+    out = oj.generate(target, [[3, 9, 4, 1], [7, 2, 8]], draft=target, method=method,
+                      config=cfg, max_new_tokens=12, eos_token_id=-1)
+    s = out.stats
+    assert s["acceptance_histogram"][:6] == [0, 0, 2, 0, 0, 4]
+    whole = s["whole_histogram" if method == "speculative" else "draft_histogram"]
+    assert whole[:6] == [0, 0, 0, 0, 0, 4] and sum(whole) == 4
+    a, rounds, depth = oj.decoding.METHODS[method].learn(cfg, s, True)
+    assert rounds == 4 and depth == [[4, 4]] * 4
+    assert a > 0.99
+
+
 def test_chain_tokens_match_simulated_runs():
     a = DepthAgreement((0.55,), 0.85)
     for gamma in (1, 2, 4, 8):

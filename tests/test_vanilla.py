@@ -46,6 +46,25 @@ def test_prompt_of_length_one_and_long_prompt(tiny_pair):
         assert got == _hf_greedy(torch_target, p, 12, None)
 
 
+def test_prompts_pad_to_half_steps_from_128_and_stay_exact(tiny_pair):
+    """From 128 tokens on a prompt is padded to the 1.5x step where it fits (a prefill scores
+    every padded row); every method's greedy tokens at such a width stay transformers'."""
+    from ouroboros_jax.request import pad_prompts, prompt_bucket
+
+    widths = (1, 16, 17, 100, 128, 129, 192, 193, 256, 257, 384, 385, 700)
+    assert [prompt_bucket(n) for n in widths] == [16, 16, 32, 128, 128, 192, 192, 256, 256,
+                                                  384, 384, 512, 768]
+    target, draft, torch_target = tiny_pair
+    p = np.random.RandomState(9).randint(3, 97, size=150).tolist()
+    assert pad_prompts([p])[0].shape == (1, 192)
+    ref = _hf_greedy(torch_target, p, 12, None)
+    for method in ("vanilla", "speculative", "ouroboros", "prompt_lookup", "lookahead"):
+        got = oj.generate(target, [p], draft=draft if method in ("speculative", "ouroboros")
+                          else None, method=method, config=None, max_new_tokens=12,
+                          eos_token_id=-1).tokens[0]
+        assert got == ref, method
+
+
 def test_no_recompile_within_bucket(tiny_target):
     kw = dict(temperature=0.8, top_p=0.9)
     oj.generate(tiny_target, [[5, 6, 7, 8, 9]], max_new_tokens=10, seed=0, **kw)

@@ -194,7 +194,8 @@ def teaches(method: str, cfg) -> bool:
     """Whether a greedy call of `cfg` teaches auto the pair's agreement (its method's `learn`
     reads a call of one round; Ouroboros' only where its round is a plain chain)."""
     learn = METHODS[method].learn
-    one_round = {"target_calls": 1, "new_tokens": 1, "eta": 1.0, "acceptance_histogram": [0, 1]}
+    one_round = {"target_calls": 1, "new_tokens": 1, "eta": 1.0, "acceptance_histogram": [0, 1],
+                 "whole_histogram": [0, 1], "draft_histogram": [0, 1]}
     return learn is not None and learn(cfg, one_round, True) is not None
 
 

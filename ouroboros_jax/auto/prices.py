@@ -122,19 +122,41 @@ def calibrate(dtype, reps: int = 5) -> DeviceRates:
                        overlap=not cpu)
 
 
+def params_size(params) -> tuple[int, int]:
+    """(elements, bytes) of a params tree as held: a quantized leaf (`quant.QuantArray`)
+    counts the float array it stands for as elements and its codes, scales and offsets as
+    bytes (an int8 or w8a8 draft reads a byte a weight, not the four its float32 embedding
+    would price it at: the real 0.5B draft was priced at 2.0 GB a forward where it reads 0.9)."""
+    from ..models.quant import QuantArray
+
+    n = b = 0
+    for x in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, QuantArray)):
+        if isinstance(x, QuantArray):
+            n += math.prod(x.shape)
+            b += sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize
+                     for c in (x.codes, x.scale, x.offset) if c is not None)
+        else:
+            n += math.prod(x.shape)
+            b += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    return n, b
+
+
 def model_shape(model) -> ModelShape:
-    """The model's `cost.ModelShape` from its config and params (abstract params do)."""
+    """The model's `cost.ModelShape` from its config and params (abstract params do), its
+    bytes as held (`params_size`)."""
     cfg = model.config
     item = np.dtype(model.params["embed"].dtype).itemsize
-    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
+    total, total_bytes = params_size(model.params)
     # the LM head is a matmul over V x E; the embedding lookup of an untied model reads a row
-    matmul = total - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    matmul, matmul_bytes = total - embed, total_bytes - embed * item
     kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
     if not cfg.is_moe or cfg.moe_dispatch != "grouped":  # one-hot: every expert, every token
-        return ModelShape(matmul * item, matmul, cfg.num_layers, kv)
+        return ModelShape(matmul_bytes, matmul, cfg.num_layers, kv)
     # grouped experts: a forward reads the experts its tokens route to (`cost.expected_experts`)
     experts = cfg.expert_params()
-    return ModelShape(matmul * item, matmul, cfg.num_layers, kv, expert_bytes=experts * item,
+    return ModelShape(matmul_bytes, matmul, cfg.num_layers, kv,
+                      expert_bytes=int(experts * matmul_bytes / max(matmul, 1)),
                       expert_params=experts, experts=cfg.num_experts,
                       experts_per_token=cfg.experts_per_token)
 

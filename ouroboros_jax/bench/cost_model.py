@@ -35,7 +35,7 @@ import numpy as np
 from ..decoding import METHODS
 from ..decoding.cost import interpolate
 from ..models.timing import forward_timer as timer, sequence_timer
-from ..request import bucket
+from ..request import prompt_bucket as request_prompt_bucket
 
 
 @dataclasses.dataclass
@@ -122,7 +122,7 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
 
 
 def prompt_bucket(n: int) -> int:
-    return bucket(int(n))
+    return request_prompt_bucket(int(n))
 
 
 def forward_sizes(method: str, config) -> tuple[int, int, int]:

@@ -120,10 +120,10 @@ def _oj_caller(run: MethodRun, target, draft, eos):
         return o.tokens[0], time.perf_counter() - t0, o.stats, o.pool
 
     def shape_key(ids, n):
-        from ..request import bucket
+        from ..request import bucket, prompt_bucket
 
         cfg = spec.default_config() if run.config in (None, "auto") else run.config
-        P = bucket(len(ids))
+        P = prompt_bucket(len(ids))
         return P, bucket(P + n + spec.margin(cfg), minimum=64)
 
     return call, shape_key

@@ -402,6 +402,14 @@ def count_round(stats: Stats, live: jax.Array, kept: jax.Array, proposed=None,
                          target_calls=stats.target_calls + 1, acceptance_histogram=hist)
 
 
+def whole_counted(hist: jax.Array, rows: jax.Array, kept: jax.Array) -> jax.Array:
+    """hist int32[bins] plus this round's rows bool[B] binned by tokens kept (int32[B], the
+    last bin holding every longer round): a chain method's histogram of the rounds whose
+    chain the draft offered whole, which auto reads the pair's agreement by depth from
+    (`speculative.chain_lesson`)."""
+    return hist.at[jnp.clip(kept, 0, hist.shape[0] - 1)].add(rows.astype(jnp.int32))
+
+
 def check_int(obj, name: str, lo: int, hi: Optional[int] = None) -> None:
     """Config validation: obj.<name> must be an int (not a bool) in [lo, hi]; else a ValueError
     naming the config class and field."""

@@ -66,7 +66,8 @@ from ..tree import chain_parents, chain_with_branches, jacobi_tree, tree_mask
 from .common import (Limits, Pair, Sequences, Stats, count_round, count_sources, counter,
                      emit, empty_cache, empty_sequences, follow_draft, init_stats,
                      insert_sequences, loop_config, make_runner, plain_step, pool_summary,
-                     pool_with_context, prefill_rows, proposing, set_rows, source_labels)
+                     pool_with_context, prefill_rows, proposing, set_rows, source_labels,
+                     whole_counted)
 from .free_drafts import FreeDraft, free_proposal
 from .ouroboros_config import (OuroborosConfig, OuroborosCounters, OuroborosState,
                                forward_sizes)
@@ -395,8 +396,8 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         + jnp.sum(dv[:, None] * ((tokens[:, 1:1 + gamma] == choices[:, :gamma]) & in_chain)),
         draft_accepted=own.draft_accepted + jnp.sum(dv * matched),
         draft_rounds=own.draft_rounds + jnp.sum(dv),
-        draft_histogram=own.draft_histogram.at[
-            jnp.clip(kept, 0, own.draft_histogram.shape[0] - 1)].add(dv),
+        # whole chains only: one the row's end cut short says nothing of the depths past it
+        draft_histogram=whole_counted(own.draft_histogram, (dv > 0) & (drafted == gamma), kept),
         free_rounds=own.free_rounds + jnp.sum(fv),
         # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
         free_tokens_accepted=own.free_tokens_accepted
@@ -562,17 +563,11 @@ def _learn(cfg: OuroborosConfig, stats: dict, greedy: bool):
     # auto runs where wide forwards cost more than they bring): its acceptance is the pair's
     # agreement by depth. With lengthening a round keeps pool tokens past the chain, and with
     # phrase drafting the chain is drafted phrase by phrase: neither call is read as one.
-    # With free drafts the drafted rounds' own histogram is read (free chains are not the
-    # draft's); they are the rounds no free proposal reached the threshold in.
+    # The drafted rounds' own histogram is read (free chains are not the draft's), of the
+    # chains the draft offered whole (`common.whole_counted`).
     if cfg.phrase_drafting or cfg.lengthening:
         return None
-    if cfg.free_drafts:
-        hist = stats.get("draft_histogram", [])
-        rounds = sum(hist)
-        tokens = sum(k * n for k, n in enumerate(hist))
-        stats = {"target_calls": rounds, "new_tokens": tokens,
-                 "eta": tokens / max(rounds, 1), "acceptance_histogram": hist}
-    return chain_lesson(cfg.gamma, cfg.confidence, stats, greedy)
+    return chain_lesson(cfg.gamma, cfg.confidence, stats.get("draft_histogram", ()), greedy)
 
 
 SPEC = MethodSpec(runner=run_ouroboros, needs_draft=True, config_type=OuroborosConfig,

@@ -125,8 +125,9 @@ class OuroborosCounters:
     and draft_rounds (row rounds whose chain came from the free sources / from the draft;
     they add up to the row rounds), free_tokens_accepted (chain tokens accepted from free
     proposals), catch_up_forwards (batch draft forwards feeding the draft what free rounds
-    committed), draft_histogram (int32[bins]: the drafted row rounds by tokens kept, as
-    acceptance_histogram counts every round: what the draft's chains realised); and, with
+    committed), draft_histogram (int32[bins]: the drafted row rounds whose chain the
+    draft offered whole, by tokens kept, as acceptance_histogram counts every round: what the
+    draft's chains realised); and, with
     free drafts on, over every row round (free or drafted) by the free
     proposal's match length r = 0 .. M (0: none offered), int32[M+1]: free_offered (row
     rounds) and free_would_accept (the proposal's tokens the round kept: in a free round the
