@@ -642,6 +642,26 @@ def test_a_quantized_model_has_its_own_signature(tiny_pair):
     assert signature_of(int8()) == signature_of(int8())
 
 
+def test_a_quantized_model_is_priced_at_the_bytes_it_holds(tiny_pair):
+    """An int8 model's forward reads a byte a weight plus its scales, not the four bytes its
+    float embedding's dtype would say: its shape's weight bytes are the codes' and scales'
+    (the embedding, only looked up, is outside them for an untied model), its FLOPs its
+    float self's."""
+    import dataclasses
+
+    from ouroboros_jax.auto.prices import model_shape
+    from ouroboros_jax.models.quant import quantize_params
+
+    _, draft, _ = tiny_pair
+    q = dataclasses.replace(draft, params=quantize_params(draft.params, draft.config, "int8"))
+    f, i = model_shape(draft), model_shape(q)
+    assert i.matmul_params == f.matmul_params
+    assert f.weight_bytes == 4 * f.matmul_params
+    # the linear weights' codes at a byte each, a float32 scale per output channel; norms and
+    # the untied embedding's row lookups stay float
+    assert f.weight_bytes / 4 < i.weight_bytes < f.weight_bytes / 2
+
+
 def test_a_methods_timed_rounds_teach_a_factor_of_their_own(tiny_target, tuner):
     """Each method's timed calls teach what its loops measure over their price at the learned
     scales, pooled with one call at its price; relative to vanilla's, it divides every
