@@ -122,7 +122,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     from ouroboros_jax.auto import default_tuner, wait_for_background
     from ouroboros_jax.decoding import METHODS
     from ouroboros_jax.heap import freeze_heap
-    from ouroboros_jax.request import bucket, cache_slots, pad_prompts
+    from ouroboros_jax.request import cache_slots, pad_prompts, prompt_bucket
 
     # auto learns in a store of its own, as a user who runs the defaults does: the grid's
     # explicit calls teach their prices and the pair's agreement by depth too, and in one
@@ -168,7 +168,7 @@ def run(workload: str, calls: int, prompts_n: int, max_new_tokens: int, gguf_dir
     # first also calibrates and measures the pair): a config's first call on a new bucket in
     # a timed pass would charge it a compile that a config compiled before it at that shape
     # (auto choosing a grid config) does not pay
-    shapes = sorted({bucket(len(x)): i for i, x in reversed(list(enumerate(ids)))}.values())
+    shapes = sorted({prompt_bucket(len(x)): i for i, x in reversed(list(enumerate(ids)))}.values())
     bar = tqdm(total=len(runs) * (len(shapes) + calls * len(ids)), unit="call",
                file=sys.stderr, desc=f"auto_check {workload}: first calls", dynamic_ncols=True)
     first = {}

@@ -125,20 +125,13 @@ def calibrate(dtype, reps: int = 5) -> DeviceRates:
 def params_size(params) -> tuple[int, int]:
     """(elements, bytes) of a params tree as held: a quantized leaf (`quant.QuantArray`)
     counts the float array it stands for as elements and its codes, scales and offsets as
-    bytes (an int8 or w8a8 draft reads a byte a weight, not the four its float32 embedding
-    would price it at: the real 0.5B draft was priced at 2.0 GB a forward where it reads 0.9)."""
-    from ..models.quant import QuantArray
+    bytes (`quant.params_nbytes`: an int8 or w8a8 draft reads a byte a weight, not the four
+    its float32 embedding would price it at; the real 0.5B w8a8 draft was priced at 2.0 GB a
+    forward where it reads 0.54)."""
+    from ..models.quant import is_quantized, params_nbytes
 
-    n = b = 0
-    for x in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, QuantArray)):
-        if isinstance(x, QuantArray):
-            n += math.prod(x.shape)
-            b += sum(math.prod(c.shape) * np.dtype(c.dtype).itemsize
-                     for c in (x.codes, x.scale, x.offset) if c is not None)
-        else:
-            n += math.prod(x.shape)
-            b += math.prod(x.shape) * np.dtype(x.dtype).itemsize
-    return n, b
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+    return n, params_nbytes(params)
 
 
 def model_shape(model) -> ModelShape:
