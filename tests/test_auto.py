@@ -496,7 +496,9 @@ def test_realised_agreement_replaces_the_prompt_estimate(tiny_target, fresh_auto
     assert out.stats["target_calls"] >= MIN_REALISED_ROUNDS
     assert tuner.agreement.realised_agreement(t, t) > 0.99
     stored = json.loads((fresh_auto / "auto.json").read_text())["realised"]
-    assert list(stored.values())[0][1] == out.stats["target_calls"]
+    # row rounds whose chain was whole: 300 tokens per row are 75 chains of 3 + the target's own
+    assert list(stored.values())[0][1] == sum(out.stats["whole_histogram"]) == 2 * 75
+    assert out.stats["target_calls"] == 75
 
 
 def test_choice_is_sticky_unless_clearly_better(tiny_pair, random_prompts, fresh_auto,

@@ -150,7 +150,9 @@ def test_default_call_runs_on_a_broken_cache_and_repairs_it(tiny_pair, cache_dir
     monkeypatch.setattr(prices, "TARGET_SIZES", (1, 4))  # a short probe: this test is the store's
     monkeypatch.setattr(prices, "DRAFT_SIZES", (1, 4))
     _cache_file(cache_dir).write_text("[]")
-    kw = dict(max_new_tokens=6, eos_token_id=-1)
+    # 16 tokens: room for a whole chain of the exploring call's 8 (a chain the budget cuts
+    # short teaches no depth, `speculative.chain_lesson`)
+    kw = dict(max_new_tokens=16, eos_token_id=-1)
     with pytest.warns(RuntimeWarning, match="auto.json"):
         out = oj.generate(target, [[5, 6, 7, 8]], draft=draft, method="speculative",
                           tuner=tuner, **kw)
