@@ -35,7 +35,7 @@ import numpy as np
 from ..decoding import METHODS
 from ..decoding.cost import interpolate
 from ..models.timing import forward_timer as timer, sequence_timer
-from ..request import prompt_bucket as request_prompt_bucket
+from ..request import prompt_bucket  # noqa: F401 (the bench's prompt widths are generate's)
 
 
 @dataclasses.dataclass
@@ -119,10 +119,6 @@ def weights_bound_table(target_params: int, draft_params: Optional[int]) -> Late
     return LatencyTable(target={1: 1.0},
                         draft={1: float(draft_params) / target_params} if draft_params else {},
                         note="weights-bound: t_T(n) = 1, t_S(n) = draft/target parameters")
-
-
-def prompt_bucket(n: int) -> int:
-    return request_prompt_bucket(int(n))
 
 
 def forward_sizes(method: str, config) -> tuple[int, int, int]:

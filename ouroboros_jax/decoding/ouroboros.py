@@ -397,7 +397,8 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
         draft_accepted=own.draft_accepted + jnp.sum(dv * matched),
         draft_rounds=own.draft_rounds + jnp.sum(dv),
         # whole chains only: one the row's end cut short says nothing of the depths past it
-        draft_histogram=whole_counted(own.draft_histogram, (dv > 0) & (drafted == gamma), kept),
+        draft_histogram=whole_counted(own.draft_histogram, live & ~free & (drafted == gamma),
+                                      kept),
         free_rounds=own.free_rounds + jnp.sum(fv),
         # kept, not walked: a cut-off (EOS, max_new_tokens) inside the chain keeps fewer
         free_tokens_accepted=own.free_tokens_accepted
