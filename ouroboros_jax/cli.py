@@ -123,6 +123,7 @@ def _print_stats(stats: dict, compile_s: float) -> None:
 
 def _cmd_generate(a):
     from . import generate, load_model
+    from .models.loading import load_both
     from .models.quant import quantize_model
     from .request import default_eos_ids
 
@@ -138,10 +139,11 @@ def _cmd_generate(a):
     response_format = _response_format(a.response_format)
     wc = _weights_cache(a)
     dq = _draft_scheme(a)
-    if a.model:
-        target = load_model(a.model, dtype=a.dtype, quantize=q, weights_cache=wc)
-        draft = (load_model(a.draft, dtype=a.dtype, quantize=dq, weights_cache=wc) if a.draft
-                 else None)
+    if a.model:  # both at once (`load_both`): a load leaves a core idle half the time
+        target, draft = load_both(
+            lambda: load_model(a.model, dtype=a.dtype, quantize=q, weights_cache=wc),
+            (lambda: load_model(a.draft, dtype=a.dtype, quantize=dq, weights_cache=wc))
+            if a.draft else None)
     else:  # the shipped pair, as `demo` uses it
         from .demo_assets import demo_pair
 
@@ -237,6 +239,7 @@ def _serve_models(a, mesh):
     directories are read slice-wise (`load_sharded`: each process only its devices' slices);
     GGUF files and the demo pair are read whole, then placed by the engine."""
     from .models import load_model
+    from .models.loading import load_both
 
     q = getattr(a, "quantize", None)
     dq = _draft_scheme(a) if mesh is None else q  # the kernel runs on one device only
@@ -250,7 +253,10 @@ def _serve_models(a, mesh):
         # quantized: placed by the engine
         return load_model(path, dtype=a.dtype, quantize=scheme, weights_cache=wc)
 
-    if a.model:
+    if a.model and mesh is None:  # both at once, as `generate` loads them
+        target, draft = load_both(lambda: one(a.model, q),
+                                  (lambda: one(a.draft, dq)) if a.draft else None)
+    elif a.model:  # a mesh's processes read their slices in one order
         target = one(a.model, q)
         draft = one(a.draft, dq) if a.draft else None
     else:  # the shipped demo pair

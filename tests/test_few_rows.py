@@ -121,14 +121,14 @@ def test_a_failed_build_keeps_xlas_product(monkeypatch, tmp_path, capsys):
     """A compiler that fails: one line on stderr naming the way out, and no kernel."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", shutil.which("false") or "false")
-    few_rows._registered.cache_clear()
+    few_rows._register.cache_clear()
     try:
         assert few_rows._registered() is None
         err = capsys.readouterr().err
         assert "building the few-row CPU kernel" in err  # said before the seconds it takes
         assert "could not be built" in err and few_rows.ENV in err
     finally:
-        few_rows._registered.cache_clear()
+        few_rows._register.cache_clear()
         few_rows.enabled.cache_clear()
 
 

@@ -143,3 +143,59 @@ def test_orbax_refuses_params_that_do_not_match_the_config(tmp_path, hf_dir):
     _edit_config(str(tmp_path / "ob"), intermediate_size=96)
     with pytest.raises(ValueError, match="parameters do not match"):
         load_orbax(str(tmp_path / "ob"))
+
+
+def test_load_both_runs_the_target_and_draft_loads_at_once():
+    """Each load waits for the other to have started: one after the other, the barrier breaks."""
+    import threading
+
+    from ouroboros_jax.models.loading import load_both
+
+    met = threading.Barrier(2, timeout=10)
+
+    def load(name):
+        met.wait()
+        return name
+
+    assert load_both(lambda: load("t"), lambda: load("d")) == ("t", "d")
+    assert load_both(lambda: "t") == ("t", None)
+
+
+def test_load_both_raises_a_loads_error_once_both_loads_ended():
+    import threading
+    import time
+
+    from ouroboros_jax.models.loading import load_both
+
+    def bad_draft():
+        raise ValueError("draft.gguf: tensor blk.0 is short")
+
+    with pytest.raises(ValueError, match="draft.gguf"):
+        load_both(lambda: "t", bad_draft)
+    ended = threading.Event()
+
+    def slow_draft():
+        time.sleep(0.3)
+        ended.set()
+        return "d"
+
+    def bad_target():
+        raise FileNotFoundError("target.gguf")
+
+    with pytest.raises(FileNotFoundError, match="target.gguf"):
+        load_both(bad_target, slow_draft)
+    assert ended.is_set()  # the draft's thread was waited for, not left loading
+
+
+def test_cli_generate_with_a_draft_loads_both_and_keeps_vanillas_text(tmp_path, tiny_chat_pair,
+                                                                        capsys):
+    """`generate --model T --draft D` (the two loaded at once) prints vanilla's text."""
+    from ouroboros_jax.cli import main
+
+    target, draft = tiny_chat_pair
+    texts = []
+    for extra in (["--method", "vanilla"], ["--draft", draft.path, "--method", "speculative"]):
+        main(["generate", "--model", target.path, *extra, "--prompt", "abc",
+              "--max-new-tokens", "6", "--dtype", "float32", "--compile-cache", "off"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0].strip() and texts[1] == texts[0]

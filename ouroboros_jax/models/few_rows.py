@@ -42,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Optional
 
 import jax
@@ -112,10 +113,19 @@ def build(path: str, compiler: str) -> None:
             os.remove(tmp)
 
 
-@functools.lru_cache(maxsize=None)
+# a target and its draft load on two threads at once (`loading.load_both`), each may ask first
+_REGISTERING = threading.Lock()
+
+
 def _registered() -> Optional[str]:
     """Builds (once per machine) and registers the kernel; its library path, or None when it
-    cannot be built here (said once on stderr)."""
+    cannot be built here (said once on stderr). Once per process, whichever thread asks."""
+    with _REGISTERING:
+        return _register()
+
+
+@functools.lru_cache(maxsize=None)
+def _register() -> Optional[str]:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         return None
