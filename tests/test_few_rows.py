@@ -434,6 +434,30 @@ def test_w8a8_routes(q8_on):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_w8a8_in_one_program_per_leaf_gives_the_three_passes_codes(monkeypatch, tiny_pair):
+    """quantize_loaded's w8a8 (`_draft_form_leaf`, one program per leaf) holds exactly the codes
+    and scales of quantize, then int8 codes, then the k4 form, leaf by leaf."""
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: True)
+    draft = tiny_pair[1]
+    fused = quant.quantize_loaded(draft.params, draft.config, "w8a8")
+    passes = quant.k4_codes(quant.int8_codes(quant.quantize_params(draft.params, draft.config,
+                                                                   "w8a8")))
+    a = jax.tree.leaves(fused, is_leaf=quant.is_quantized)
+    b = jax.tree.leaves(passes, is_leaf=quant.is_quantized)
+    assert len(a) == len(b) and sum(quant.is_quantized(x) for x in a) >= 4
+    for x, y in zip(a, b):
+        assert quant.is_quantized(x) == quant.is_quantized(y)
+        if quant.is_quantized(x):
+            assert x.k4 and y.k4 and x.codes.dtype == y.codes.dtype == jnp.uint8
+            assert (x.in_shape, x.out_ndim, x.bits, x.dtype) == (y.in_shape, y.out_ndim, y.bits,
+                                                                 y.dtype)
+            np.testing.assert_array_equal(np.asarray(x.codes), np.asarray(y.codes))
+            np.testing.assert_array_equal(np.asarray(x.scale), np.asarray(y.scale))
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_w8a8_quantizes_to_k4_where_it_runs(monkeypatch, tiny_pair):
     """quantize="w8a8" (load_model's and quantize_model's): int8 codes, in the k4 form where
     q8 runs, plain int8 where it does not; `bits_of` takes it."""

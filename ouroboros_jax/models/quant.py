@@ -44,6 +44,7 @@ Letters as in the package glossary.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -307,10 +308,11 @@ def quantizable(leaf) -> bool:
 
 
 def quantize_params(params: dict, config, scheme: str,
-                    group_size: Optional[int] = None) -> dict:
+                    group_size: Optional[int] = None, one_leaf=None) -> dict:
     """Canonical (stacked) params with every `quantizable` leaf quantized to `quantize`
     ("int8" or "int4"); leaves already quantized (kept from a GGUF's blocks) stay as they
-    are. Jittable (abstract params give abstract QuantArrays, `jax.eval_shape`)."""
+    are. Jittable (abstract params give abstract QuantArrays, `jax.eval_shape`). one_leaf:
+    None (`quantize`), or (w, in_dims, lead) -> the quantized leaf (`_draft_form_leaf`)."""
     from .params import LEAF_BY_NAME
 
     bits = bits_of(scheme)
@@ -319,8 +321,10 @@ def quantize_params(params: dict, config, scheme: str,
         leaf = LEAF_BY_NAME[name]
         if is_quantized(w) or not quantizable(leaf):
             return w
-        return quantize(w, leaf.hf_in_dims, bits, leaf.per_layer + leaf.per_expert,
-                        group_size)
+        lead = leaf.per_layer + leaf.per_expert
+        if one_leaf is not None:
+            return one_leaf(w, leaf.hf_in_dims, lead)
+        return quantize(w, leaf.hf_in_dims, bits, lead, group_size)
 
     out = {k: one(k, v) for k, v in params.items() if k != "layers"}
     out["layers"] = {k: one(k, v) for k, v in params["layers"].items()}
@@ -335,11 +339,13 @@ def quantize_loaded(params: dict, config, scheme: str) -> dict:
     there (XLA:CPU does not fuse the convert into the dot: for memory, not speed)."""
     from ..notices import say_once
 
+    if scheme == W8A8 and jax.default_backend() == "cpu" and few_rows.q8_enabled():
+        params = quantize_params(params, config, scheme, one_leaf=_draft_form_leaf)
+        return k4_codes(int8_codes(params))  # the leaves kept from the file's blocks
     params = quantize_params(params, config, scheme)
     if jax.default_backend() == "cpu":
         if few_rows.enabled():
-            params = int8_codes(params)
-            return k4_codes(params) if scheme == W8A8 and few_rows.q8_enabled() else params
+            return int8_codes(params)
         say_once("quantize-cpu", f"quantize={scheme!r} on cpu keeps the weights' memory small "
                  "but runs slower than float32 here (XLA:CPU does not fuse the int8 convert "
                  "into the dot, and this CPU or process runs no few-row kernel); leave "
@@ -391,6 +397,23 @@ def k4_codes(params):
                           w.out_ndim, w.bits, w.dtype, k4=True)
 
     return jax.tree.map(one, params, is_leaf=is_quantized)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draft_form_leaf(w: jax.Array, in_dims: int, lead: int) -> QuantArray:
+    """`quantize(w, in_dims, 8, lead)` in the draft's form (`k4_codes`, where the group length
+    is a multiple of 4; int8 codes otherwise) as one program per leaf: the real 0.5B draft's
+    eager quantize, int8 and k4 passes (a fresh buffer each) took 1.9 s over its float load,
+    most of it the first touch of their pages (issue 53's second process). The same codes."""
+    q = quantize(w, in_dims, 8, lead)
+    if q.group_size % 4:
+        return q
+    c = q.codes
+    lead_shape, (ng, G) = c.shape[:lead], c.shape[lead:lead + 2]
+    O = math.prod(q.out_shape)
+    u = jax.lax.bitcast_convert_type(c, jnp.uint8) ^ jnp.uint8(0x80)  # code + 128
+    u = jnp.swapaxes(u.reshape(*lead_shape, ng, G // 4, 4, O), -1, -2).reshape(c.shape)
+    return QuantArray(u, q.scale, None, q.in_shape, q.out_ndim, 8, q.dtype, k4=True)
 
 
 def quantize_model(model, scheme: Optional[str]):
