@@ -470,3 +470,67 @@ def test_reader_metadata_equals_gguf_readers(tiny_llama, tmp_path):
 
 
 # the tokenizer built from a file's metadata: tests/test_gguf_tokenizer.py
+
+
+# ------------------------------------------------------------ the C++ dequantizing kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_kernel_dequantizes_the_bits_gguf_does(kind):
+    """`gguf_dequant` (rows, and rows written transposed) against gguf's numpy kernel on random
+    blocks: every byte random, scales included (subnormal, inf and nan halves among them)."""
+    import gguf
+    from gguf import quants
+
+    from ouroboros_jax.models import gguf_dequant
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    assert gguf_dequant.supports(int(qtype))
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, per_row = 37, 3
+    blocks = np.random.default_rng(int(qtype)).integers(0, 256, (rows, per_row * block_bytes),
+                                                        dtype=np.uint8)
+    q = quants._type_traits[qtype]
+    with np.errstate(all="ignore"):
+        want = q.dequantize_blocks(blocks.reshape(-1, block_bytes)).reshape(rows, -1)
+    got = gguf_dequant.dequantize_rows(blocks, int(qtype), per_row * block_values)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    out = np.full((per_row * block_values, rows + 5), 7.0, np.float32)
+    assert gguf_dequant.dequantize_into(blocks, int(qtype), per_row * block_values,
+                                        out[:, 2:2 + rows], transposed=True)
+    np.testing.assert_array_equal(out[:, 2:2 + rows].view(np.uint32), want.T.view(np.uint32))
+    assert (out[:, :2] == 7).all() and (out[:, 2 + rows:] == 7).all()  # nothing outside
+
+
+def test_kernel_widens_every_half_exactly():
+    """Q8_0 blocks whose codes are all 1 give their scale: each of the 65,536 halves, as
+    gguf's kernel gives it (1 x a signalling nan is a quiet one there too) and, but for the
+    nans, the half's own value."""
+    import gguf
+    from gguf import quants
+
+    from ouroboros_jax.models import gguf_dequant
+
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    blocks = np.concatenate([halves.view(np.uint8).reshape(-1, 2),
+                             np.ones((1 << 16, 32), np.uint8)], axis=1)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    got = gguf_dequant.dequantize_rows(blocks, int(qtype), 32)
+    with np.errstate(all="ignore"):
+        want = quants._type_traits[qtype].dequantize_blocks(blocks)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    exact = halves.view(np.float16).astype(np.float32)
+    real = ~np.isnan(exact)
+    assert real.sum() == (1 << 16) - 2046
+    np.testing.assert_array_equal(got[real, 0].view(np.uint32), exact[real].view(np.uint32))
+
+
+def test_loads_with_and_without_the_kernel_are_the_same_bits(smollm2_gguf_path, monkeypatch):
+    """SmolLM2's Q4_1 / Q8_0 GGUF through the kernel's one pass and through numpy's chunks."""
+    import jax
+
+    from ouroboros_jax.models import gguf_dequant
+
+    fast = oj.load_model(smollm2_gguf_path, dtype="float32")
+    monkeypatch.setattr(gguf_dequant, "supports", lambda tensor_type: False)
+    slow = oj.load_model(smollm2_gguf_path, dtype="float32")
+    for a, b in zip(jax.tree.leaves(fast.params), jax.tree.leaves(slow.params)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))

@@ -199,3 +199,25 @@ def test_cli_generate_with_a_draft_loads_both_and_keeps_vanillas_text(tmp_path, 
               "--max-new-tokens", "6", "--dtype", "float32", "--compile-cache", "off"])
         texts.append(capsys.readouterr().out)
     assert texts[0].strip() and texts[1] == texts[0]
+
+
+def test_loads_at_once_pause_the_collector_until_the_last_one_ends():
+    import gc
+
+    from ouroboros_jax.models.gguf_read import gc_paused
+
+    assert gc.isenabled()
+    outer = gc_paused()
+    outer.__enter__()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other load still runs
+    outer.__exit__(None, None, None)
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller who had it off keeps it off
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -82,26 +82,27 @@ def cache_dir() -> str:
     return cache_home("kernels")
 
 
-def library_path(compiler: str) -> str:
-    """The built kernel's path: named by a hash of the source, the compiler, the flags and the
+def library_path(compiler: str, source: str = SOURCE, flags: tuple = FLAGS) -> str:
+    """A built kernel's path: named by a hash of the source, the compiler, the flags and the
     jaxlib version (whose FFI headers it is built against), so any change builds anew."""
     import jaxlib
 
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         h.update(f.read())
-    h.update(repr((compiler, FLAGS, jaxlib.__version__)).encode())
-    return os.path.join(cache_dir(), f"few_rows-{h.hexdigest()[:16]}.so")
+    h.update(repr((compiler, flags, jaxlib.__version__)).encode())
+    name = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir(), f"{name}-{h.hexdigest()[:16]}.so")
 
 
-def build(path: str, compiler: str) -> None:
-    """Compiles the kernel to `path`: into a temporary file beside it, renamed into place, so
+def build(path: str, compiler: str, source: str = SOURCE, flags: tuple = FLAGS) -> None:
+    """Compiles a kernel to `path`: into a temporary file beside it, renamed into place, so
     processes building at once (pytest's workers) never load a partial library."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp, "-lpthread"]
+        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", source, "-o", tmp, "-lpthread"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln]

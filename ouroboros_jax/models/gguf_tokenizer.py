@@ -27,6 +27,7 @@ is split into vocabulary tokens, as llama.cpp splits it.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -89,6 +90,7 @@ SPECIAL_TOKEN_KEYS = {
 # the second costs ~1.5 s of a CLI call on this CPU.
 _BUILT: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 CHAT_TEMPLATE = "tokenizer.chat_template"
+_BUILDING = threading.Lock()
 
 
 def load_gguf_tokenizer(reader, path: str):
@@ -99,19 +101,20 @@ def load_gguf_tokenizer(reader, path: str):
     Files whose tokenizer metadata (every `tokenizer.*` entry and the architecture) is byte
     for byte the same but for the chat template share one built tokenizer: the second gets a
     shallow copy (the same vocabulary and backend) carrying its own file's chat template."""
-    digest = None
-    if hasattr(reader, "digest"):
-        keys = {k for k in reader.fields if k.startswith("tokenizer.") and k != CHAT_TEMPLATE}
-        digest = reader.digest(keys | {"general.architecture"})
+    if not hasattr(reader, "digest"):
+        return _build_tokenizer(reader, path)
+    keys = {k for k in reader.fields if k.startswith("tokenizer.") and k != CHAT_TEMPLATE}
+    digest = reader.digest(keys | {"general.architecture"})
+    with _BUILDING:  # a target and its draft load at once (`loading.load_both`): one builds
         built = _BUILT.get(digest)
-        if built is not None:
-            tok = copy.copy(built)
-            field = reader.fields.get(CHAT_TEMPLATE)
-            tok.chat_template = None if field is None else field.contents()
+        if built is None:
+            tok = _build_tokenizer(reader, path)
+            if tok is not None:
+                _BUILT[digest] = tok
             return tok
-    tok = _build_tokenizer(reader, path)
-    if digest is not None and tok is not None:
-        _BUILT[digest] = tok
+    tok = copy.copy(built)
+    field = reader.fields.get(CHAT_TEMPLATE)
+    tok.chat_template = None if field is None else field.contents()
     return tok
 
 

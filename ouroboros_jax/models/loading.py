@@ -529,6 +529,13 @@ def load_both(load_target: Callable[[], Model], load_draft: Optional[Callable[[]
 
 def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
                      weights_cache: Optional[str] = None) -> Model:
+    from .gguf_read import gc_paused
+
+    with gc_paused():
+        return _load_gguf(path, dtype, quantize, weights_cache)
+
+
+def _load_gguf(path: str, dtype, quantize: Optional[str], weights_cache: Optional[str]) -> Model:
     from .config import normalize_eos
     from .gguf import (config_from_gguf, end_of_generation_ids, load_gguf_params,
                        load_gguf_tokenizer, open_gguf)
