@@ -394,10 +394,13 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
 
     if is_packed(params):
         # one buffer per layer (models/layout.py): unrolled, each matmul reads its weights
-        # where they lie instead of a scan's copy of them out of the stack
+        # where they lie instead of a scan's copy of them out of the stack. Each layer is one
+        # nested jit of the same function, so layers of one shape are traced once (XLA inlines
+        # the calls: the same program)
         ks, vs = [], []
+        layer_step = jax.jit(step)
         for i, lp in enumerate(params["layers"]):
-            x, (k, v) = step(x, (lp, jnp.int32(i)))
+            x, (k, v) = layer_step(x, (lp, jnp.int32(i)))
             ks.append(k)
             vs.append(v)
         ks, vs = jnp.stack(ks), jnp.stack(vs)
