@@ -50,7 +50,10 @@ def test_demo_runs_and_reports_exactness(capsys):
     # Ouroboros' SD step, run as its own loop or as speculative's (`choice.as_run`)
     sd_as_speculative = fastest == "ouroboros" and auto.get("method") == "speculative"
     if "phrase_drafting=False" in (auto.get("config") or "") or sd_as_speculative:
-        assert line.startswith("fastest here: ouroboros (as speculative γ") or "off)" in line
+        free = "free_drafts=True" in (auto.get("config") or "")
+        assert (line.startswith("fastest here: ouroboros (free drafts at matches of ") if free
+                else line.startswith("fastest here: ouroboros (as speculative γ")) \
+            or "off)" in line
     else:
         assert line.startswith(f"fastest here: {fastest};")
     lines = out.splitlines()
