@@ -70,24 +70,14 @@ def supports(tensor_type: int) -> bool:
     return lib is not None and bool(lib.gguf_dequant_supports(int(tensor_type)))
 
 
-def dequantize_rows(blocks: np.ndarray, tensor_type: int, row_values: int,
-                    out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
-    """uint8 blocks [rows, row bytes] (whole rows of one tensor, C-contiguous) -> float32 [rows,
-    row_values] (into `out` when given: float32, C-contiguous rows), or None where the kernel
-    does not take this type here (the caller uses numpy's)."""
+def dequantize_rows(blocks: np.ndarray, tensor_type: int, row_values: int
+                    ) -> Optional[np.ndarray]:
+    """uint8 blocks [rows, row bytes] (whole rows of one tensor) -> float32 [rows, row_values],
+    or None where the kernel does not take this type here (the caller uses numpy's)."""
     if not supports(tensor_type):
         return None
-    blocks = np.ascontiguousarray(blocks, np.uint8)
-    rows = blocks.shape[0]
-    if out is None:
-        out = np.empty((rows, row_values), np.float32)
-    assert out.dtype == np.float32 and out.shape == (rows, row_values) and \
-        out.flags.c_contiguous, "out: float32 [rows, row_values], C-contiguous"
-    rc = _library().gguf_dequant_rows(int(tensor_type), blocks.ctypes.data, rows, row_values,
-                                      out.ctypes.data, row_values)
-    if rc != 0:
-        return None
-    return out
+    out = np.empty((blocks.shape[0], row_values), np.float32)
+    return out if dequantize_into(blocks, tensor_type, row_values, out, False) else None
 
 
 def dequantize_into(blocks: np.ndarray, tensor_type: int, row_values: int, out: np.ndarray,

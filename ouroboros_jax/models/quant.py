@@ -381,22 +381,25 @@ def k4_codes(params):
     int8 per row and block of 32 inputs, integer dot products): its codes as uint8 code + 128,
     in the memory order [lead..., ng, G / 4, O, 4] (four consecutive inputs of a column side by
     side, as AVX512-VNNI's dot product of four byte pairs reads them), kept in the plain
-    shape [lead..., ng, G, out...] so that lead slices and output reshapes keep their meaning.
-    Converted on the host (numpy), one leaf at a time."""
-    import numpy as np
-
+    shape [lead..., ng, G, out...] so that lead slices and output reshapes keep their meaning
+    (`_k4_of`, one program per leaf)."""
     def one(w):
         if not is_quantized(w) or w.k4 or w.codes.dtype != jnp.int8 or w.group_size % 4:
             return w
-        c = np.asarray(w.codes)
-        lead, (ng, G) = c.shape[:w.lead_ndim], c.shape[w.lead_ndim:w.lead_ndim + 2]
-        O = math.prod(w.out_shape)
-        u = (c.view(np.uint8) ^ np.uint8(0x80))  # code + 128 (two's complement, flip the top bit)
-        u = np.ascontiguousarray(np.swapaxes(u.reshape(*lead, ng, G // 4, 4, O), -1, -2))
-        return QuantArray(jnp.asarray(u.reshape(c.shape)), w.scale, w.offset, w.in_shape,
-                          w.out_ndim, w.bits, w.dtype, k4=True)
+        return _k4_of(w)
 
     return jax.tree.map(one, params, is_leaf=is_quantized)
+
+
+@jax.jit
+def _k4_of(w: QuantArray) -> QuantArray:
+    """An int8-coded QuantArray (group length a multiple of 4) in the k4 form (`k4_codes`)."""
+    c = w.codes
+    lead, (ng, G) = c.shape[:w.lead_ndim], c.shape[w.lead_ndim:w.lead_ndim + 2]
+    O = math.prod(w.out_shape)
+    u = jax.lax.bitcast_convert_type(c, jnp.uint8) ^ jnp.uint8(0x80)  # code + 128
+    u = jnp.swapaxes(u.reshape(*lead, ng, G // 4, 4, O), -1, -2).reshape(c.shape)
+    return QuantArray(u, w.scale, w.offset, w.in_shape, w.out_ndim, w.bits, w.dtype, k4=True)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -406,14 +409,7 @@ def _draft_form_leaf(w: jax.Array, in_dims: int, lead: int) -> QuantArray:
     eager quantize, int8 and k4 passes (a fresh buffer each) took 1.9 s over its float load,
     most of it the first touch of their pages (issue 53's second process). The same codes."""
     q = quantize(w, in_dims, 8, lead)
-    if q.group_size % 4:
-        return q
-    c = q.codes
-    lead_shape, (ng, G) = c.shape[:lead], c.shape[lead:lead + 2]
-    O = math.prod(q.out_shape)
-    u = jax.lax.bitcast_convert_type(c, jnp.uint8) ^ jnp.uint8(0x80)  # code + 128
-    u = jnp.swapaxes(u.reshape(*lead_shape, ng, G // 4, 4, O), -1, -2).reshape(c.shape)
-    return QuantArray(u, q.scale, None, q.in_shape, q.out_ndim, 8, q.dtype, k4=True)
+    return q if q.group_size % 4 else _k4_of(q)
 
 
 def quantize_model(model, scheme: Optional[str]):
