@@ -25,6 +25,7 @@ from .decoding import METHODS
 from .decoding.common import Stats
 from .distributed import (check_same, fetch, is_leader, local, mesh_id, model_id,
                           spans_processes)
+from .heap import gc_paused
 from .models.loading import Model
 from .request import (as_token_lists, cache_slots, check_cache_len, check_call, check_draft,
                       check_logprobs, check_model, default_eos_ids, default_method, eos_array,
@@ -132,10 +133,11 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     limits, sp = row_knobs(B, max_new_tokens, *knobs, constraint=constraint)
     compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
-    seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
-                                    greedy=greedy, slots=slots, pool=pool)
-    # gathered from every process when the mesh spans several (each gets the full result)
-    seq, stats = fetch((seq, stats))
+    with gc_paused():  # no full collection inside a first call's trace and compile (heap.py)
+        seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
+                                        greedy=greedy, slots=slots, pool=pool)
+        # gathered from every process when the mesh spans several (each gets the full result)
+        seq, stats = fetch((seq, stats))
     if multi and pool_out is not None:
         pool_out = local(pool_out)
     seconds = time.perf_counter() - t0

@@ -178,6 +178,21 @@ for method in ("speculative", "ouroboros"):
     out[method + "_int8_draft"] = [list(map(int, row)) for row in r.tokens]
     r = oj.generate(t, prompts, draft=d8, method=method, max_new_tokens=12)
     out[method + "_w8a8_draft"] = [list(map(int, row)) for row in r.tokens]
+# the packed layout (views on a CPU): verifications and the quantized drafts' forwards scan
+# their layers over the stacks, each product reading its layer in place (few_rows.LayerOf)
+from ouroboros_jax.models import layout
+layout.set_packing(True)
+attraced, at = [0], few_rows.matmul_at
+def atcounted(*a):
+    attraced[0] += 1
+    return at(*a)
+few_rows.matmul_at = atcounted
+for method, draft in [("vanilla", None), ("speculative", d), ("ouroboros", d),
+                      ("speculative", dq), ("speculative", d8), ("ouroboros", d8)]:
+    r = oj.generate(t, prompts, draft=draft, method=method, max_new_tokens=12)
+    name = "packed_" + method + {id(dq): "_int8", id(d8): "_w8a8"}.get(id(draft), "")
+    out[name] = [list(map(int, row)) for row in r.tokens]
+assert attraced[0] > 0, "no forward scanned its layers in place"
 assert traced[0] > 0, "no product went through the kernel"
 assert qtraced[0] > 0, "no quantized product went through the kernel"
 assert q8traced[0] > 0 or not few_rows.q8_enabled(), "no w8a8 product went through the kernel"
@@ -190,7 +205,8 @@ print(json.dumps(out))
 def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
     """A one-device process (the kernel on: prefill of <= 16 tokens and every verification):
     vanilla gives transformers' greedy tokens, and every method gives vanilla's, with a float
-    draft and with an int8 draft whose products run through the quantized kernel."""
+    draft and with an int8 draft whose products run through the quantized kernel; and in the
+    packed layout too, where those forwards scan their layers reading each in place."""
     import json
     import os
     import subprocess
@@ -219,7 +235,10 @@ def test_methods_with_the_kernel_give_transformers_tokens(tmp_path):
                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out["vanilla"][i][:len(ref)] == ref
     for method in ("speculative", "prompt_lookup", "ouroboros", "speculative_int8_draft",
-                   "ouroboros_int8_draft", "speculative_w8a8_draft", "ouroboros_w8a8_draft"):
+                   "ouroboros_int8_draft", "speculative_w8a8_draft", "ouroboros_w8a8_draft",
+                   "packed_vanilla", "packed_speculative", "packed_ouroboros",
+                   "packed_speculative_int8", "packed_speculative_w8a8",
+                   "packed_ouroboros_w8a8"):
         assert out[method] == out["vanilla"], method
 
 
@@ -479,3 +498,74 @@ def test_w8a8_quantizes_to_k4_where_it_runs(monkeypatch, tiny_pair):
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     with pytest.raises(ValueError, match="one CPU device only"):
         param_specs_of(k4.params, k4.config, mesh)  # never split: its memory is interleaved
+
+
+# ------------------------------------------------------------------ one layer of a stack, in place
+def _stack_of(leaves):
+    """Per-layer weights (arrays or QuantArrays) stacked on a lead layer axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *leaves)
+
+
+@needs_kernel
+@pytest.mark.parametrize("form", ["float32", "int8", "w8a8"])
+def test_a_layer_read_in_place_is_that_layers_product_bit_for_bit(form, kernel_on, monkeypatch):
+    """`LayerOf` (the stack and a traced layer index) through `linear` gives, for every layer,
+    the same bits as the layer's own weight through the same kernel; the program passes the
+    whole stack (no slice of it) to the `_at` custom call."""
+    rng = np.random.default_rng({"float32": 1, "int8": 2, "w8a8": 3}[form])
+    k, n, L, rows = 128, 96, 3, (9 if form == "float32" else 5)
+    if form == "float32":
+        layers = [jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(L)]
+        target = few_rows.AT_TARGET
+    else:
+        layers = [_qweight(rng, k, n, 32, form == "int8") for _ in range(L)]
+        target = few_rows.QUANT_AT_TARGET
+        if form == "w8a8":
+            if not few_rows.cpu_has_avx512(flag="avx512_vnni"):
+                pytest.skip("the w8a8 product needs AVX512-VNNI")
+            monkeypatch.setattr(few_rows, "q8_enabled", lambda: True)
+            layers = [quant.k4_codes({"w": w})["w"] for w in layers]
+            target = few_rows.Q8_AT_TARGET
+    stack = _stack_of(layers)
+    x = jnp.asarray(rng.standard_normal((1, rows, k), np.float32))
+    assert few_rows.at_applies(stack, rows, x.dtype)
+    at = jax.jit(lambda x, s, i: quant.linear(x, few_rows.LayerOf(s, i)))
+    own = jax.jit(quant.linear)
+    for i in range(L):
+        y = np.asarray(at(x, stack, jnp.int32(i)))
+        assert y.shape == (1, rows, n)
+        assert np.array_equal(y, np.asarray(own(x, layers[i])))
+    text = at.lower(x, stack, jnp.int32(0)).as_text()
+    assert target in text and "dynamic_slice" not in text
+    # a reshaped view (wo's [H, D, E] read as [H*D, E]) keeps the product and the output shape
+    y = jax.jit(lambda x, s, i: quant.linear(x, few_rows.LayerOf(s, i).reshape(k, 4, -1)))(
+        x, stack, jnp.int32(2))
+    assert y.shape == (1, rows, 4, n // 4)
+    assert np.array_equal(np.asarray(y).reshape(1, rows, n), np.asarray(own(x, layers[2])))
+
+
+@needs_kernel
+def test_a_layer_out_of_the_stack_is_refused(kernel_on):
+    stack = jnp.ones((2, 16, 32), jnp.float32)
+    x = jnp.ones((3, 16), jnp.float32)
+    f = jax.jit(lambda x, s, i: quant.linear(x, few_rows.LayerOf(s, i)))
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(f(x, stack, jnp.int32(2)))
+
+
+@needs_kernel
+def test_where_a_layer_in_place_applies(kernel_on, monkeypatch):
+    """float32: 2-16 rows (one row stays XLA's matrix-vector product); int8: 1-64; w8a8: 1-64
+    where q8 runs; nothing when the kernel is off or x is not float32."""
+    rng = np.random.default_rng(4)
+    f32 = jnp.zeros((2, 16, 32), jnp.float32)
+    assert [few_rows.at_applies(f32, r, jnp.float32) for r in (1, 2, 16, 17)] == [
+        False, True, True, False]
+    assert not few_rows.at_applies(f32, 4, jnp.bfloat16)
+    i8 = _stack_of([_qweight(rng, 64, 48, 32, False)] * 2)
+    assert [few_rows.at_applies(i8, r, jnp.float32) for r in (1, 64, 65)] == [True, True, False]
+    monkeypatch.setattr(few_rows, "q8_enabled", lambda: False)
+    k4 = quant.k4_codes({"w": i8})["w"]
+    assert k4.k4 and not few_rows.at_applies(k4, 4, jnp.float32)
+    monkeypatch.setattr(few_rows, "enabled", lambda: False)
+    assert not few_rows.at_applies(f32, 4, jnp.float32)

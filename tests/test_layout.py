@@ -4,6 +4,7 @@ the memory planner; the GPU's default program (packed layers, dense attention) r
 against transformers in both layouts: test_model.py.)"""
 
 import dataclasses
+import shutil
 
 import jax
 import pytest
@@ -15,7 +16,7 @@ from ouroboros_jax.decoding.common import make_pair
 from ouroboros_jax.decoding.ouroboros import OuroborosConfig
 from ouroboros_jax.decoding.prompt_lookup import PromptLookupConfig
 from ouroboros_jax.decoding.speculative import SpeculativeConfig
-from ouroboros_jax.models import layout
+from ouroboros_jax.models import few_rows, layout
 
 
 @pytest.fixture
@@ -226,3 +227,44 @@ def test_a_model_holds_one_copy_of_its_weights_after_decoding(tiny_target, packi
     packing(False)
     assert out.tokens == oj.generate(model, [[5, 6, 7]], max_new_tokens=4,
                                      eos_token_id=-1).tokens
+
+
+@pytest.mark.skipif(not few_rows.cpu_has_avx512() or shutil.which("g++") is None,
+                    reason="the few-row kernel needs an AVX-512 CPU and g++")
+def test_a_packed_verification_scans_its_layers_in_place(tmp_path, packing, monkeypatch):
+    """Packed views on a CPU with the kernel on: a verification-sized forward (2-16 rows)
+    scans its layers, each product reading its layer of the stack in place, so its program
+    holds one layer's products whatever the depth (a 3-layer Qwen2, biases sliced per layer);
+    its logits are the unrolled forward's up to float32 rounding (its small products run
+    through the kernel rather than XLA's). One row stays unrolled."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from conftest import make_hf_model
+    from ouroboros_jax.models import llama
+    from ouroboros_jax.models import forward
+
+    assert few_rows._registered() is not None
+    monkeypatch.setattr(few_rows, "enabled", lambda: True)
+    make_hf_model(tmp_path, model_type="qwen2", layers=3)
+    model = oj.load_model(str(tmp_path))
+    cfg = model.config
+    assert cfg.num_layers == 3 and cfg.qkv_bias
+    packing(True)
+    params = layout.decode_params(model)
+    assert layout.STACKED in params and layout.shares_buffers(params, model.params)
+    assert llama.scans_in_place(params, cfg, 9, jnp.float32)
+    assert not llama.scans_in_place(params, cfg, 1, jnp.float32)
+    tokens = jnp.asarray([[1, 5, 9, 14, 3, 7, 22, 8, 4]], jnp.int32)
+    positions = jnp.arange(9, dtype=jnp.int32)[None]
+    mask = jnp.tril(jnp.ones((9, 9), bool))[None]
+    run = jax.jit(lambda p, t: forward(p, cfg, t, positions, mask)[0])
+    text = run.lower(params, tokens).as_text()
+    assert text.count(few_rows.AT_TARGET) == 7  # q, k, v, o, gate, up, down: once, not 3x
+    scanned = np.asarray(run(params, tokens))
+    monkeypatch.setattr(llama, "scans_in_place", lambda *a: False)
+    unrolled_run = jax.jit(lambda p, t: forward(p, cfg, t, positions, mask)[0])
+    assert unrolled_run.lower(params, tokens).as_text().count(few_rows.AT_TARGET) == 0
+    unrolled = np.asarray(unrolled_run(params, tokens))
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(scanned.argmax(-1), unrolled.argmax(-1))

@@ -204,7 +204,7 @@ def test_cli_generate_with_a_draft_loads_both_and_keeps_vanillas_text(tmp_path, 
 def test_loads_at_once_pause_the_collector_until_the_last_one_ends():
     import gc
 
-    from ouroboros_jax.models.gguf_read import gc_paused
+    from ouroboros_jax.heap import gc_paused
 
     assert gc.isenabled()
     outer = gc_paused()

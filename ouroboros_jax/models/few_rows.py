@@ -62,6 +62,10 @@ MIN_WEIGHTS = 1 << 19
 TARGET = "ouroboros_few_rows_matmul"
 QUANT_TARGET = "ouroboros_few_rows_quant_matmul"
 Q8_TARGET = "ouroboros_few_rows_q8_matmul"
+# the same products reading one layer of a stacked weight in place (`LayerOf`)
+AT_TARGET = "ouroboros_few_rows_matmul_at"
+QUANT_AT_TARGET = "ouroboros_few_rows_quant_matmul_at"
+Q8_AT_TARGET = "ouroboros_few_rows_q8_matmul_at"
 # rows a quantized weight's product takes through the kernel (in blocks of 8, each block
 # streaming the codes again); more rows dequantize the weight and run XLA's product
 # (`quant.linear`). A six-product stack of int8 1536 x 8960: 17 rows 39 ms through the kernel
@@ -143,6 +147,10 @@ def _register() -> Optional[str]:
                                     platform="cpu")
         jax.ffi.register_ffi_target(Q8_TARGET, jax.ffi.pycapsule(lib.FewRowsQ8Matmul),
                                     platform="cpu")
+        for target, fn in ((AT_TARGET, lib.FewRowsMatmulAt),
+                           (QUANT_AT_TARGET, lib.FewRowsQuantMatmulAt),
+                           (Q8_AT_TARGET, lib.FewRowsQ8MatmulAt)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure keeps XLA's product
         print(f"ouroboros-jax: the few-row CPU kernel could not be built ({e}); using XLA's "
               f"product (set {ENV}=0 to skip the attempt)", file=sys.stderr)
@@ -303,3 +311,75 @@ def q8_matmul(x: jax.Array, w) -> jax.Array:
     y = _q8_kernel(x.reshape(-1, x.shape[-1]), w.codes.reshape(ng, G, O),
                    w.scale.reshape(ng, O), None if w.offset is None else w.offset.reshape(ng, O))
     return y.reshape(*x.shape[:-1], O)
+
+
+# ------------------------------------------------------------------ a layer of a stack, in place
+class LayerOf:
+    """Layer `index` (int32 scalar, traced) of a stacked weight: a float32 array [L, in...,
+    out...] or a QuantArray with one lead axis, standing for that layer's weight of `shape`
+    (the stack's without L, or a `reshape` of it). A forward that scans its layers
+    (`llama.forward`) hands each step these instead of slices: `linear` passes the whole stack
+    and the index to the kernel's `_at` form, which reads the layer where it lies. A scan's
+    slice of the stack would be a copy of the layer's weights every step; unrolling the
+    layers instead (one view each) puts every layer's code in the program. Only products the
+    kernel takes (`at_applies`) are given these; it is no pytree, it lives inside one trace."""
+
+    def __init__(self, stack, index, shape: Optional[tuple] = None):
+        self.stack, self.index = stack, index
+        self.shape = tuple(stack.shape[1:]) if shape is None else tuple(shape)
+
+    def reshape(self, *shape) -> "LayerOf":
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        total = int(np.prod(self.shape, dtype=np.int64))
+        if -1 in shape:
+            known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+            shape = tuple(total // known if d == -1 else d for d in shape)
+        assert int(np.prod(shape, dtype=np.int64)) == total, (self.shape, shape)
+        return LayerOf(self.stack, self.index, shape)
+
+
+def at_applies(stack, rows: int, x_dtype) -> bool:
+    """Whether a product of `rows` rows (x of x_dtype) with one layer of `stack` has an `_at`
+    form here: float32 stack and 2-16 rows (one row stays XLA's matrix-vector product, which
+    reads a view as fast), an int8 QuantArray and 1-64 rows, or a w8a8 (k4) one and 1-64 rows
+    on a VNNI CPU; `enabled()` in each case. Weights under MIN_WEIGHTS count too: in place,
+    the kernel saves their slice's copy."""
+    from .quant import is_quantized
+
+    if x_dtype != jnp.float32 or not enabled():
+        return False
+    if not is_quantized(stack):
+        return stack.dtype == jnp.float32 and stack.ndim >= 3 and MIN_ROWS <= rows <= MAX_ROWS
+    if stack.lead_ndim != 1 or stack.dtype != jnp.float32:
+        return False
+    if stack.k4:
+        return 1 <= rows <= Q8_MAX_ROWS and q8_enabled()
+    return stack.codes.dtype == jnp.int8 and 1 <= rows <= QUANT_MAX_ROWS
+
+
+def matmul_at(x: jax.Array, w: LayerOf) -> jax.Array:
+    """x [..., K] times layer w.index of w.stack (`at_applies` holds) -> [..., N] float32, N
+    = the layer's elements / K."""
+    from .quant import is_quantized
+
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    stack, layer = w.stack, jnp.asarray(w.index, jnp.int32)
+    L = stack.shape[0]
+    if not is_quantized(stack):
+        N = int(np.prod(stack.shape[1:], dtype=np.int64)) // K
+        out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
+        y = jax.ffi.ffi_call(AT_TARGET, out, vmap_method="sequential")(
+            x2, stack.reshape(L, K, N), layer, threads=np.int64(threads()))
+        return y.reshape(*x.shape[:-1], N)
+    ng, G = stack.codes.shape[1:3]
+    N = int(np.prod(stack.out_shape, dtype=np.int64))
+    has = stack.offset is not None
+    scale = stack.scale.reshape(L, ng, N)
+    target = Q8_AT_TARGET if stack.k4 else QUANT_AT_TARGET
+    out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        x2, stack.codes.reshape(L, ng, G, N), scale,
+        stack.offset.reshape(L, ng, N) if has else scale, layer,
+        threads=np.int64(threads()), has_offset=has)
+    return y.reshape(*x.shape[:-1], N)

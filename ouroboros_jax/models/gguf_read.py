@@ -17,12 +17,9 @@ the kernel's temporaries die with the chunk. Host memory stays near the weights 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import mmap
 import os
 import struct
-import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -297,29 +294,6 @@ def fill_tensor(t, out2d: np.ndarray, transpose: bool, row_align: int = 1,
             out2d[:, r0:r1] = w.T
         else:
             out2d[r0:r1] = w
-
-
-_GC = {"pauses": 0}
-_GC_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic collector off while a load runs (on again when the last of the loads
-    running at once ends): a load makes many small objects, and the collections they set off
-    walk the whole heap (jax's, transformers'): 4% of the real 1.5B target's load (perf)."""
-    with _GC_LOCK:
-        _GC["pauses"] += 1
-        if _GC["pauses"] == 1:
-            _GC["was_on"] = gc.isenabled()
-            gc.disable()
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _GC["pauses"] -= 1
-            if _GC["pauses"] == 0 and _GC.pop("was_on", False):
-                gc.enable()
 
 
 def aligned_empty(shape: tuple, dtype) -> np.ndarray:

@@ -58,6 +58,9 @@ UNFUSED_NORMS = ("post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_norm_
 MOE_LEAVES = ("router", "we_gate", "we_up", "we_down")
 # the key of a Model's packed copy among its derived copies (`Model.derived_copy`)
 PACKED = "packed"
+# the key, in a packed layout made of views, of the stacked leaves they view: the same buffers,
+# which a forward whose every product reads a layer in place scans over (`llama.forward`)
+STACKED = "stacked_layers"
 
 
 def is_packed(params: Params) -> bool:
@@ -118,7 +121,8 @@ def view_pack(params: Params, config: ModelConfig) -> Params:
     stacked = jax.tree.map(np.asarray, params["layers"])
     layers = tuple(jax.tree.map(lambda h: jax.device_put(h[i], device, may_alias=True), stacked)
                    for i in range(config.num_layers))
-    out = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
+    out = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers,
+           STACKED: params["layers"]}
     if not config.tie_word_embeddings:
         out["head_t"] = params["lm_head"]
     return out

@@ -42,8 +42,9 @@ import numpy as np
 
 from .attention import kernel_for_backend, live_block_count
 from .config import ModelConfig
+from .few_rows import LayerOf, at_applies
 from .kv_cache import KVCache, NewKV
-from .layout import is_packed
+from .layout import STACKED, is_packed
 from .quant import dense, linear, take
 from .params import nest
 
@@ -366,6 +367,25 @@ def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+# a layer's product weights (either canonical form: split q/k/v, gate/up); its other leaves
+# (norms, biases) are vectors
+PRODUCTS = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+VECTORS = frozenset(("attn_norm", "mlp_norm", "bq", "bk", "bv", "post_attn_norm",
+                     "post_mlp_norm", "q_norm", "k_norm", "q_norm_all", "k_norm_all"))
+
+
+def scans_in_place(params: Params, config: ModelConfig, rows: int, dtype) -> bool:
+    """Whether a forward of `rows` tokens (B*T) on packed params scans its layers over the
+    stacked leaves (`layout.STACKED`, a CPU's views) instead of unrolling them: every product
+    weight has a kernel form reading one layer in place at these rows (`few_rows.at_applies`:
+    2-16 rows in float32, 1-64 for the int8 and w8a8 forms), and every other leaf is a known
+    vector. A dense model only (an MoE's experts are not products of that kind)."""
+    stacked = params.get(STACKED)
+    if stacked is None or config.is_moe or not set(stacked) <= PRODUCTS | VECTORS:
+        return False
+    return all(at_applies(stacked[name], rows, dtype) for name in stacked if name in PRODUCTS)
+
+
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: Optional[KVCache] = None,
             select: Optional[jax.Array] = None) -> tuple[jax.Array, NewKV]:
@@ -392,7 +412,24 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
         x, k, v = _layer(config, inv_freq, kernel, x, lp, layer, positions, mask, cache, live)
         return x, (k, v)
 
-    if is_packed(params):
+    rows = tokens.shape[0] * tokens.shape[1]
+    if is_packed(params) and scans_in_place(params, config, rows, x.dtype):
+        # every product of a layer has a kernel that reads the layer where it lies in the
+        # stack (few_rows.LayerOf): the layers are scanned, so the program holds one layer's
+        # code and compiles (and loads from the compile cache) in the time of one; norms and
+        # biases, a few KB, are sliced
+        stacked = params[STACKED]
+
+        def step_in_place(x, layer):
+            lp = {name: (LayerOf(a, layer) if name in PRODUCTS else
+                         jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
+                  for name, a in stacked.items()}
+            return step(x, (lp, layer))
+
+        x, (ks, vs) = jax.lax.scan(step_in_place, x,
+                                   jnp.arange(config.num_layers, dtype=jnp.int32))
+        head = params["head_t"] if "head_t" in params else None
+    elif is_packed(params):
         # one buffer per layer (models/layout.py): unrolled, each matmul reads its weights
         # where they lie instead of a scan's copy of them out of the stack. Each layer is one
         # nested jit of the same function, so layers of one shape are traced once (XLA inlines

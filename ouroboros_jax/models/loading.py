@@ -528,7 +528,7 @@ def load_both(load_target: Callable[[], Model], load_draft: Optional[Callable[[]
 
 def _load_gguf_model(path: str, dtype, quantize: Optional[str] = None,
                      weights_cache: Optional[str] = None) -> Model:
-    from .gguf_read import gc_paused
+    from ..heap import gc_paused
 
     with gc_paused():
         return _load_gguf(path, dtype, quantize, weights_cache)

@@ -261,6 +261,9 @@ def linear(x: jax.Array, w, in_dims: int = 1, out_dtype=None) -> jax.Array:
     dims...] in out_dtype (default x's dtype). A plain w is one matmul over its [I, O] view
     (with float32 accumulation when out_dtype is given, the LM head); a QuantArray is the
     grouped integer product of the module docstring."""
+    if isinstance(w, few_rows.LayerOf):  # a layer of a stack, read in place (a scanned forward)
+        y = few_rows.matmul_at(x, w).astype(out_dtype or x.dtype)
+        return y.reshape(*x.shape[:-1], *w.shape[in_dims:])
     if not is_quantized(w):
         in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
         w2 = w.reshape(math.prod(in_shape), math.prod(out_shape))

@@ -537,3 +537,89 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQuantMatmul,
                               quant_binding<ffi::DataType::S8>());
 
 
+
+// ---------------------------------------------------------------- one layer of a stacked weight
+// The same products with the weight given as its whole stack over layers (w [L, K, N]; codes
+// [L, ng, G, N], scale and offset [L, ng, N]) and the layer as an int32 scalar operand: the
+// kernel reads layer l's slice where it lies. A forward that scans its layers (llama.forward)
+// then passes the stack to every step instead of slicing a copy of each layer's weights out of
+// it, so its program holds one layer's code however deep the model is.
+
+// the layer an int32 scalar operand names, checked against the stack's depth (-1: out of range)
+static int64_t layer_of(ffi::Buffer<ffi::S32> layer, int64_t depth) {
+  if (layer.element_count() != 1) return -1;
+  const int64_t l = layer.typed_data()[0];
+  return l >= 0 && l < depth ? l : -1;
+}
+
+static ffi::Error FewRowsAtImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                                int64_t threads) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (wd.size() != 3 || xd.size() < 1 || xd.back() != wd[1])
+    return ffi::Error::InvalidArgument("few_rows_matmul_at: x [..., K] and w [L, K, N] expected");
+  const int64_t l = layer_of(layer, wd[0]);
+  if (l < 0) return ffi::Error::InvalidArgument("few_rows_matmul_at: layer out of range");
+  int64_t K = wd[1], N = wd[2], M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  if (M < 1 || M > kMaxRows || K < 1 || N < 1)
+    return ffi::Error::InvalidArgument("few_rows_matmul_at: 1 to 16 rows, K >= 1, N >= 1");
+  few_rows_matmul(x.typed_data(), w.typed_data() + l * K * N, y->typed_data(), M, K, N,
+                  (int)threads);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsMatmulAt, FewRowsAtImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads"));
+
+template <ffi::DataType T, typename C,
+          void (*Product)(const float*, const C*, const float*, const float*, float*, int64_t,
+                          int64_t, int64_t, int64_t, int)>
+ffi::Error QuantAtImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<T> codes,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t threads, bool has_offset) {
+  constexpr bool quads = T == ffi::DataType::U8;
+  auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (cd.size() != 4 || sd.size() != 3 || xd.size() < 1 || sd[0] != cd[0] || sd[1] != cd[1] ||
+      sd[2] != cd[3] || xd.back() != cd[1] * cd[2] || (quads && cd[2] % 4 != 0))
+    return ffi::Error::InvalidArgument(
+        "few-row quantized product at a layer: x [..., K], codes [L, ng, G, N] (G % 4 == 0 "
+        "for w8a8), scale [L, ng, N] with K = ng * G");
+  const int64_t l = layer_of(layer, cd[0]);
+  if (l < 0) return ffi::Error::InvalidArgument("few-row quantized product: layer out of range");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  const int64_t ng = cd[1], G = cd[2], N = cd[3], K = ng * G;
+  if (M < 1 || G < 1 || N < 1)
+    return ffi::Error::InvalidArgument("few-row quantized product: empty operand");
+  Product(x.typed_data(), codes.typed_data() + l * K * N, scale.typed_data() + l * ng * N,
+          has_offset ? offset.typed_data() + l * ng * N : nullptr, y->typed_data(), M, K, G, N,
+          (int)threads);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+auto quant_at_binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<T>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int64_t>("threads")
+      .template Attr<bool>("has_offset");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQ8MatmulAt,
+                              (QuantAtImpl<ffi::DataType::U8, uint8_t, few_rows_q8_matmul>),
+                              quant_at_binding<ffi::DataType::U8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowsQuantMatmulAt,
+                              (QuantAtImpl<ffi::DataType::S8, int8_t, few_rows_quant_matmul>),
+                              quant_at_binding<ffi::DataType::S8>());
