@@ -133,13 +133,8 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     limits, sp = row_knobs(B, max_new_tokens, *knobs, constraint=constraint)
     compiled, compiled_s = tuner.compiles.programs, tuner.compiles.seconds
     t0 = time.perf_counter()
-    with gc_paused():  # no full collection inside a first call's trace and compile (heap.py)
-        seq, stats, pool_out = spec.run(target, draft, prompt_j, plens_j, limits, sp, cfg,
-                                        greedy=greedy, slots=slots, pool=pool)
-        # gathered from every process when the mesh spans several (each gets the full result)
-        seq, stats = fetch((seq, stats))
-    if multi and pool_out is not None:
-        pool_out = local(pool_out)
+    seq, stats, pool_out = _run_loop(spec, target, draft, prompt_j, plens_j, limits, sp, cfg,
+                                     greedy, slots, pool, multi)
     seconds = time.perf_counter() - t0
     out = _read_rows(seq, plens, target.tokenizer)
     stats = summarize_stats(stats, seconds)
@@ -161,6 +156,20 @@ def generate(target: Model, prompts, draft: Optional[Model] = None,
     stats["tokens_per_second"] = (stats["new_tokens"] / stats["seconds"] if stats["seconds"] > 0
                                   else float("nan"))
     return dataclasses.replace(out, stats=stats, pool=pool_out)
+
+
+def _run_loop(spec, target, draft, prompt, plens, limits, sp, cfg, greedy, slots, pool, multi):
+    """The method's jitted loop over the call -> (Sequences, Stats, pool or None) on the host
+    (gathered from every process when the mesh spans several: each gets the full result).
+    The collector is paused: no full collection inside a first call's trace and compile
+    (`heap.gc_paused`)."""
+    with gc_paused():
+        seq, stats, pool_out = spec.run(target, draft, prompt, plens, limits, sp, cfg,
+                                        greedy=greedy, slots=slots, pool=pool)
+        seq, stats = fetch((seq, stats))
+    if multi and pool_out is not None:
+        pool_out = local(pool_out)
+    return seq, stats, pool_out
 
 
 def _auto_stats(choice, asked: str, compiles, programs: int, seconds: float) -> dict:

@@ -338,17 +338,20 @@ class LayerOf:
         return LayerOf(self.stack, self.index, shape)
 
 
+def _quantized(w) -> bool:
+    """A `quant.QuantArray` (codes and scales; read by its fields, as the forms above do)."""
+    return getattr(w, "codes", None) is not None
+
+
 def at_applies(stack, rows: int, x_dtype) -> bool:
     """Whether a product of `rows` rows (x of x_dtype) with one layer of `stack` has an `_at`
     form here: float32 stack and 2-16 rows (one row stays XLA's matrix-vector product, which
     reads a view as fast), an int8 QuantArray and 1-64 rows, or a w8a8 (k4) one and 1-64 rows
     on a VNNI CPU; `enabled()` in each case. Weights under MIN_WEIGHTS count too: in place,
     the kernel saves their slice's copy."""
-    from .quant import is_quantized
-
     if x_dtype != jnp.float32 or not enabled():
         return False
-    if not is_quantized(stack):
+    if not _quantized(stack):
         return stack.dtype == jnp.float32 and stack.ndim >= 3 and MIN_ROWS <= rows <= MAX_ROWS
     if stack.lead_ndim != 1 or stack.dtype != jnp.float32:
         return False
@@ -360,13 +363,11 @@ def at_applies(stack, rows: int, x_dtype) -> bool:
 def matmul_at(x: jax.Array, w: LayerOf) -> jax.Array:
     """x [..., K] times layer w.index of w.stack (`at_applies` holds) -> [..., N] float32, N
     = the layer's elements / K."""
-    from .quant import is_quantized
-
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     stack, layer = w.stack, jnp.asarray(w.index, jnp.int32)
     L = stack.shape[0]
-    if not is_quantized(stack):
+    if not _quantized(stack):
         N = int(np.prod(stack.shape[1:], dtype=np.int64)) // K
         out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
         y = jax.ffi.ffi_call(AT_TARGET, out, vmap_method="sequential")(
