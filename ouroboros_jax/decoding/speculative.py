@@ -268,8 +268,10 @@ def _draft_in_loop(params, model_config, gamma: int, greedy: bool, sp: SamplingP
             state = jnp.where(draws, guard.advance(state, d[:, 0]), state)
         at = (slot == idx[:, None]) & draws[:, None]
         drafts = jnp.where(at, d, drafts)
-        if not greedy:
-            logqs = jnp.where(at[..., None], logq, logqs)
+        if not greedy:  # each drawing row's q into its slot (one [V] row each, in place)
+            rows, col = jnp.arange(B), jnp.clip(idx, 0, gamma - 1)
+            logqs = logqs.at[rows, col].set(
+                jnp.where(draws[:, None], logq[:, 0], logqs[rows, col]))
         drafted = drafted + draws.astype(jnp.int32)
         grow = chain_may_grow(limits, seq, d[:, 0], drafted) & (drafted < gamma)
         if confidence > 0:
