@@ -88,18 +88,15 @@ def _greedy(logits, positions):
 def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
                   guard=None, limits=None):
     """Token-by-token drafting (phrase drafting off): speculative decoding's own draft loop
-    (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: without
-    lengthening one-token forwards, the first feeding the token the draft lags by after a whole
-    chain was accepted; with it, one forward catching up on the (at most N) tokens the draft
-    has not processed and reading the pending token's logits, then γ - 1 one-token forwards. The window and the pool are not touched.
+    (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: one forward
+    catching up on the tokens the draft has not processed (at most N after a branch was
+    accepted, 1 without lengthening) and reading the pending token's logits, then γ - 1
+    one-token forwards. The window and the pool are not touched.
     -> (d int32[B,γ], drafted int32[B], dcache, window, pool, stats) as `_draft_phase`."""
     U = _prefix_slot(cfg)
-    # without lengthening the draft lags by at most one token, which speculative's loop feeds
-    # through its own one-token forwards (catch_up 1); with it, up to N ride one forward
     d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
                                                     None, state.seq, state.dcache,
-                                                    cfg.confidence,
-                                                    catch_up=1 if U == 1 else U + 1,
+                                                    cfg.confidence, catch_up=U + 1,
                                                     guard=guard, limits=limits)
     rows = jnp.sum(jnp.where(live, drafted, 0), dtype=jnp.int32)  # row forwards = row tokens
     stats = state.stats
