@@ -15,6 +15,7 @@ import pytest
 import ouroboros_jax as oj
 from ouroboros_jax.auto import AutoTuner
 from ouroboros_jax.auto.compiles import SECTION, cache_dir
+from ouroboros_jax.decoding.knobs import recipe_of
 from ouroboros_jax.request import pad_prompts
 
 PROMPT = [[5, 6, 7, 8, 9, 10]]
@@ -119,3 +120,67 @@ def test_without_a_persistent_cache_nothing_is_recorded_or_kept(tiny_pair, store
         assert SECTION not in tuner.store.read()
     finally:
         jax.config.update("jax_compilation_cache_dir", old)
+
+
+def scripted_ouroboros(tuner, monkeypatch):
+    """The tuner's Ouroboros choice replaced by free drafts at gamma 2 (a loop of its own)."""
+    real = tuner.call_choice
+    cfg = oj.OuroborosConfig(gamma=2, phrase_drafting=False, lengthening=False,
+                             recycling=False, context_phrases=False, free_drafts=True)
+
+    def fake(method, *a, **k):
+        c, slots = real(method, *a, **k)
+        if method != "ouroboros":
+            return c, slots
+        return dataclasses.replace(c, method="ouroboros", config=cfg,
+                                   reason="scripted free drafts"), slots
+
+    monkeypatch.setattr(tuner, "call_choice", fake)
+    return cfg
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_an_ouroboros_first_call_runs_the_speculative_loop_this_process_compiled(
+        tiny_pair, store, monkeypatch, pays):
+    """One process: a speculative call compiled gamma 2; the first Ouroboros call of the same
+    models and sizes whose auto prefers free drafts (a loop of its own) runs speculative's
+    gamma 2 loop, Ouroboros' SD step, compiling nothing, where its predicted saving does not
+    pay the compile; where it does, it compiles and runs its own choice. Without a persistent
+    cache too: the process's own calls are what it knows."""
+    target, draft, _ = tiny_pair
+    ref = oj.generate(target, PROMPT, max_new_tokens=N, eos_token_id=-1).tokens
+    old = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.clear_caches()  # (so the speculative call compiles, and its compile is priced)
+        tuner = scripted(AutoTuner(), target, draft, 2, monkeypatch)
+        free = scripted_ouroboros(tuner, monkeypatch)
+        tuner.switch.pays_off = lambda *a: pays
+        assert gen(target, draft, tuner).tokens == ref
+        out = oj.generate(target, PROMPT, draft=draft, method="ouroboros", max_new_tokens=N,
+                          eos_token_id=-1, tuner=tuner)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
+    auto = out.stats["auto"]
+    assert out.tokens == ref
+    if pays:
+        assert auto["config"] == recipe_of(free), auto["reason"]
+    else:
+        assert auto["method"] == "speculative", (auto["reason"], auto["predicted_speedup"])
+        assert auto["config"] == "SpeculativeConfig(gamma=2)", auto["reason"]
+        assert "kept" in auto["reason"] and auto["compiled"]["programs"] == 0
+
+
+def test_a_speculative_first_call_never_runs_an_ouroboros_loop(tiny_pair, store, monkeypatch):
+    """The other way round: Ouroboros' free-drafts loop is no loop a speculative call may
+    run, so speculative's first call compiles its own choice even where nothing would pay."""
+    target, draft, _ = tiny_pair
+    tuner = scripted(AutoTuner(), target, draft, 2, monkeypatch)
+    free = scripted_ouroboros(tuner, monkeypatch)
+    tuner.switch.pays_off = lambda *a: False
+    first = oj.generate(target, PROMPT, draft=draft, method="ouroboros", max_new_tokens=N,
+                        eos_token_id=-1, tuner=tuner)
+    assert first.stats["auto"]["config"] == recipe_of(free)
+    out = gen(target, draft, tuner)
+    assert out.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
+    assert out.tokens == first.tokens

@@ -91,6 +91,28 @@ def _kept(last, choice) -> str:
     return f"predicted {_rates(last, choice)[0]:.2f}x vanilla"
 
 
+# the methods whose loops an asked method's auto choices may run, besides its own and vanilla's:
+# Ouroboros' SD step runs as speculative decoding's loop (`choice.as_run`), so a process that
+# ran speculative's loop has one an Ouroboros call of the same models and sizes can run (issue
+# 53: the demo pair's first Ouroboros call after a speculative one compiled free drafts' loop
+# for 3 s where speculative's was there)
+LOOPS_OF = {"ouroboros": ("speculative",)}
+
+
+def _loop_signatures(sig: tuple) -> list:
+    """The signatures whose compiled loops a call of `sig` may run: its own, then those of the
+    same models and sizes asked of the methods in LOOPS_OF."""
+    return [sig] + [(m,) + sig[1:] for m in LOOPS_OF.get(sig[0], ())]
+
+
+def _allowed(asked: str, of: str) -> Callable:
+    """Which run methods a loop recorded under asked method `of` may serve a call asking for
+    `asked`: anything of its own signature; another's only its LOOPS_OF methods and vanilla."""
+    if of == asked:
+        return lambda m: True
+    return lambda m: m == "vanilla" or m in LOOPS_OF.get(asked, ())
+
+
 class Switch:
     """The compiled choices of one tuner, per signature, and the background compiles it
     started. Thread-safe: calls and background compiles share it."""
@@ -173,12 +195,35 @@ class Switch:
                f"({choice.reason.split(' (')[0]}) compiles in the background")
         return dataclasses.replace(last, reason=why, seconds=choice.seconds), False
 
+    def compiled_for(self, sig: tuple) -> dict:
+        """{(method, config repr): (config, compile seconds)} of the loops a call of `sig` may
+        run without compiling: its own signature's and those of the methods whose loops its
+        choices run as (`LOOPS_OF`), from the persistent compile cache and from this process's
+        calls (priced at the most one of their calls compiled, else at what the store or the
+        counter knows). Lock held by the caller."""
+        out: dict = {}
+        for s in _loop_signatures(sig):
+            allowed = _allowed(sig[0], s[0])
+            if self.loops is not None:
+                out.update({k: v for k, v in self.loops.cached(s).items() if allowed(k[0])})
+            ran = self._ran.get(s, {})
+            if ran:
+                price = self._calls.get(s, (0, 0, 0.0, 0.0))[3]
+                if price <= 0 and self.loops is not None:
+                    price = self.loops.price(s)
+                price = price if price > 0 else self.compiles.longest
+                out.update({k: (c.config, max(price, out.get(k, (None, 0.0))[1]))
+                            for k, c in ran.items() if allowed(k[0])})
+        return out
+
     def first_runnable(self, sig: tuple, choice) -> tuple:
-        """A process's first call of `sig`: (auto's `choice`, True) where its loop is in the
-        persistent compile cache, where no other choice's is, or where this call's predicted
-        saving over the best cached choice pays the compile (`pays_off` over one call: the
-        caller may make no other); else (that cached choice, False), said in its reason."""
-        cached = {} if self.loops is None else self.loops.cached(sig)
+        """A process's first call of `sig`: (auto's `choice`, True) where its loop is compiled
+        (`compiled_for`: in the persistent compile cache, or run in this process by a call of
+        this signature or of one whose loops this one may run), where no other choice's is, or
+        where this call's predicted saving over the best compiled choice pays the compile
+        (`pays_off` over one call: the caller may make no other); else (that compiled choice,
+        False), said in its reason."""
+        cached = self.compiled_for(sig)
         compile_s = max((s for _, s in cached.values()), default=0.0)
         if not cached or _key(choice) in cached or compile_s <= 0 or choice.tables[0] is None:
             return choice, True
