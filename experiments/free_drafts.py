@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         return 0
 
     from ouroboros_jax.generate import generate
-    from ouroboros_jax.auto import wait_for_background
+    from ouroboros_jax.auto import wait_for_background, warming_up
     from ouroboros_jax.heap import freeze_heap
     from ouroboros_jax.request import bucket
 
@@ -254,8 +254,9 @@ def main(argv=None) -> int:
     for label, kw in runs.items():
         t = time.perf_counter()
         for i in firsts:
-            generate(target, [prompts[i][1]], max_new_tokens=n, eos_token_id=-1,
-                     **({"draft": draft} if kw else {}), **kw)
+            with warming_up():
+                generate(target, [prompts[i][1]], max_new_tokens=n, eos_token_id=-1,
+                         **({"draft": draft} if kw else {}), **kw)
             wait_for_background()
         log(f"[free_drafts] {label}: first calls {time.perf_counter() - t:.1f} s")
     freeze_heap()

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 import ouroboros_jax as oj
-from ouroboros_jax.auto import AutoTuner
+from ouroboros_jax.auto import AutoTuner, default_tuner, warming_up
 from ouroboros_jax.auto.compiles import SECTION, cache_dir
 from ouroboros_jax.decoding.knobs import recipe_of
 from ouroboros_jax.request import pad_prompts
@@ -139,14 +139,15 @@ def scripted_ouroboros(tuner, monkeypatch):
     return cfg
 
 
-@pytest.mark.parametrize("pays", [False, True])
+@pytest.mark.parametrize("pays,borrows", [(False, True), (True, True), (False, False)])
 def test_an_ouroboros_first_call_runs_the_speculative_loop_this_process_compiled(
-        tiny_pair, store, monkeypatch, pays):
+        tiny_pair, store, monkeypatch, pays, borrows):
     """One process: a speculative call compiled gamma 2; the first Ouroboros call of the same
     models and sizes whose auto prefers free drafts (a loop of its own) runs speculative's
     gamma 2 loop, Ouroboros' SD step, compiling nothing, where its predicted saving does not
-    pay the compile; where it does, it compiles and runs its own choice. Without a persistent
-    cache too: the process's own calls are what it knows."""
+    pay the compile; where it does, it compiles and runs its own choice, and so it does while
+    a bench warms up (`borrows` off: `auto.warming_up`). Without a persistent cache too: the
+    process's own calls are what it knows."""
     target, draft, _ = tiny_pair
     ref = oj.generate(target, PROMPT, max_new_tokens=N, eos_token_id=-1).tokens
     old = jax.config.jax_compilation_cache_dir
@@ -157,13 +158,14 @@ def test_an_ouroboros_first_call_runs_the_speculative_loop_this_process_compiled
         free = scripted_ouroboros(tuner, monkeypatch)
         tuner.switch.pays_off = lambda *a: pays
         assert gen(target, draft, tuner).tokens == ref
+        tuner.switch.borrows = borrows
         out = oj.generate(target, PROMPT, draft=draft, method="ouroboros", max_new_tokens=N,
                           eos_token_id=-1, tuner=tuner)
     finally:
         jax.config.update("jax_compilation_cache_dir", old)
     auto = out.stats["auto"]
     assert out.tokens == ref
-    if pays:
+    if pays or not borrows:
         assert auto["config"] == recipe_of(free), auto["reason"]
     else:
         assert auto["method"] == "speculative", (auto["reason"], auto["predicted_speedup"])
@@ -184,3 +186,11 @@ def test_a_speculative_first_call_never_runs_an_ouroboros_loop(tiny_pair, store,
     out = gen(target, draft, tuner)
     assert out.stats["auto"]["config"] == "SpeculativeConfig(gamma=2)"
     assert out.tokens == first.tokens
+
+
+def test_warming_up_keeps_the_default_tuners_first_calls_to_their_own_choices():
+    switch = default_tuner().switch
+    assert switch.borrows
+    with warming_up():
+        assert not switch.borrows
+    assert switch.borrows

@@ -27,6 +27,7 @@ with every token, and it lands at small trees (what `ouroboros-jax tune` finds t
 
 from .choice import Choice
 from .store import cache_path
-from .tuner import AutoTuner, default_tuner, wait_for_background
+from .tuner import AutoTuner, default_tuner, wait_for_background, warming_up
 
-__all__ = ["AutoTuner", "Choice", "cache_path", "default_tuner", "wait_for_background"]
+__all__ = ["AutoTuner", "Choice", "cache_path", "default_tuner", "wait_for_background",
+           "warming_up"]

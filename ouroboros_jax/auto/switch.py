@@ -121,6 +121,10 @@ class Switch:
                  loops: Optional[CompiledLoops] = None):
         self.sig, self.compiles, self.loops = signatures, compiles, loops
         self.pays_off = pays_off  # (tests replace it on an instance)
+        # whether a signature's first call may run another method's loop (LOOPS_OF): off
+        # while a bench or the demo warms up (`tuner.warming_up`), whose first calls are
+        # there to compile what their timed calls will run
+        self.borrows = True
         self._lock = threading.Lock()
         self._ran: dict = {}  # signature -> {(method, config repr): choice} whose loops ran
         self._last: dict = {}  # signature -> the last choice run
@@ -202,7 +206,7 @@ class Switch:
         calls (priced at the most one of their calls compiled, else at what the store or the
         counter knows). Lock held by the caller."""
         out: dict = {}
-        for s in _loop_signatures(sig):
+        for s in _loop_signatures(sig) if self.borrows else [sig]:
             allowed = _allowed(sig[0], s[0])
             if self.loops is not None:
                 out.update({k: v for k, v in self.loops.cached(s).items() if allowed(k[0])})

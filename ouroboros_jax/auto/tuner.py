@@ -14,6 +14,8 @@ starts as a new process over the same store does. Two tuners share only the stor
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 from typing import Optional
 
@@ -156,3 +158,17 @@ def default_tuner() -> AutoTuner:
 def wait_for_background(timeout: Optional[float] = None) -> None:
     """Joins the default tuner's background compiles (a benchmark's clean state)."""
     default_tuner().switch.wait_for_background(timeout)
+
+
+@contextlib.contextmanager
+def warming_up():
+    """Within: the default tuner's first call of a signature runs auto's own choice of the
+    asked method, never a loop another method compiled (`switch.LOOPS_OF`): a bench's or the
+    demo's warm-up calls, whose purpose is to compile what their timed calls will run, as a
+    process running only that method would."""
+    switch = default_tuner().switch
+    old, switch.borrows = switch.borrows, False
+    try:
+        yield
+    finally:
+        switch.borrows = old

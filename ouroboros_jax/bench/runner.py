@@ -163,16 +163,19 @@ def _runner(run: MethodRun, target, draft, prompts: list[Prompt], eos, hf) -> _R
 def _warm_up(rn: _Runner, prompts: list[Prompt]) -> None:
     """One call per distinct compiled shape of the first turns (torch: one short call), timed
     as the method's compile_seconds."""
+    from ..auto import warming_up
+
     clock = CompileClock.get()
     clock.take()
     t0 = time.perf_counter()
     warm = {}
-    for ids, p in zip(rn.first, prompts):
-        k = rn.shape_key(ids, p.max_new_tokens)
-        if k not in warm and (rn.run.kind == "oj" or not warm):
-            warm[k] = True
-            rn.call(ids, p.max_new_tokens if rn.run.kind == "oj" else min(8, p.max_new_tokens),
-                    None)
+    with warming_up():  # (each method compiles its own choice, not another's loop)
+        for ids, p in zip(rn.first, prompts):
+            k = rn.shape_key(ids, p.max_new_tokens)
+            if k not in warm and (rn.run.kind == "oj" or not warm):
+                warm[k] = True
+                rn.call(ids, p.max_new_tokens if rn.run.kind == "oj" else min(8, p.max_new_tokens),
+                        None)
     rn.compile_s, rn.n_warm = time.perf_counter() - t0, len(warm)
     clock.take()
 
