@@ -3,9 +3,12 @@
 
 The first call of each method in a fresh, cold process (no auto table, no compilation
 cache), as a user's one-off script or `ouroboros-jax generate` pays it; methods interleaved
-over repeats, each (method, repeat) its own process.
+over repeats, each (method, repeat) its own process; or, with --one-process, every method's
+first call one after the other in one fresh process per repeat (what a notebook that tries
+each method pays; a later method may run a loop an earlier one compiled).
 
     python -m experiments.first_call --reps 3 --max-new-tokens 128
+    python -m experiments.first_call --reps 3 --max-new-tokens 128 --one-process
 
 Default models: the demo pair. Prints one JSON object: per method the first call's seconds
 per repeat, their median, and the median ratio to vanilla's first call in the same repeat.
@@ -49,17 +52,20 @@ if target_dir:
     draft = oj.load_model(draft_dir) if draft_dir else None
 else:
     target, draft = oj.demo_pair()
-kw = {} if method == "vanilla" else {"config": "auto"}
 from ouroboros_jax.decoding import METHODS
-if METHODS[method].needs_draft:
-    kw["draft"] = draft
-t, c = time.perf_counter(), time.process_time()
-out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
-first, cpu = time.perf_counter() - t, time.process_time() - c
-print(json.dumps({"first_call": first, "first_call_cpu": cpu, "tokens": out.tokens[0],
-                  "auto": out.stats.get("auto"),
-                  "events": {k.rsplit("/", 1)[-1]: [n, round(s, 3)] for k, (n, s) in events.items()},
-                  "compiles": sorted(compiles, key=lambda c: -c[1])[:12]}))
+for method in method.split(","):  # (several: each one's first call, one after the other)
+    events.clear(); compiles.clear()
+    kw = {} if method == "vanilla" else {"config": "auto"}
+    if METHODS[method].needs_draft:
+        kw["draft"] = draft
+    t, c = time.perf_counter(), time.process_time()
+    out = oj.generate(target, [prompt], method=method, max_new_tokens=n, **kw)
+    first, cpu = time.perf_counter() - t, time.process_time() - c
+    print(json.dumps({"method": method, "first_call": first, "first_call_cpu": cpu,
+                      "tokens": out.tokens[0], "auto": out.stats.get("auto"),
+                      "events": {k.rsplit("/", 1)[-1]: [n, round(s, 3)]
+                                 for k, (n, s) in events.items()},
+                      "compiles": sorted(compiles, key=lambda c: -c[1])[:12]}), flush=True)
 """
 
 PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one sorted list."""\n'
@@ -68,16 +74,24 @@ PROMPT = 'def merge_sorted(left, right):\n    """Merge two sorted lists into one
 def first_call(method: str, n: int, target: str = "", draft: str = "", prompt: str = PROMPT
                ) -> dict:
     """One fresh process with empty auto and compilation caches -> its first call's JSON."""
+    return first_calls([method], n, target, draft, prompt)[method]
+
+
+def first_calls(methods: list, n: int, target: str = "", draft: str = "", prompt: str = PROMPT
+                ) -> dict:
+    """One fresh process with empty auto and compilation caches, each method's first call in
+    it in turn -> {method: its first call's JSON}."""
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, OUROBOROS_JAX_CACHE=os.path.join(d, "auto"),
                    JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax"),
                    JAX_ENABLE_COMPILATION_CACHE="false", HF_HUB_OFFLINE="1")
         env.pop("XLA_FLAGS", None)
-        r = subprocess.run([sys.executable, "-c", _CHILD, method, str(n), target, draft, prompt],
-                           env=env, capture_output=True, text=True, check=False)
+        r = subprocess.run([sys.executable, "-c", _CHILD, ",".join(methods), str(n), target,
+                            draft, prompt], env=env, capture_output=True, text=True, check=False)
     if r.returncode:
-        raise RuntimeError(f"{method}: child failed\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{','.join(methods)}: child failed\n{r.stderr[-2000:]}")
+    outs = [json.loads(line) for line in r.stdout.strip().splitlines() if line.startswith("{")]
+    return {o["method"]: o for o in outs}
 
 
 def main(argv=None) -> int:
@@ -87,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--target", default="", help="target directory (default: the demo pair)")
     ap.add_argument("--draft", default="")
+    ap.add_argument("--one-process", action="store_true",
+                    help="every method's first call in one fresh process per repeat, in the "
+                    "order given (vanilla first where not named), not a process per (method, repeat)")
     a = ap.parse_args(argv)
     methods = a.methods.split(",")
     if "vanilla" not in methods:
@@ -98,8 +115,11 @@ def main(argv=None) -> int:
     auto, where = {}, {}  # where: the last repeat's jax durations and longest compiles
     for r in range(a.reps):
         ref = None
+        together = (first_calls(methods, a.max_new_tokens, a.target, a.draft)
+                    if a.one_process else None)
         for m in methods:
-            o = first_call(m, a.max_new_tokens, a.target, a.draft)
+            o = (together[m] if together is not None
+                 else first_call(m, a.max_new_tokens, a.target, a.draft))
             secs[m].append(o["first_call"])
             cpus[m].append(o["first_call_cpu"])
             ref = o["tokens"] if m == "vanilla" else ref

@@ -360,10 +360,10 @@ def test_cost_model_hand_computed():
     assert again.t_draft_first(28) == pytest.approx(0.006) and again.t_draft(28) == 0.004
     assert cost_model.predict_seconds(25, 60, 11, 24, again, n_draft_first=28) == \
         pytest.approx(25 * 0.020 + 25 * 0.006 + 35 * 0.003)
-    # speculative's first draft forward catches up on one token the draft has not processed
+    # speculative's draft catches up through its one-token loop: no wider first forward
     from ouroboros_jax.decoding.speculative import SpeculativeConfig
 
-    assert cost_model.forward_sizes("speculative", SpeculativeConfig(gamma=3)) == (4, 1, 2)
+    assert cost_model.forward_sizes("speculative", SpeculativeConfig(gamma=3)) == (4, 1, 1)
 
 
 def test_auto_row_with_changing_choices_priced_per_choice():
@@ -390,8 +390,8 @@ def test_auto_row_with_changing_choices_priced_per_choice():
         results, table, {"vanilla": None, "speculative@auto": "auto"})}
     r = rows["speculative@auto"]
     # vanilla's call: prefill + 100 steps; gamma 3's: prefills of both models, 100 verifications
-    # of 4 tokens, 300 draft forwards of which 100 (one per round) catch up on 2 tokens
-    expect = (0.01 + 100 * 0.002) + (2 * 0.015 + 100 * 0.004 + 200 * 0.001 + 100 * 0.0015)
+    # of 4 tokens, 300 one-token draft forwards (the catch-up is one of them)
+    expect = (0.01 + 100 * 0.002) + (2 * 0.015 + 100 * 0.004 + 300 * 0.001)
     assert r["predicted_seconds"] == pytest.approx(expect)
     assert r["ran"] == ("speculative@auto (ran vanilla on 1 calls, "
                         "SpeculativeConfig(gamma=3) on 2 calls)")

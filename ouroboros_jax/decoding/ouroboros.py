@@ -75,7 +75,7 @@ from .jacobi import (commit_with_prefix, empty_window, init_window, jacobi_step)
 from .cost import (FREE_PRIOR, POOL_OVERHEAD, ROUND_OVERHEAD, FreeProfile, RoundModel,
                    branch_gain, expected_tokens, free_round_model, phrase_gain)
 from .spec import MethodSpec
-from .speculative import chain_lesson, draft_propose
+from .speculative import chain_lesson, draft_propose, lag_catch_up
 from . import constrained
 from .logprobs import walk_logprobs
 from .verify import Accepted, accept_walk, commit_path
@@ -86,17 +86,22 @@ def _greedy(logits, positions):
 
 
 def _draft_tokens(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
-                  guard=None, limits=None):
+                  guard=None, limits=None, lag: int = 1):
     """Token-by-token drafting (phrase drafting off): speculative decoding's own draft loop
-    (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: one forward
-    catching up on the tokens the draft has not processed (at most N after a branch was
-    accepted, 1 without lengthening) and reading the pending token's logits, then γ - 1
-    one-token forwards. The window and the pool are not touched.
+    (`speculative.draft_propose`, greedy), so the round runs exactly its forwards: without
+    lengthening one-token forwards, the first feeding the token the draft lags by after a whole
+    chain was accepted (on one device; a two-token first forward on a mesh, `lag`); with it,
+    one forward catching up on the (at most N) tokens the draft has not processed and reading
+    the pending token's logits, then γ - 1 one-token forwards. The window and the pool are not
+    touched.
     -> (d int32[B,γ], drafted int32[B], dcache, window, pool, stats) as `_draft_phase`."""
     U = _prefix_slot(cfg)
+    # without lengthening the draft lags by at most one token, which speculative's loop feeds
+    # through its own one-token forwards (catch_up 1); with it, up to N ride one forward
     d, _, drafted, forwards, dcache = draft_propose(dparams, dconfig, cfg.gamma, True, None,
                                                     None, state.seq, state.dcache,
-                                                    cfg.confidence, catch_up=U + 1,
+                                                    cfg.confidence,
+                                                    catch_up=lag if U == 1 else U + 1,
                                                     guard=guard, limits=limits)
     rows = jnp.sum(jnp.where(live, drafted, 0), dtype=jnp.int32)  # row forwards = row tokens
     stats = state.stats
@@ -180,7 +185,7 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
                                   state.stats)
         return _draft_phase(pair.dparams, pair.dconfig, cfg,
                             state.replace(dcache=dcache, stats=stats), need,
-                            constrained.draft_guard(limits, seq), limits)
+                            constrained.draft_guard(limits, seq), limits, lag_catch_up(pair))
 
     def skipping(_):
         return (jnp.zeros((B, cfg.gamma), jnp.int32), jnp.zeros((B,), jnp.int32), state.dcache,
@@ -194,13 +199,14 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
 
 
 def _draft_phase(dparams, dconfig, cfg: OuroborosConfig, state: OuroborosState, live,
-                 guard=None, limits=None):
+                 guard=None, limits=None, lag: int = 1):
     """Mechanism 1: -> (d int32[B,γ], drafted int32[B] (γ unless adaptive drafting stopped the
     row earlier; slots past it hold garbage), dcache, window, pool, stats). guard
     (`constrained.DraftGuard`, None: none): the draft's choices are masked by the rows'
-    constraints along its own chain, so its phrases stay in the language."""
+    constraints along its own chain, so its phrases stay in the language. lag: token drafting's
+    catch_up for a lag of one token (`speculative.lag_catch_up`)."""
     if not cfg.phrase_drafting:
-        return _draft_tokens(dparams, dconfig, cfg, state, live, guard, limits)
+        return _draft_tokens(dparams, dconfig, cfg, state, live, guard, limits, lag)
     seq, dcache = state.seq, state.dcache
     B, S = seq.tokens.shape
     gamma, n = cfg.gamma, cfg.ngram
@@ -332,7 +338,8 @@ def ouroboros_round(pair: Pair, cfg: OuroborosConfig, greedy: bool, sp: Sampling
                                                                             state, live, run)
     else:
         d, drafted, dcache, window, pool, stats = _draft_phase(pair.dparams, pair.dconfig, cfg,
-                                                               state, live, None, limits)
+                                                               state, live, None, limits,
+                                                               lag_catch_up(pair))
         free, prop = jnp.zeros((B,), bool), None
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # chain slots the draft filled (all of them unless adaptive drafting stopped the row)

@@ -185,5 +185,9 @@ def forward_sizes(cfg: OuroborosConfig) -> tuple[int, int, int]:
     x = cfg.suffixes if cfg.lengthening else 0
     n_t = 1 + cfg.gamma + x * m
     n_s = (cfg.window + cfg.guesses) * m if cfg.phrase_drafting else 1
-    # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches)
+    # the round's first draft forward carries a fixed prefix slot (N, or 1 without branches);
+    # token drafting without branches catches up through its one-token forwards instead
+    # (`speculative.draft_propose` with catch_up 1)
+    if not (cfg.phrase_drafting or cfg.lengthening):
+        return n_t, n_s, 1
     return n_t, n_s, n_s + (cfg.ngram if cfg.lengthening else 1)

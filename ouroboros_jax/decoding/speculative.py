@@ -169,12 +169,17 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     On return the cache holds every token the draft processed: positions < lengths - 1 +
     forwards, the draft's own chain (rolled back by the caller to what was accepted).
     catch_up (static): tokens of the first forward, the pending one and up to catch_up - 1
-    the draft has not processed before it (2 here; Ouroboros' lengthening leaves up to N).
+    the draft has not processed before it (Ouroboros' lengthening leaves up to N); 1: every
+    forward takes one token, a row behind catching up through the loop's own forwards
+    (`_draft_in_loop`, speculative decoding's: its program holds one draft forward fewer).
     guard (`constrained.DraftGuard`, None: none): the draft drafts inside the rows'
     constraints too (its logits masked by the state along its own chain), so its chain never
     leaves the language and forced tokens come out as they are; sampling draws from the
     masked, renormalised q, which the accept rule is given, so it stays lossless.
     """
+    if catch_up == 1:
+        return _draft_in_loop(params, model_config, gamma, greedy, sp, keys, seq, cache,
+                              confidence, guard, limits)
     B, S = seq.tokens.shape
     n = seq.lengths
     lag = n - 1 - cache.lengths  # tokens the draft has not processed before the pending
@@ -225,6 +230,72 @@ def draft_propose(params, model_config, gamma: int, greedy: bool, sp: SamplingPa
     i, drafts, logqs, cache, _, drafted, _ = jax.lax.while_loop(
         cond, body, (jnp.ones((), jnp.int32), drafts, logqs, cache, active, drafted, state))
     return drafts, logqs, drafted, i, cache
+
+
+def _draft_in_loop(params, model_config, gamma: int, greedy: bool, sp: SamplingParams, keys,
+                   seq: Sequences, cache: KVCache, confidence: float, guard, limits):
+    """`draft_propose` with catch_up = 1: one one-token forward per step, the step j of row b
+    feeding position cache.lengths[b] + j (a token of the sequence up to the pending one, then
+    the row's own drafts) and drawing once it has fed the pending token. A row the draft is a
+    token behind (its whole chain was accepted last round) takes one forward more than the
+    T = 2 catch-up would (on the real 0.5B draft 20 + 20 ms against 30); the program holds
+    one forward of the draft fewer (a first call compiled 1.97 s against ~2.8 on the demo
+    pair)."""
+    B, S = seq.tokens.shape
+    n, start = seq.lengths, cache.lengths
+    slot = jnp.arange(gamma, dtype=jnp.int32)[None]
+    drafts = jnp.zeros((B, gamma), jnp.int32)
+    logqs = None if greedy else jnp.zeros((B, gamma, model_config.vocab_size), jnp.float32)
+    state = jnp.zeros((B,), jnp.int32) if guard is None else guard.root
+
+    def body(c):
+        j, drafts, logqs, cache, active, drafted, state = c
+        p = start + j  # [B]: the position this step feeds
+        known = jnp.take_along_axis(seq.tokens, jnp.clip(p, 0, S - 1)[:, None], 1)
+        own = jnp.take_along_axis(drafts, jnp.clip(p - n, 0, gamma - 1)[:, None], 1)
+        tok = jnp.where((p <= n - 1)[:, None], known, own)
+        logits, new = forward(params, model_config, tok, p[:, None], jnp.ones((B, 1, 1), bool),
+                              cache)
+        cache = commit_prefix(cache, new, jnp.ones((B,), jnp.int32))
+        idx = p - n + 1  # the draft drawn after position p (0-based), < 0 while catching up
+        draws = active & (idx >= 0)
+        k = None if greedy else jax.vmap(lambda r, i: r[i])(
+            keys, jnp.clip(idx, 0, gamma - 1))[:, None]
+        if guard is not None:
+            logits = guard.mask(logits, state)
+        d, logq = _draw(logits, k, sp, greedy)
+        if guard is not None:
+            state = jnp.where(draws, guard.advance(state, d[:, 0]), state)
+        at = (slot == idx[:, None]) & draws[:, None]
+        drafts = jnp.where(at, d, drafts)
+        if not greedy:  # each drawing row's q into its slot (one [V] row each, in place)
+            rows, col = jnp.arange(B), jnp.clip(idx, 0, gamma - 1)
+            logqs = logqs.at[rows, col].set(
+                jnp.where(draws[:, None], logq[:, 0], logqs[rows, col]))
+        drafted = drafted + draws.astype(jnp.int32)
+        grow = chain_may_grow(limits, seq, d[:, 0], drafted) & (drafted < gamma)
+        if confidence > 0:
+            grow = grow & (_confidence(logits, d, logq, greedy, sp)[:, 0] >= confidence)
+        return j + 1, drafts, logqs, cache, active & (~draws | grow), drafted, state
+
+    j, drafts, logqs, cache, _, drafted, _ = jax.lax.while_loop(
+        lambda c: jnp.any(c[4]), body,
+        (jnp.zeros((), jnp.int32), drafts, logqs, cache, jnp.ones((B,), bool),
+         jnp.zeros((B,), jnp.int32), state))
+    return drafts, logqs, drafted, j, cache
+
+
+def lag_catch_up(pair) -> int:
+    """draft_propose's catch_up for token drafting whose draft lags by at most one token: 1 (the
+    lag fed through the one-token loop, `_draft_in_loop`: a program with one draft forward
+    fewer, what a first call compiles) on one device; 2 (a two-token first forward) where the
+    pair lives on a mesh of several devices: there the in-loop form's executable, read back
+    from the persistent compile cache, left an all-reduce of the 8-device CPU mesh waiting for
+    its peers until XLA aborted the process (`xla::internal::AwaitAndLogIfStuck` in
+    `InProcessCommunicator::AllReduce`; tests/test_mesh_exact.py's 2x1 vanilla call, then its
+    speculative one, with a warm cache: freshly compiled, or either call alone, it passed)."""
+    mesh = getattr(pair, "mesh", None)
+    return 1 if mesh is None or mesh.size == 1 else 2
 
 
 def leviathan_accept(logp: jax.Array, logq: jax.Array, drafts: jax.Array,
@@ -302,7 +373,7 @@ def speculative_step(pair: Pair, cfg: SpeculativeConfig, greedy: bool, sp: Sampl
     keys = None if greedy else token_keys(sp, positions + 1)
     drafts, logq, drafted, forwards, dcache = draft_propose(
         pair.dparams, pair.dconfig, gamma, greedy, sp, keys, seq, state.dcache, confidence,
-        guard=constrained.draft_guard(limits, seq), limits=limits)
+        catch_up=lag_catch_up(pair), guard=constrained.draft_guard(limits, seq), limits=limits)
     drafted = proposing(limits, drafted)  # rows with speculation off offer no chain
     # (before a constraint cuts it: a cut is the draft's token refused, which the agreement counts)
     whole = drafted == gamma
@@ -424,6 +495,6 @@ SPEC = MethodSpec(runner=_run_speculative, needs_draft=True, config_type=Specula
                   sources=("draft_chain",),
                   max_emit=lambda cfg: cfg.gamma + 1, family=lambda cfg: (),
                   learn=_learn,
-                  forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 2),
+                  forward_sizes=lambda cfg: (cfg.gamma + 1, 1, 1),
                   quick_config=lambda: SpeculativeConfig(gamma=4),
                   round_model=_round_model)
