@@ -358,3 +358,16 @@ def test_confidence_validation():
     for bad in (-0.1, 1.0, "0.5", True, None):
         with pytest.raises(ValueError, match="confidence"):
             SpeculativeConfig(gamma=2, confidence=bad)
+
+
+def test_the_lag_rides_the_one_token_loop_on_one_device_only():
+    """`lag_catch_up`: the draft's one-token lag is fed through its one-token loop (catch_up 1)
+    where the pair is on one device, and by a two-token first forward where it is on a mesh of
+    several (the in-loop program, read back from the persistent compile cache, left an
+    8-device CPU all-reduce stuck until XLA aborted; tests/test_mesh_exact.py decodes there)."""
+    from jax.sharding import Mesh
+
+    devs = np.array(jax.devices())
+    assert speculative.lag_catch_up(Pair(tparams=None)) == 1
+    assert speculative.lag_catch_up(Pair(tparams=None, mesh=Mesh(devs[:1], ("data",)))) == 1
+    assert speculative.lag_catch_up(Pair(tparams=None, mesh=Mesh(devs[:2], ("data",)))) == 2
