@@ -16,12 +16,7 @@ the proposal repeat.
 
 The row's free proposal is the better of the two (longer match; on a tie the one offering
 more tokens, the context first). Ouroboros takes the free path for a row whose proposal has
-at least one token and a match of at least `free_threshold` (`ouroboros.OuroborosConfig`),
-or whose match length has earned it in this call (`earned`): the call's proposals of that
-very match kept, per round, at least the tokens its drafted chains kept. The threshold is
-auto's pick from what the pair's proposals kept over earlier calls (`cost.FreeProfile`); a
-call that copies (code given back changed) keeps more at short matches than the pair's
-average, and `earned` lets it take them without a draft forward.
+at least one token and a match of at least `free_threshold` (`ouroboros.OuroborosConfig`).
 
 Letters (package glossary): B rows, S buffer slots, γ gamma (chain slots), M = N-1 phrase
 tokens, G guesses (phrases per pool key).
@@ -38,29 +33,6 @@ from flax import struct
 from ..pool import PhrasePool, lookup
 from .common import Sequences
 from .prompt_lookup import PromptLookupConfig, ranked_candidates
-
-
-# rounds a match length must have been offered in this call (free or drafted) before its record
-# may lower the threshold for it (`earned`): fewer say little (a 96-token call runs 15-40)
-FREE_EVIDENCE = 4
-
-
-def earned(offered: jax.Array, would_accept: jax.Array, draft_accepted: jax.Array,
-           draft_rounds: jax.Array, run: jax.Array) -> jax.Array:
-    """bool[B]: whether a proposal of match run int32[B] has earned the free path in this call
-    whatever the threshold: this call's proposals of exactly that match (offered int32[M+1]
-    row rounds, would_accept int32[M+1] of their tokens kept: Ouroboros' free_offered /
-    free_would_accept) kept per round at least what its drafted chains kept (draft_accepted
-    tokens over draft_rounds), each over FREE_EVIDENCE rounds or more. A free round verifies
-    as wide as a drafted one and runs no draft forward, so a source that keeps as many
-    tokens a round is the cheaper round on any device. Match 0 (no proposal) never earns, nor
-    does a match whose proposals kept nothing."""
-    off = offered.astype(jnp.float32)
-    ok = ((offered >= FREE_EVIDENCE) & (draft_rounds >= FREE_EVIDENCE) & (would_accept > 0)
-          & (would_accept.astype(jnp.float32) * draft_rounds.astype(jnp.float32)
-             >= draft_accepted.astype(jnp.float32) * off))
-    ok = ok & (jnp.arange(offered.shape[0]) > 0)
-    return ok[jnp.clip(run, 0, offered.shape[0] - 1)]
 
 
 @struct.dataclass

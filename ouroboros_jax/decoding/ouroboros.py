@@ -30,9 +30,7 @@ One round (one target forward), rows b of the batch:
 
 Free drafts (`free_drafts`, issue 52; not in the paper): before step 1, each row's best
 continuation from its context or the pool (`free_drafts.free_proposal`) is scored by its match
-length; rows at or above `free_threshold` (or at a match length whose proposals kept, in this
-call, as much a round as the draft's chains: `free_drafts.earned`) skip step 1 and put that
-proposal where d_1..d_γ
+length; rows at or above `free_threshold` skip step 1 and put that proposal where d_1..d_γ
 would be (steps 2-4 unchanged: the same tree, walk, commit and recycling). When no live row
 drafts, a `lax.cond` skips the draft's forwards altogether. The draft's cache then lags by the
 tokens those rounds committed; its next drafting round first feeds it them (`_catch_up`), so
@@ -70,7 +68,7 @@ from .common import (Limits, Pair, Sequences, Stats, count_round, count_sources,
                      insert_sequences, loop_config, make_runner, plain_step, pool_summary,
                      pool_with_context, prefill_rows, proposing, set_rows, source_labels,
                      whole_counted)
-from .free_drafts import FreeDraft, earned, free_proposal
+from .free_drafts import FreeDraft, free_proposal
 from .ouroboros_config import (OuroborosConfig, OuroborosCounters, OuroborosState,
                                forward_sizes)
 from .jacobi import (commit_with_prefix, empty_window, init_window, jacobi_step)
@@ -162,8 +160,7 @@ def _catch_up(dparams, dconfig, cfg: OuroborosConfig, seq: Sequences, dcache: KV
 def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: OuroborosState,
                    live, run=None) -> tuple:
     """Free drafts' choice per row: rows whose free proposal (`free_drafts.free_proposal`)
-    matches at least `free_threshold` tokens, or a match length that has earned it in this
-    call (`free_drafts.earned`), take it as their chain; the others draft as
+    matches at least `free_threshold` tokens take it as their chain; the others draft as
     usual (`_draft_phase` over them alone: free rows are inactive there), after `_catch_up`
     of every live row (token-by-token drafting's first forward assumes each row within U).
     When no live row drafts, `lax.cond` skips the draft entirely: no forward, window, pool
@@ -176,11 +173,7 @@ def _draft_or_free(pair: Pair, cfg: OuroborosConfig, limits: Limits, state: Ouro
     B = seq.tokens.shape[0]
     if cfg.free_drafts:
         prop = free_proposal(seq, state.pool, cfg.gamma, state.key_offset)
-        own = state.stats.own
-        go = (prop.run >= cfg.free_threshold) | earned(own.free_offered, own.free_would_accept,
-                                                        own.draft_accepted, own.draft_rounds,
-                                                        prop.run)
-        free = live & proposing(limits, go & (prop.count > 0))
+        free = live & proposing(limits, (prop.run >= cfg.free_threshold) & (prop.count > 0))
     else:  # a constraint's forced runs (run) alone take the free path
         prop, free = None, jnp.zeros((B,), bool)
     if run is not None:  # issue 55: a row's forced run is certain, it goes first
