@@ -138,6 +138,7 @@ def _cmd_generate(a):
     q = getattr(a, "quantize", None)
     response_format = _response_format(a.response_format)
     wc = _weights_cache(a)
+    _check_paths(a)
     dq = _draft_scheme(a)
     if a.model:  # both at once (`load_both`): a load leaves a core idle half the time
         target, draft = load_both(
@@ -172,6 +173,14 @@ def _cmd_generate(a):
 
         sys.stdout.flush()
         weights_cache.flush()
+
+
+def _check_paths(a) -> None:
+    """--model and --draft exist, checked before anything slow (the draft's scheme may build
+    the few-row kernel, ~5 s on a fresh machine): a mistyped path is answered at once."""
+    for flag, path in (("--model", a.model), ("--draft", a.draft)):
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"{flag}: {path!r} does not exist")
 
 
 def _draft_scheme(a, model=None) -> Optional[str]:
@@ -241,6 +250,7 @@ def _serve_models(a, mesh):
     from .models import load_model
     from .models.loading import load_both
 
+    _check_paths(a)
     q = getattr(a, "quantize", None)
     dq = _draft_scheme(a) if mesh is None else q  # the kernel runs on one device only
     wc = _weights_cache(a)

@@ -143,5 +143,20 @@ def test_cli_generate_gguf_target(tmp_path):
 def test_cli_generate_missing_gguf(tmp_path):
     from ouroboros_jax.cli import main
 
-    with pytest.raises(SystemExit, match="nope.gguf.*does not exist"):
+    with pytest.raises(SystemExit, match="--model: .*nope.gguf.*does not exist"):
         main(["generate", "--target", str(tmp_path / "nope.gguf"), "--prompt", "x"])
+    # the draft's path too, before its scheme is resolved (which may build the CPU kernel)
+    import ouroboros_jax.cli as cli
+
+    def never(*a, **k):
+        raise AssertionError("resolved the draft's scheme before checking its path")
+
+    real = cli._draft_scheme
+    cli._draft_scheme = never
+    try:
+        with pytest.raises(SystemExit, match="--draft: .*nope2.gguf.*does not exist"):
+            (tmp_path / "there.gguf").write_bytes(b"")
+            main(["generate", "--target", str(tmp_path / "there.gguf"), "--draft",
+                  str(tmp_path / "nope2.gguf"), "--prompt", "x"])
+    finally:
+        cli._draft_scheme = real
