@@ -105,12 +105,11 @@ def _loop_signatures(sig: tuple) -> list:
     return [sig] + [(m,) + sig[1:] for m in LOOPS_OF.get(sig[0], ())]
 
 
-def _allowed(asked: str, of: str) -> Callable:
-    """Which run methods a loop recorded under asked method `of` may serve a call asking for
-    `asked`: anything of its own signature; another's only its LOOPS_OF methods and vanilla."""
-    if of == asked:
-        return lambda m: True
-    return lambda m: m == "vanilla" or m in LOOPS_OF.get(asked, ())
+def _may_run(asked: str, of: str, method: str) -> bool:
+    """Whether a loop of run method `method`, recorded under asked method `of`, may serve a
+    call asking for `asked`: any of its own signature's; another's only vanilla's and those
+    of its LOOPS_OF methods."""
+    return of == asked or method == "vanilla" or method in LOOPS_OF.get(asked, ())
 
 
 class Switch:
@@ -207,9 +206,9 @@ class Switch:
         counter knows). Lock held by the caller."""
         out: dict = {}
         for s in _loop_signatures(sig) if self.borrows else [sig]:
-            allowed = _allowed(sig[0], s[0])
             if self.loops is not None:
-                out.update({k: v for k, v in self.loops.cached(s).items() if allowed(k[0])})
+                out.update({k: v for k, v in self.loops.cached(s).items()
+                            if _may_run(sig[0], s[0], k[0])})
             ran = self._ran.get(s, {})
             if ran:
                 price = self._calls.get(s, (0, 0, 0.0, 0.0))[3]
@@ -217,7 +216,7 @@ class Switch:
                     price = self.loops.price(s)
                 price = price if price > 0 else self.compiles.longest
                 out.update({k: (c.config, max(price, out.get(k, (None, 0.0))[1]))
-                            for k, c in ran.items() if allowed(k[0])})
+                            for k, c in ran.items() if _may_run(sig[0], s[0], k[0])})
         return out
 
     def first_runnable(self, sig: tuple, choice) -> tuple:

@@ -15,7 +15,6 @@ starts as a new process over the same store does. Two tuners share only the stor
 from __future__ import annotations
 
 import contextlib
-
 import threading
 from typing import Optional
 
